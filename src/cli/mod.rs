@@ -1,1 +1,65 @@
-//! (in progress)
+//! The `kernelforge` command line: each subcommand is a thin layer over the library.
+
+mod kernels;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+
+/// Generate, verify and autotune GPU kernels for GPT-2 from declarative specs.
+///
+/// Kernel families live in specs/*.toml (search space, constraints, launch geometry) and
+/// templates/**/*.cu.tera (the CUDA). `gen` renders them to generated/ for reading; `inspect`
+/// shows one variant's source, PTX and resource use; `verify` runs variants on the GPU against
+/// an f64 CPU reference.
+#[derive(Debug, Parser)]
+#[command(name = "kernelforge", version, propagate_version = true)]
+pub struct Cli {
+    /// Project folder holding specs/ and templates/ (default: the current folder if it has
+    /// specs/, else the folder kernelforge was built from).
+    #[arg(long, global = true, env = "KERNELFORGE_ROOT", value_name = "DIR")]
+    pub root: Option<PathBuf>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    Gen(kernels::GenArgs),
+    Inspect(kernels::InspectArgs),
+    Verify(kernels::VerifyArgs),
+}
+
+/// Parses the command line and runs it.
+pub fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = project_root(cli.root.as_deref())?;
+    match cli.command {
+        Command::Gen(args) => kernels::gen(&root, args),
+        Command::Inspect(args) => kernels::inspect(&root, args),
+        Command::Verify(args) => kernels::verify(&root, args),
+    }
+}
+
+/// Where specs/ and templates/ are.
+pub fn project_root(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(dir) = explicit {
+        anyhow::ensure!(
+            dir.join("specs").is_dir(),
+            "--root {}: no specs/ folder there (a kernelforge project has specs/ and templates/)",
+            dir.display()
+        );
+        return Ok(dir.to_path_buf());
+    }
+    let cwd = std::env::current_dir().context("reading the current folder")?;
+    if cwd.join("specs").is_dir() && cwd.join("templates").is_dir() {
+        return Ok(cwd);
+    }
+    let built_from = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if built_from.join("specs").is_dir() {
+        return Ok(built_from);
+    }
+    anyhow::bail!("no specs/ and templates/ here: run from a kernelforge checkout or pass --root DIR")
+}

@@ -1,1 +1,11 @@
-//! (in progress)
+//! The CUDA side: find the device and its limits ([`device`]), compile rendered sources with
+//! NVRTC behind an on-disk cache ([`compile`]), and run a variant on a problem: buffers,
+//! constant memory, launch geometry from the spec, poisoned outputs ([`run`]).
+
+pub mod compile;
+pub mod device;
+pub mod run;
+
+pub use compile::{CompileError, Compiled, Compiler};
+pub use device::{Gpu, GpuError};
+pub use run::{DeviceProblem, LoadedVariant, RunError};

@@ -86,3 +86,38 @@ pub struct Problem {
     pub tensors: Vec<TensorArg>,
     pub args: Vec<Arg>,
 }
+
+// ---- interim declarations (replaced by the op contracts branch) ----
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub trait OpContract: Sync + std::fmt::Debug {
+    fn name(&self) -> &'static str;
+    fn summary(&self) -> &'static str;
+    fn dims(&self) -> &'static [&'static str];
+    fn epilogues(&self) -> &'static [Epilogue];
+    fn masks(&self) -> &'static [Mask];
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError>;
+    fn test_shapes(&self, epilogue: Epilogue, mask: Mask) -> Vec<Shape>;
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError>;
+    fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)>;
+}
+
+pub fn all_ops() -> &'static [&'static dyn OpContract] {
+    &[]
+}
+pub fn op_by_name(name: &str) -> Option<&'static dyn OpContract> {
+    all_ops().iter().copied().find(|o| o.name() == name)
+}
+pub fn op_names() -> Vec<&'static str> {
+    all_ops().iter().map(|o| o.name()).collect()
+}
+pub fn parse_shape(_op: &dyn OpContract, _text: &str) -> Result<Shape, OpError> {
+    unimplemented!()
+}
+pub fn relative_l2_error(_got: &[f32], _want: &[f64]) -> f64 {
+    unimplemented!()
+}

@@ -1,1 +1,6 @@
-//! (in progress)
+//! Checking and measuring variants on the GPU: [`verify`] runs variants against the ops' f64
+//! CPU references.
+
+pub mod db;
+pub mod time;
+pub mod verify;

@@ -1,0 +1,353 @@
+//! `gen`, `inspect` and `verify`: the kernel-generator commands.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::codegen::{render_catalog, write_files, Renderer};
+use crate::gpu::{Compiler, Gpu, LoadedVariant};
+use crate::ops::{self, Epilogue, Mask};
+use crate::spec::{self, expand, variant_with, Catalog, DeviceLimits, Dtype, Points};
+use crate::tune::verify::{self, Check, Shapes, Status};
+
+/// Render kernel families to CUDA source files for reading.
+///
+/// By default every family's default point, once per epilogue or mask, as
+/// generated/<family>/<epilogue-or-mask>.cu; with --all every valid point as
+/// <family>/<kernel_name>.cu. Stale .cu files in the output folder are removed unless --spec
+/// picks one family.
+#[derive(Debug, Args)]
+pub struct GenArgs {
+    /// Output folder.
+    #[arg(long, value_name = "DIR", default_value = "generated")]
+    pub out: PathBuf,
+    /// Render only this spec file.
+    #[arg(long, value_name = "FILE")]
+    pub spec: Option<PathBuf>,
+    /// Render every valid point, not only the defaults.
+    #[arg(long)]
+    pub all: bool,
+    /// Write nothing; fail if the output folder differs from what would be written.
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// Print one variant's CUDA source, and optionally its PTX and resource use.
+///
+/// Example: kernelforge inspect matmul_regtile --epilogue bias_gelu --param block_m=64 --resources
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// Kernel family (the spec's file name without .toml).
+    pub family: String,
+    /// Override a parameter of the default point (repeatable): --param block_m=64.
+    #[arg(long = "param", value_name = "NAME=VALUE", value_parser = parse_param)]
+    pub params: Vec<(String, i64)>,
+    /// Epilogue (matmul families): none, bias, bias_gelu, bias_residual, qkv. Default: the first listed.
+    #[arg(long, value_parser = parse_epilogue)]
+    pub epilogue: Option<Epilogue>,
+    /// Mask (attention families): causal, full, window. Default: the first listed.
+    #[arg(long, value_parser = parse_mask)]
+    pub mask: Option<Mask>,
+    /// Also print the PTX (needs NVRTC, not a GPU).
+    #[arg(long)]
+    pub ptx: bool,
+    /// Also print registers, shared memory and local (spill) bytes per kernel (needs a GPU).
+    #[arg(long)]
+    pub resources: bool,
+    /// Compile for this architecture (e.g. sm_90) instead of the GPU's own.
+    #[arg(long, value_name = "sm_XY")]
+    pub arch: Option<String>,
+    /// Do not print the source.
+    #[arg(long)]
+    pub no_source: bool,
+}
+
+/// Run kernel variants on the GPU against the f64 CPU reference and print a pass/fail table.
+///
+/// Inputs are fresh random numbers (seeded; the seed is printed), outputs are poisoned with NaN
+/// before every run, and the relative L2 error must stay under 1e-5 (f32). Exit status 1 if any
+/// variant fails.
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// Only families of this op (encoder, layernorm, matmul, attention, softmax, gelu, residual).
+    #[arg(long)]
+    pub op: Option<String>,
+    /// Only this family.
+    #[arg(long)]
+    pub family: Option<String>,
+    /// One shape instead of the op's awkward test shapes: positional (37,100,72 for M,N,K) or
+    /// named (M=37,N=100,K=72,T=37,n_head=1). Needs --op or --family.
+    #[arg(long, value_name = "SHAPE")]
+    pub shape: Option<String>,
+    /// Every valid variant, not only the defaults.
+    #[arg(long, conflicts_with = "sample")]
+    pub all_variants: bool,
+    /// The default plus N randomly drawn variants of each family.
+    #[arg(long, value_name = "N")]
+    pub sample: Option<usize>,
+    /// Seed for inputs and sampling (default: from the clock; printed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Print JSON rows instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_param(text: &str) -> Result<(String, i64), String> {
+    let (name, value) = text.split_once('=').ok_or_else(|| format!("`{text}`: write NAME=VALUE, e.g. block_m=64"))?;
+    let value = value.trim().parse().map_err(|_| format!("`{text}`: `{value}` is not an integer"))?;
+    Ok((name.trim().to_string(), value))
+}
+
+fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
+    [Epilogue::None, Epilogue::Bias, Epilogue::BiasGelu, Epilogue::BiasResidual, Epilogue::Qkv]
+        .into_iter()
+        .find(|e| spec::epilogue_name(*e) == text)
+        .ok_or_else(|| format!("unknown epilogue `{text}` (none, bias, bias_gelu, bias_residual, qkv)"))
+}
+
+fn parse_mask(text: &str) -> Result<Mask, String> {
+    [Mask::Causal, Mask::Full, Mask::Window]
+        .into_iter()
+        .find(|m| spec::mask_name(*m) == text)
+        .ok_or_else(|| format!("unknown mask `{text}` (causal, full, window)"))
+}
+
+fn catalog(root: &Path) -> Result<Catalog> {
+    Ok(Catalog::load(&root.join("specs"), &root.join("templates"))?)
+}
+
+pub fn gen(root: &Path, args: GenArgs) -> Result<()> {
+    let templates = root.join("templates");
+    let catalog = match &args.spec {
+        Some(file) => Catalog::load_one(file, &templates)?,
+        None => catalog(root)?,
+    };
+    let points = if args.all { Points::All } else { Points::Default };
+    let files = render_catalog(&catalog, points, &DeviceLimits::default())?;
+    let out = if args.out.is_relative() && !args.out.exists() && args.out == Path::new("generated") {
+        root.join("generated")
+    } else {
+        args.out.clone()
+    };
+    if args.check {
+        let mut stale = Vec::new();
+        for f in &files {
+            if std::fs::read_to_string(out.join(&f.path)).ok().as_deref() != Some(f.code.as_str()) {
+                stale.push(f.path.display().to_string());
+            }
+        }
+        let expected: std::collections::BTreeSet<_> = files.iter().map(|f| out.join(&f.path)).collect();
+        if args.spec.is_none() {
+            for extra in crate::codegen::cuda_files(&out) {
+                if !expected.contains(&extra) {
+                    stale.push(format!("{} (no spec renders it)", extra.display()));
+                }
+            }
+        }
+        if !stale.is_empty() {
+            bail!(
+                "{} is out of date with specs/ and templates/: {}; run `kernelforge gen`",
+                out.display(),
+                stale.join(", ")
+            );
+        }
+        println!("{}: {} files match the specs and templates", out.display(), files.len());
+        return Ok(());
+    }
+    let (written, unchanged, removed) = write_files(&out, &files, args.spec.is_none())?;
+    println!(
+        "{}: {} families, {} files ({written} written, {unchanged} unchanged, {removed} stale removed)",
+        out.display(),
+        catalog.families.len(),
+        files.len()
+    );
+    Ok(())
+}
+
+pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
+    let catalog = catalog(root)?;
+    let family = catalog.family(&args.family)?;
+    let gpu = if args.resources || (args.ptx && args.arch.is_none()) {
+        Some(Gpu::new(0).context("--resources (and --ptx without --arch) need a GPU")?)
+    } else {
+        None
+    };
+    let limits = gpu.as_ref().map(|g| g.info.limits).unwrap_or_default();
+    let variant = variant_with(
+        family,
+        &args.params,
+        Dtype::F32,
+        args.epilogue.unwrap_or(family.epilogues[0]),
+        args.mask.unwrap_or(family.masks[0]),
+        &limits,
+    )?;
+    let source = Renderer::new(&catalog.templates_dir)?.render(&variant)?;
+    if !args.no_source {
+        println!("{}", source.code);
+    }
+    if args.ptx || args.resources {
+        let arch = match (&args.arch, &gpu) {
+            (Some(a), _) => a.clone(),
+            (None, Some(g)) => g.info.arch(),
+            (None, None) => unreachable!("a GPU was opened above"),
+        };
+        let compiler = Compiler::new(&arch)?;
+        if args.ptx {
+            println!("// ---- PTX ({arch}) ----\n{}", compiler.ptx(&source)?);
+        }
+        if args.resources {
+            let gpu = gpu.as_ref().expect("opened above");
+            let compiled = compiler.compile(&source)?;
+            if !compiled.log.is_empty() {
+                eprintln!("NVRTC: {}", compiled.log);
+            }
+            let loaded = LoadedVariant::load(gpu, &variant, &compiled)?;
+            println!("// ---- resources ({}, {arch}) ----", gpu.info.name);
+            let mut table = vec![vec![
+                "kernel".to_string(),
+                "registers".into(),
+                "static smem B".into(),
+                "local (spill) B".into(),
+                "const B".into(),
+                "max threads".into(),
+            ]];
+            for r in loaded.resources()? {
+                table.push(vec![
+                    format!("{}_{}", source.kernel_name, r.kernel),
+                    r.registers.to_string(),
+                    r.static_smem_bytes.to_string(),
+                    r.local_bytes.to_string(),
+                    r.const_bytes.to_string(),
+                    r.max_threads.to_string(),
+                ]);
+            }
+            print!("{}", render_table(&table));
+        }
+    }
+    Ok(())
+}
+
+pub fn verify(root: &Path, args: VerifyArgs) -> Result<()> {
+    let catalog = catalog(root)?;
+    if let Some(op) = &args.op {
+        if ops::op_by_name(op).is_none() {
+            bail!("--op {op}: unknown op (known: {})", ops::op_names().join(", "));
+        }
+    }
+    let families: Vec<_> = catalog
+        .families
+        .iter()
+        .filter(|f| args.op.as_deref().is_none_or(|op| f.op.name() == op))
+        .filter(|f| args.family.as_deref().is_none_or(|name| f.name == name))
+        .cloned()
+        .collect();
+    if families.is_empty() {
+        if let Some(name) = &args.family {
+            catalog.family(name)?;
+        }
+        bail!("no family matches --op/--family");
+    }
+    let shapes = match &args.shape {
+        None => Shapes::TestShapes,
+        Some(text) => {
+            let ops_named: std::collections::BTreeSet<_> = families.iter().map(|f| f.op.name()).collect();
+            if ops_named.len() != 1 {
+                bail!("--shape needs one op: add --op or --family (the families span {})", ops_named.into_iter().collect::<Vec<_>>().join(", "));
+            }
+            Shapes::Given(ops::parse_shape(families[0].op, text)?)
+        }
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    });
+    let gpu = Gpu::new(0).context("verify runs kernels on the GPU")?;
+    let compiler = Compiler::new(&gpu.info.arch())?;
+    let renderer = Renderer::new(&catalog.templates_dir)?;
+    let points = if args.all_variants {
+        Points::All
+    } else if let Some(count) = args.sample {
+        Points::Sample { count, seed }
+    } else {
+        Points::Default
+    };
+    let mut variants = Vec::new();
+    for f in &families {
+        variants.extend(expand(f, points, &gpu.info.limits)?);
+    }
+    eprintln!(
+        "verifying {} variants of {} families on {} ({}), seed {seed}",
+        variants.len(),
+        families.len(),
+        gpu.info.name,
+        gpu.info.arch()
+    );
+    let bar = indicatif::ProgressBar::new_spinner().with_message("compiling");
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let rows = verify::verify(&gpu, &compiler, &renderer, &variants, &shapes, seed, |row| {
+        bar.set_message(format!("{} {}", row.kernel, row.shape));
+        bar.inc(1);
+    });
+    bar.finish_and_clear();
+    let failed = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).count();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", verify_table(&rows));
+    }
+    let passed = rows.iter().filter(|r| r.status == Status::Pass).count();
+    let skipped = rows.len() - passed - failed;
+    eprintln!("{passed} passed, {failed} failed, {skipped} skipped (seed {seed})");
+    if failed > 0 {
+        bail!("{failed} checks failed; rerun with --seed {seed} to reproduce");
+    }
+    Ok(())
+}
+
+fn verify_table(rows: &[Check]) -> String {
+    let mut table = vec![vec![
+        "kernel".to_string(),
+        "shape".into(),
+        "rel. L2 error".into(),
+        "result".into(),
+        "variant".into(),
+    ]];
+    for r in rows {
+        table.push(vec![
+            r.kernel.clone(),
+            r.shape.clone(),
+            r.error.map(|e| format!("{e:.2e}")).unwrap_or_else(|| "-".into()),
+            match &r.status {
+                Status::Pass => "pass".into(),
+                Status::Fail(why) => format!("FAIL: {}", why.lines().next().unwrap_or("")),
+                Status::Skip(why) => format!("skip: {why}"),
+            },
+            r.variant.clone(),
+        ]);
+    }
+    render_table(&table)
+}
+
+/// Left-aligned columns separated by two spaces; the first row is the header.
+pub fn render_table(rows: &[Vec<String>]) -> String {
+    let columns = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for (i, row) in rows.iter().enumerate() {
+        let line: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| format!("{cell:<width$}", width = widths[c]))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+        if i == 0 {
+            out.push_str(&widths.iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>().join("  "));
+            out.push('\n');
+        }
+    }
+    out
+}

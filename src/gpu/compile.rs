@@ -1,0 +1,277 @@
+//! NVRTC compilation for the device's own architecture, behind an on-disk cache keyed by the
+//! source, the options and the NVRTC version. Works without a GPU (for `inspect --arch`).
+
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::{result as nvrtc, sys};
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+
+use crate::codegen::Source;
+
+/// Compilation failed; the message carries NVRTC's log and the source lines it points at.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    #[error("NVRTC (libnvrtc.so) not found: install the CUDA toolkit, or put its lib folder on LD_LIBRARY_PATH")]
+    NoNvrtc,
+    #[error("NVRTC failed on {kernel} for {arch}:\n{log}{context}")]
+    Failed {
+        kernel: String,
+        arch: String,
+        log: String,
+        context: String,
+    },
+    #[error("NVRTC call {call} failed for {kernel}: {message}")]
+    Nvrtc {
+        kernel: String,
+        call: &'static str,
+        message: String,
+    },
+}
+
+/// A compiled variant: the CUBIN to load and NVRTC's log (warnings).
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    pub kernel_name: String,
+    pub cubin: Vec<u8>,
+    pub log: String,
+    /// Whether it came from the on-disk cache.
+    pub cached: bool,
+}
+
+/// Compiles CUDA sources with NVRTC for one architecture.
+#[derive(Debug, Clone)]
+pub struct Compiler {
+    /// `sm_90` etc.
+    pub arch: String,
+    pub include_dir: Option<PathBuf>,
+    pub cache_dir: Option<PathBuf>,
+    pub nvrtc_version: (i32, i32),
+}
+
+/// The CUDA toolkit's include folder: `$CUDA_HOME/include`, `$CUDA_PATH/include`, then
+/// `/usr/local/cuda/include`. NVRTC does not find toolkit headers (`<mma.h>`) by itself.
+pub fn find_cuda_include() -> Option<PathBuf> {
+    ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v).map(|p| PathBuf::from(p).join("include")))
+        .chain(std::iter::once(PathBuf::from("/usr/local/cuda/include")))
+        .find(|p| p.join("cuda_runtime.h").is_file() || p.join("crt").is_dir())
+}
+
+/// The compile cache: `$KERNELFORGE_CACHE/nvrtc`, else the user cache folder.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    std::env::var_os("KERNELFORGE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|d| d.join("kernelforge")))
+        .map(|d| d.join("nvrtc"))
+}
+
+/// Whether NVRTC can be loaded on this machine.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { sys::is_culib_present() }
+}
+
+impl Compiler {
+    /// A compiler for `arch` (e.g. `sm_90`), with the default cache folder.
+    pub fn new(arch: &str) -> Result<Compiler, CompileError> {
+        if !nvrtc_present() {
+            return Err(CompileError::NoNvrtc);
+        }
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: plain out-parameter call; the library is present.
+        unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
+        Ok(Compiler {
+            arch: arch.to_string(),
+            include_dir: find_cuda_include(),
+            cache_dir: default_cache_dir(),
+            nvrtc_version: (major, minor),
+        })
+    }
+
+    /// The NVRTC options used for every compile.
+    pub fn options(&self, arch: &str) -> Vec<String> {
+        let mut options = vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".to_string(),
+            // Line tables cost nothing at run time and let compute-sanitizer and ncu point at
+            // source lines.
+            "--generate-line-info".to_string(),
+        ];
+        if let Some(dir) = &self.include_dir {
+            options.push(format!("--include-path={}", dir.display()));
+        }
+        options
+    }
+
+    fn cache_key(&self, source: &Source, options: &[String]) -> String {
+        let mut h = Sha256::new();
+        h.update(format!("nvrtc {}.{}\n", self.nvrtc_version.0, self.nvrtc_version.1));
+        for o in options {
+            h.update(o.as_bytes());
+            h.update(b"\n");
+        }
+        h.update(source.code.as_bytes());
+        h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Compiles to CUBIN (from the cache when the same source and options were compiled before).
+    pub fn compile(&self, source: &Source) -> Result<Compiled, CompileError> {
+        let options = self.options(&self.arch);
+        let cache_file = self
+            .cache_dir
+            .as_ref()
+            .map(|d| d.join(format!("{}-{}.cubin", source.kernel_name, self.cache_key(source, &options))));
+        if let Some(bytes) = cache_file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+            return Ok(Compiled {
+                kernel_name: source.kernel_name.clone(),
+                cubin: bytes,
+                log: String::new(),
+                cached: true,
+            });
+        }
+        let (cubin, log) = self.run_nvrtc(source, &options, Output::Cubin)?;
+        if let Some(file) = &cache_file {
+            write_atomic(file, &cubin); // a cache that cannot be written only costs time
+        }
+        Ok(Compiled {
+            kernel_name: source.kernel_name.clone(),
+            cubin,
+            log,
+            cached: false,
+        })
+    }
+
+    /// Compiles many sources in parallel (NVRTC is thread-safe across programs).
+    pub fn compile_all(&self, sources: &[Source]) -> Vec<Result<Compiled, CompileError>> {
+        sources.par_iter().map(|s| self.compile(s)).collect()
+    }
+
+    /// PTX for reading (`inspect --ptx`): compiled for the virtual architecture `compute_XY`.
+    pub fn ptx(&self, source: &Source) -> Result<String, CompileError> {
+        let virtual_arch = self.arch.replace("sm_", "compute_");
+        let (ptx, _) = self.run_nvrtc(source, &self.options(&virtual_arch), Output::Ptx)?;
+        Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
+    }
+
+    fn run_nvrtc(&self, source: &Source, options: &[String], output: Output) -> Result<(Vec<u8>, String), CompileError> {
+        let kernel = source.kernel_name.clone();
+        let call_err = |call: &'static str| {
+            let kernel = kernel.clone();
+            move |e: nvrtc::NvrtcError| CompileError::Nvrtc {
+                kernel,
+                call,
+                message: format!("{e:?}"),
+            }
+        };
+        let code = CString::new(source.code.as_bytes()).map_err(|_| CompileError::Nvrtc {
+            kernel: kernel.clone(),
+            call: "nvrtcCreateProgram",
+            message: "the source contains a NUL byte".into(),
+        })?;
+        let name = CString::new(format!("{kernel}.cu")).expect("kernel names are identifiers");
+        let program = nvrtc::create_program(&code, Some(&name)).map_err(call_err("nvrtcCreateProgram"))?;
+        let program = ProgramGuard(program);
+        // SAFETY: `program` is a live program; options are valid C strings.
+        let compiled = unsafe { nvrtc::compile_program(program.0, options) };
+        // SAFETY: as above.
+        let log = unsafe { nvrtc::get_program_log(program.0) }
+            .map(|raw| {
+                // SAFETY: NVRTC returns a NUL-terminated log.
+                unsafe { CStr::from_ptr(raw.as_ptr()) }.to_string_lossy().trim().to_string()
+            })
+            .unwrap_or_default();
+        if compiled.is_err() {
+            return Err(CompileError::Failed {
+                kernel,
+                arch: options[0].trim_start_matches("--gpu-architecture=").to_string(),
+                context: source_context(&log, &source.code),
+                log,
+            });
+        }
+        let bytes = match output {
+            Output::Ptx => {
+                // SAFETY: the program compiled.
+                let raw = unsafe { nvrtc::get_ptx(program.0) }.map_err(call_err("nvrtcGetPTX"))?;
+                raw.into_iter().map(|c| c as u8).collect()
+            }
+            Output::Cubin => {
+                let mut size = 0usize;
+                // SAFETY: the program compiled for a real architecture; out-parameter call.
+                unsafe { sys::nvrtcGetCUBINSize(program.0, &mut size) }
+                    .result()
+                    .map_err(call_err("nvrtcGetCUBINSize"))?;
+                let mut buf = vec![0u8; size];
+                // SAFETY: `buf` holds `size` bytes.
+                unsafe { sys::nvrtcGetCUBIN(program.0, buf.as_mut_ptr().cast()) }
+                    .result()
+                    .map_err(call_err("nvrtcGetCUBIN"))?;
+                buf
+            }
+        };
+        Ok((bytes, log))
+    }
+}
+
+enum Output {
+    Ptx,
+    Cubin,
+}
+
+struct ProgramGuard(sys::nvrtcProgram);
+
+impl Drop for ProgramGuard {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by nvrtcCreateProgram and is destroyed once.
+        let _ = unsafe { nvrtc::destroy_program(self.0) };
+    }
+}
+
+/// The source lines around the first `file(LINE): error` in an NVRTC log.
+pub fn source_context(log: &str, code: &str) -> String {
+    let line = log.lines().find_map(|l| {
+        let (_, rest) = l.split_once('(')?;
+        let (num, tail) = rest.split_once(')')?;
+        tail.contains("error").then(|| num.parse::<usize>().ok()).flatten()
+    });
+    let Some(line) = line else { return String::new() };
+    let lines: Vec<&str> = code.lines().collect();
+    let first = line.saturating_sub(4).max(1);
+    let last = (line + 3).min(lines.len());
+    let mut out = format!("\nsource around line {line}:\n");
+    for n in first..=last {
+        let marker = if n == line { ">>" } else { "  " };
+        out.push_str(&format!("{marker} {n:5} | {}\n", lines[n - 1]));
+    }
+    out
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so readers never see a
+/// partial file. Errors are ignored by the callers that only cache.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> bool {
+    let Some(dir) = path.parent() else { return false };
+    if std::fs::create_dir_all(dir).is_err() {
+        return false;
+    }
+    let Ok(mut tmp) = tempfile::NamedTempFile::new_in(dir) else { return false };
+    use std::io::Write;
+    tmp.write_all(bytes).is_ok() && tmp.persist(path).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_points_at_the_error_line() {
+        let code = "a\nb\nc\nd\ne\nf\ng\nh";
+        let log = "k.cu(5): error: identifier \"x\" is undefined";
+        let ctx = source_context(log, code);
+        assert!(ctx.contains(">>     5 | e"), "{ctx}");
+        assert!(ctx.contains("      2 | b"), "{ctx}");
+        assert!(!ctx.contains("| a"), "{ctx}");
+        assert_eq!(source_context("no line here", code), "");
+    }
+}

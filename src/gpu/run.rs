@@ -1,0 +1,287 @@
+//! Runs one variant on one problem: uploads the op's tensors, fills `__constant__` symbols,
+//! poisons the outputs with NaN, launches every kernel of the family with the geometry its spec
+//! computes for the shape, and reads the outputs back.
+
+use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+use super::{Compiled, Gpu, GpuError};
+use crate::ops::{Arg, HostData, Problem, Role};
+use crate::spec::{Launch, SpecError, Variant};
+
+/// Running a variant failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error("{kernel}: {message}")]
+    Launch { kernel: String, message: String },
+}
+
+/// A device copy of a problem's tensors plus the variant's workspace.
+pub struct DeviceProblem {
+    buffers: Vec<DeviceBuffer>,
+    workspace: Option<CudaSlice<f32>>,
+}
+
+enum DeviceBuffer {
+    F32(CudaSlice<f32>),
+    I32(CudaSlice<i32>),
+}
+
+impl DeviceBuffer {
+    fn ptr(&self, gpu: &Gpu) -> u64 {
+        match self {
+            DeviceBuffer::F32(s) => s.device_ptr(&gpu.stream).0,
+            DeviceBuffer::I32(s) => s.device_ptr(&gpu.stream).0,
+        }
+    }
+}
+
+impl DeviceProblem {
+    /// Uploads every tensor of `problem` (outputs too, so their size is right).
+    pub fn upload(gpu: &Gpu, problem: &Problem) -> Result<DeviceProblem, GpuError> {
+        let buffers = problem
+            .tensors
+            .iter()
+            .map(|t| {
+                let what = format!("uploading `{}` ({} elements)", t.name, t.data.len());
+                Ok(match &t.data {
+                    HostData::F32(v) => DeviceBuffer::F32(gpu.stream.clone_htod(v).map_err(GpuError::cuda(what))?),
+                    HostData::I32(v) => DeviceBuffer::I32(gpu.stream.clone_htod(v).map_err(GpuError::cuda(what))?),
+                })
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        Ok(DeviceProblem {
+            buffers,
+            workspace: None,
+        })
+    }
+
+    /// Makes sure the workspace holds at least `elems` f32 values.
+    pub fn ensure_workspace(&mut self, gpu: &Gpu, elems: usize) -> Result<(), GpuError> {
+        if elems > 0 && self.workspace.as_ref().is_none_or(|w| w.len() < elems) {
+            let what = format!("allocating a workspace of {elems} floats");
+            self.workspace = Some(gpu.stream.alloc_zeros::<f32>(elems).map_err(GpuError::cuda(what))?);
+        }
+        Ok(())
+    }
+
+    /// Fills every output tensor with NaN so that an element a kernel forgets to write fails
+    /// verification instead of passing on stale data.
+    pub fn poison_outputs(&mut self, gpu: &Gpu, problem: &Problem) -> Result<(), GpuError> {
+        for (t, buf) in problem.tensors.iter().zip(self.buffers.iter_mut()) {
+            if t.role != Role::Output {
+                continue;
+            }
+            let what = format!("poisoning `{}`", t.name);
+            match buf {
+                DeviceBuffer::F32(s) => {
+                    let nan = vec![f32::NAN; s.len()];
+                    gpu.stream.memcpy_htod(&nan, s).map_err(GpuError::cuda(what))?;
+                }
+                DeviceBuffer::I32(s) => {
+                    let junk = vec![i32::MIN; s.len()];
+                    gpu.stream.memcpy_htod(&junk, s).map_err(GpuError::cuda(what))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies tensor `index` back to the host as f32.
+    pub fn download(&self, gpu: &Gpu, index: usize) -> Result<Vec<f32>, GpuError> {
+        match &self.buffers[index] {
+            DeviceBuffer::F32(s) => gpu.stream.clone_dtoh(s).map_err(GpuError::cuda("downloading an output")),
+            DeviceBuffer::I32(s) => Ok(gpu
+                .stream
+                .clone_dtoh(s)
+                .map_err(GpuError::cuda("downloading an output"))?
+                .into_iter()
+                .map(|v| v as f32)
+                .collect()),
+        }
+    }
+}
+
+/// A variant's module loaded on the GPU with its functions resolved.
+pub struct LoadedVariant {
+    pub variant: Variant,
+    module: Arc<CudaModule>,
+    functions: Vec<CudaFunction>,
+}
+
+impl LoadedVariant {
+    /// Loads the CUBIN and finds every kernel the spec names.
+    pub fn load(gpu: &Gpu, variant: &Variant, compiled: &Compiled) -> Result<LoadedVariant, RunError> {
+        let module = gpu
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
+            .map_err(GpuError::cuda(format!("loading the module of {}", compiled.kernel_name)))?;
+        let functions = variant
+            .family
+            .kernels
+            .iter()
+            .map(|k| {
+                let name = format!("{}_{}", compiled.kernel_name, k.name);
+                module.load_function(&name).map_err(|e| RunError::Launch {
+                    kernel: name.clone(),
+                    message: format!(
+                        "the template defines no `extern \"C\" __global__ void {name}` ({e}); \
+                         every [[kernels]] entry of {} needs one",
+                        variant.family.file.display()
+                    ),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LoadedVariant {
+            variant: variant.clone(),
+            module,
+            functions,
+        })
+    }
+
+    /// Registers, shared memory and local (spill) bytes of each kernel, as the driver reports them.
+    pub fn resources(&self) -> Result<Vec<KernelResources>, GpuError> {
+        self.variant
+            .family
+            .kernels
+            .iter()
+            .zip(&self.functions)
+            .map(|(k, f)| {
+                let err = GpuError::cuda("reading function attributes");
+                Ok(KernelResources {
+                    kernel: k.name.clone(),
+                    registers: f.num_regs().map_err(err)?,
+                    static_smem_bytes: f.shared_size_bytes().map_err(GpuError::cuda("reading function attributes"))?,
+                    local_bytes: f.local_size_bytes().map_err(GpuError::cuda("reading function attributes"))?,
+                    const_bytes: f.const_size_bytes().map_err(GpuError::cuda("reading function attributes"))?,
+                    max_threads: f.max_threads_per_block().map_err(GpuError::cuda("reading function attributes"))?,
+                })
+            })
+            .collect()
+    }
+
+    /// Copies the problem's tensors into the variant's `__constant__` symbols.
+    pub fn fill_constants(&self, gpu: &Gpu, problem: &Problem) -> Result<(), RunError> {
+        for (symbol, tensor) in self.variant.constants()? {
+            let index = problem.tensors.iter().position(|t| t.name == tensor).ok_or_else(|| RunError::Launch {
+                kernel: self.variant.kernel_name(),
+                message: format!(
+                    "{}: constants: op `{}` has no tensor `{tensor}`",
+                    self.variant.family.file.display(),
+                    problem.op
+                ),
+            })?;
+            let HostData::F32(values) = &problem.tensors[index].data else {
+                return Err(RunError::Launch {
+                    kernel: self.variant.kernel_name(),
+                    message: format!("constant `{symbol}` can only be filled from an f32 tensor"),
+                });
+            };
+            let mut global = self
+                .module
+                .get_global(symbol, &gpu.stream)
+                .map_err(GpuError::cuda(format!("finding __constant__ `{symbol}`")))?;
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+            if bytes.len() > global.len() {
+                return Err(RunError::Launch {
+                    kernel: self.variant.kernel_name(),
+                    message: format!(
+                        "`{tensor}` has {} bytes but __constant__ `{symbol}` holds {}",
+                        bytes.len(),
+                        global.len()
+                    ),
+                });
+            }
+            let mut dst = global.slice_mut(0..bytes.len());
+            gpu.stream.memcpy_htod(&bytes, &mut dst).map_err(GpuError::cuda(format!("filling `{symbol}`")))?;
+        }
+        Ok(())
+    }
+
+    /// Launch geometry for the problem's shape, checked against the device limits.
+    pub fn plan(&self, gpu: &Gpu, problem: &Problem) -> Result<Vec<Launch>, RunError> {
+        let limits = &gpu.info.limits;
+        let launches = self.variant.launches(&problem.shape, limits)?;
+        for l in &launches {
+            let threads: i64 = l.block.iter().map(|v| *v as i64).product();
+            let bad = if threads > limits.max_threads {
+                Some(format!("{threads} threads per block, the device allows {}", limits.max_threads))
+            } else if l.grid[1] > 65535 || l.grid[2] > 65535 {
+                Some(format!("grid {:?} exceeds 65535 in y or z", l.grid))
+            } else if l.smem_bytes as i64 > limits.max_smem_dynamic {
+                Some(format!("{} bytes of dynamic shared memory, the device allows {}", l.smem_bytes, limits.max_smem_dynamic))
+            } else {
+                None
+            };
+            if let Some(message) = bad {
+                return Err(RunError::Launch {
+                    kernel: l.function.clone(),
+                    message,
+                });
+            }
+        }
+        Ok(launches)
+    }
+
+    /// Launches every kernel once, in spec order (asynchronously; synchronize to see faults).
+    pub fn launch(&self, gpu: &Gpu, problem: &Problem, device: &DeviceProblem, launches: &[Launch]) -> Result<(), RunError> {
+        let values: Vec<ArgValue> = problem
+            .args
+            .iter()
+            .map(|a| match a {
+                Arg::Tensor(i) => ArgValue::Ptr(device.buffers[*i].ptr(gpu)),
+                Arg::Workspace => ArgValue::Ptr(device.workspace.as_ref().map_or(0, |w| w.device_ptr(&gpu.stream).0)),
+                Arg::I32(v) => ArgValue::I32(*v),
+                Arg::F32(v) => ArgValue::F32(*v),
+            })
+            .collect();
+        for (function, l) in self.functions.iter().zip(launches) {
+            if l.smem_bytes > 48 * 1024 {
+                function
+                    .set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, l.smem_bytes as i32)
+                    .map_err(GpuError::cuda(format!("allowing {} bytes of shared memory", l.smem_bytes)))?;
+            }
+            let mut builder = gpu.stream.launch_builder(function);
+            for v in &values {
+                match v {
+                    ArgValue::Ptr(p) => builder.arg(p),
+                    ArgValue::I32(x) => builder.arg(x),
+                    ArgValue::F32(x) => builder.arg(x),
+                };
+            }
+            let config = LaunchConfig {
+                grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+                block_dim: (l.block[0], l.block[1], l.block[2]),
+                shared_mem_bytes: l.smem_bytes,
+            };
+            // SAFETY: the argument list follows the op contract every template of the op
+            // implements, pointers are live device buffers of the sizes the op computed, and the
+            // geometry was checked against the device limits in `plan`.
+            unsafe { builder.launch(config) }
+                .map_err(GpuError::cuda(format!("launching {} grid {:?} block {:?}", l.function, l.grid, l.block)))?;
+        }
+        Ok(())
+    }
+}
+
+enum ArgValue {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+}
+
+/// Resource usage of one compiled kernel.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelResources {
+    pub kernel: String,
+    pub registers: i32,
+    pub static_smem_bytes: i32,
+    pub local_bytes: i32,
+    pub const_bytes: i32,
+    pub max_threads: i32,
+}

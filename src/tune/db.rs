@@ -1,0 +1,369 @@
+//! The tuning database: one JSON file per GPU holding the winning variant for every
+//! (op, dtype, epilogue or mask, shape) that was tuned.
+//!
+//! Writes are atomic (temporary file + rename: a killed tuner never leaves a torn file) and
+//! merge under an exclusive lock on a side file, so two tuners writing at once both keep their
+//! results. A file that does not parse is renamed aside (`*.corrupt-<unix time>`) and reported,
+//! never a crash.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use indexmap::IndexMap;
+use serde::{Deserialize, Serialize};
+
+use crate::ops::Shape;
+
+/// Version of the file layout; bumped when it changes incompatibly.
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path} holds tunings for {theirs}, not for this GPU ({ours}); pass another --db")]
+    OtherGpu { path: PathBuf, theirs: String, ours: String },
+}
+
+/// What the results were measured on. Entries only transfer between identical headers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DbHeader {
+    pub gpu: String,
+    pub compute_capability: (i32, i32),
+    pub driver_version: i32,
+    pub nvrtc_version: (i32, i32),
+    pub format: u32,
+}
+
+impl DbHeader {
+    fn describe(&self) -> String {
+        format!("{} (sm_{}{})", self.gpu, self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// What is tuned: the op, precision, epilogue or mask, and the exact shape.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TuneKey {
+    pub op: String,
+    pub dtype: String,
+    /// The epilogue (matmul) or mask (attention) name; `none` otherwise.
+    pub variant_kind: String,
+    pub shape: Shape,
+}
+
+impl TuneKey {
+    /// `matmul|f32|bias_gelu|K=768 M=8192 N=3072 T=1024 n_head=12`.
+    pub fn text(&self) -> String {
+        format!("{}|{}|{}|{}", self.op, self.dtype, self.variant_kind, crate::spec::shape_text(&self.shape))
+    }
+
+    fn group(&self) -> String {
+        format!("{}|{}|{}", self.op, self.dtype, self.variant_kind)
+    }
+}
+
+/// The winner for one key, with what it was measured against.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub family: String,
+    pub params: IndexMap<String, i64>,
+    pub shape: Shape,
+    /// Median kernel time and the spread (90th minus 10th percentile), in milliseconds.
+    pub median_ms: f64,
+    pub spread_ms: f64,
+    /// The vendor library on the same shape in the same run, when measured.
+    pub baseline_ms: Option<f64>,
+    pub variants_tried: usize,
+    /// Unix seconds.
+    pub tuned_at: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct FileLayout {
+    header: DbHeader,
+    entries: BTreeMap<String, Entry>,
+}
+
+/// A loaded database (plus where it saves).
+#[derive(Debug)]
+pub struct TuningDb {
+    pub path: PathBuf,
+    pub header: DbHeader,
+    entries: BTreeMap<String, Entry>,
+    /// Set when a corrupt file was set aside on open; the caller shows it.
+    pub warning: Option<String>,
+}
+
+/// `~/.cache/kernelforge/tuning/<gpu>-sm<XY>.json` (or under `$KERNELFORGE_CACHE`).
+pub fn default_path(header: &DbHeader) -> PathBuf {
+    let name: String = header
+        .gpu
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
+        .collect();
+    let base = std::env::var_os("KERNELFORGE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|d| d.join("kernelforge")))
+        .unwrap_or_else(|| PathBuf::from(".kernelforge-cache"));
+    base.join("tuning").join(format!(
+        "{}-sm{}{}.json",
+        name.trim_matches('-'),
+        header.compute_capability.0,
+        header.compute_capability.1
+    ))
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Reads the file; `Ok(None)` when it does not exist, `Err(message)` when it does not parse.
+fn read(path: &Path) -> Result<Option<FileLayout>, String> {
+    match std::fs::read_to_string(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.to_string()),
+        Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| e.to_string()),
+    }
+}
+
+impl TuningDb {
+    /// Opens (or starts) the database at `path` for the GPU described by `header`.
+    pub fn open(path: &Path, header: DbHeader) -> Result<TuningDb, DbError> {
+        let mut db = TuningDb {
+            path: path.to_path_buf(),
+            header,
+            entries: BTreeMap::new(),
+            warning: None,
+        };
+        match read(path) {
+            Ok(None) => {}
+            Ok(Some(file)) => {
+                if file.header.gpu != db.header.gpu || file.header.compute_capability != db.header.compute_capability {
+                    return Err(DbError::OtherGpu {
+                        path: path.to_path_buf(),
+                        theirs: file.header.describe(),
+                        ours: db.header.describe(),
+                    });
+                }
+                if file.header == db.header {
+                    db.entries = file.entries;
+                } else {
+                    db.warning = Some(format!(
+                        "{}: tuned with another driver/NVRTC/format ({:?}); starting afresh",
+                        path.display(),
+                        file.header
+                    ));
+                }
+            }
+            Err(message) => {
+                let aside = path.with_extension(format!("json.corrupt-{}", now()));
+                std::fs::rename(path, &aside).map_err(|source| DbError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                db.warning = Some(format!(
+                    "{} was not a valid tuning database ({message}); moved it to {} and started afresh",
+                    path.display(),
+                    aside.display()
+                ));
+            }
+        }
+        Ok(db)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn entries(&self) -> impl Iterator<Item = (&String, &Entry)> {
+        self.entries.iter()
+    }
+
+    /// The entry tuned for exactly this key.
+    pub fn get(&self, key: &TuneKey) -> Option<&Entry> {
+        self.entries.get(&key.text())
+    }
+
+    /// The entry for this key, else the nearest tuned shape of the same op, dtype and
+    /// epilogue/mask whose variables all match except `free_dim`, nearest in log scale
+    /// (M = 3000 uses the winner for M = 2048 rather than M = 8192).
+    pub fn nearest(&self, key: &TuneKey, free_dim: &str) -> Option<&Entry> {
+        if let Some(e) = self.get(key) {
+            return Some(e);
+        }
+        let want = *key.shape.get(free_dim)? as f64;
+        let group = key.group();
+        self.entries
+            .iter()
+            .filter(|(k, _)| k.rsplit_once('|').is_some_and(|(g, _)| g == group))
+            .filter(|(_, e)| {
+                e.shape.len() == key.shape.len()
+                    && e.shape.iter().all(|(name, v)| name == free_dim || key.shape.get(name) == Some(v))
+            })
+            .min_by(|(_, a), (_, b)| {
+                let d = |e: &Entry| ((e.shape[free_dim] as f64).ln() - want.ln()).abs();
+                d(a).total_cmp(&d(b))
+            })
+            .map(|(_, e)| e)
+    }
+
+    pub fn insert(&mut self, key: &TuneKey, entry: Entry) {
+        self.entries.insert(key.text(), entry);
+    }
+
+    /// Saves: under an exclusive lock, re-reads the file, keeps entries others wrote meanwhile
+    /// (ours win on the same key), and replaces the file atomically.
+    pub fn save(&mut self) -> Result<(), DbError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| DbError::Io { path, source }
+        };
+        let dir = self.path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let lock_path = self.path.with_extension("json.lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        lock.lock().map_err(io(&lock_path))?;
+        if let Ok(Some(theirs)) = read(&self.path) {
+            if theirs.header == self.header {
+                for (k, e) in theirs.entries {
+                    self.entries.entry(k).or_insert(e);
+                }
+            }
+        }
+        let layout = FileLayout {
+            header: self.header.clone(),
+            entries: self.entries.clone(),
+        };
+        let text = serde_json::to_string_pretty(&layout).expect("plain data serializes");
+        let mut tmp = tempfile::NamedTempFile::new_in(&dir).map_err(io(&dir))?;
+        tmp.write_all(text.as_bytes()).map_err(io(tmp.path()))?;
+        tmp.as_file().sync_all().map_err(io(tmp.path()))?;
+        tmp.persist(&self.path).map_err(|e| DbError::Io {
+            path: self.path.clone(),
+            source: e.error,
+        })?;
+        drop(lock); // released on close
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> DbHeader {
+        DbHeader {
+            gpu: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            driver_version: 13000,
+            nvrtc_version: (13, 0),
+            format: FORMAT_VERSION,
+        }
+    }
+
+    fn key(m: i64) -> TuneKey {
+        TuneKey {
+            op: "matmul".into(),
+            dtype: "f32".into(),
+            variant_kind: "bias".into(),
+            shape: [("M", m), ("N", 768), ("K", 768)].iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        }
+    }
+
+    fn entry(m: i64, family: &str) -> Entry {
+        Entry {
+            family: family.into(),
+            params: [("block_m".to_string(), 64)].into_iter().collect(),
+            shape: key(m).shape,
+            median_ms: 0.5,
+            spread_ms: 0.01,
+            baseline_ms: Some(0.45),
+            variants_tried: 10,
+            tuned_at: 1,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_default_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let mut db = TuningDb::open(&path, header()).unwrap();
+        assert!(db.is_empty());
+        db.insert(&key(1024), entry(1024, "matmul_regtile"));
+        db.save().unwrap();
+        let again = TuningDb::open(&path, header()).unwrap();
+        assert_eq!(again.get(&key(1024)), Some(&entry(1024, "matmul_regtile")));
+        assert!(again.warning.is_none());
+        assert!(default_path(&header()).ends_with("tuning/nvidia-h100-80gb-hbm3-sm90.json"));
+    }
+
+    #[test]
+    fn corrupt_file_is_set_aside_not_fatal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        std::fs::write(&path, "{ this is not json").unwrap();
+        let db = TuningDb::open(&path, header()).unwrap();
+        assert!(db.is_empty());
+        let warning = db.warning.unwrap();
+        assert!(warning.contains("not a valid tuning database"), "{warning}");
+        assert!(!path.exists());
+        let aside: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(aside.iter().any(|n| n.to_string_lossy().contains("corrupt")), "{aside:?}");
+    }
+
+    #[test]
+    fn another_gpu_is_refused_with_a_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        TuningDb::open(&path, header()).unwrap().save().unwrap();
+        let mut other = header();
+        other.gpu = "NVIDIA A100".into();
+        other.compute_capability = (8, 0);
+        let e = TuningDb::open(&path, other).unwrap_err().to_string();
+        assert!(e.contains("NVIDIA H100 80GB HBM3 (sm_90)") && e.contains("pass another --db"), "{e}");
+    }
+
+    #[test]
+    fn concurrent_writers_both_keep_their_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let mut a = TuningDb::open(&path, header()).unwrap();
+        let mut b = TuningDb::open(&path, header()).unwrap();
+        a.insert(&key(1024), entry(1024, "a"));
+        b.insert(&key(8192), entry(8192, "b"));
+        let (pa, pb) = (path.clone(), path.clone());
+        let ta = std::thread::spawn(move || a.save().unwrap());
+        let tb = std::thread::spawn(move || b.save().unwrap());
+        ta.join().unwrap();
+        tb.join().unwrap();
+        let merged = TuningDb::open(&pa, header()).unwrap();
+        assert_eq!(merged.len(), 2, "{:?}", std::fs::read_to_string(&pb));
+    }
+
+    #[test]
+    fn nearest_uses_the_closest_tuned_rows_in_log_scale() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut db = TuningDb::open(&dir.path().join("db.json"), header()).unwrap();
+        db.insert(&key(1024), entry(1024, "small"));
+        db.insert(&key(8192), entry(8192, "large"));
+        assert_eq!(db.nearest(&key(2000), "M").unwrap().family, "small");
+        assert_eq!(db.nearest(&key(5000), "M").unwrap().family, "large");
+        assert_eq!(db.nearest(&key(8192), "M").unwrap().family, "large");
+        let mut other_n = key(1024);
+        other_n.shape.insert("N".into(), 3072);
+        assert!(db.nearest(&other_n, "M").is_none(), "N must match exactly");
+        let mut other_epilogue = key(1024);
+        other_epilogue.variant_kind = "none".into();
+        assert!(db.nearest(&other_epilogue, "M").is_none());
+    }
+}

@@ -1,0 +1,135 @@
+//! Timing with CUDA events: warm-up, then many timed launches, each on the next of several
+//! input copies so that small problems are not flattered by a warm L2 cache; the median and the
+//! 10th/90th percentiles are reported.
+
+use cudarc::driver::sys::CUevent_flags;
+
+use crate::gpu::{DeviceProblem, Gpu, GpuError, LoadedVariant, RunError};
+use crate::ops::{HostData, Problem};
+use crate::spec::Launch;
+
+/// How long to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct TimingPlan {
+    pub warmup: usize,
+    pub min_runs: usize,
+    pub max_runs: usize,
+    /// Stop once this much GPU time was measured (after `min_runs`).
+    pub target_ms: f64,
+}
+
+impl Default for TimingPlan {
+    fn default() -> Self {
+        TimingPlan {
+            warmup: 3,
+            min_runs: 10,
+            max_runs: 200,
+            target_ms: 60.0,
+        }
+    }
+}
+
+/// A measured kernel time.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Timing {
+    pub median_ms: f64,
+    pub p10_ms: f64,
+    pub p90_ms: f64,
+    pub runs: usize,
+}
+
+impl Timing {
+    /// From raw samples (milliseconds).
+    pub fn from_samples(mut samples: Vec<f64>) -> Timing {
+        assert!(!samples.is_empty(), "at least one sample");
+        samples.sort_by(f64::total_cmp);
+        let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+        Timing {
+            median_ms: at(0.5),
+            p10_ms: at(0.1),
+            p90_ms: at(0.9),
+            runs: samples.len(),
+        }
+    }
+
+    pub fn spread_ms(&self) -> f64 {
+        self.p90_ms - self.p10_ms
+    }
+}
+
+/// Bytes of a problem's tensors.
+pub fn problem_bytes(problem: &Problem) -> usize {
+    problem
+        .tensors
+        .iter()
+        .map(|t| match &t.data {
+            HostData::F32(v) => v.len() * 4,
+            HostData::I32(v) => v.len() * 4,
+        })
+        .sum()
+}
+
+/// How many copies of the inputs to rotate through so that together they exceed twice the L2
+/// cache (50 MB on an H100): at least 1, at most 8.
+pub fn rotation_count(problem: &Problem) -> usize {
+    const L2_BYTES: usize = 50 << 20;
+    let bytes = problem_bytes(problem).max(1);
+    (2 * L2_BYTES).div_ceil(bytes).clamp(1, 8)
+}
+
+/// Times `body(i)` (which enqueues the work for copy `i % copies`) with CUDA events.
+pub fn time_with(gpu: &Gpu, copies: usize, plan: &TimingPlan, mut body: impl FnMut(usize) -> Result<(), RunError>) -> Result<Timing, RunError> {
+    let event = || gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(GpuError::cuda("creating an event"));
+    for i in 0..plan.warmup {
+        body(i % copies)?;
+    }
+    gpu.synchronize()?;
+    let mut samples = Vec::new();
+    let mut total = 0.0;
+    // Measure in batches so that the stopping rule sees real times without a sync per launch.
+    while samples.len() < plan.max_runs && (samples.len() < plan.min_runs || total < plan.target_ms) {
+        let batch = plan.min_runs.min(plan.max_runs - samples.len()).max(1);
+        let mut events = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            let (start, end) = (event()?, event()?);
+            start.record(&gpu.stream).map_err(GpuError::cuda("recording an event"))?;
+            body(samples.len() + events.len())?;
+            end.record(&gpu.stream).map_err(GpuError::cuda("recording an event"))?;
+            events.push((start, end));
+        }
+        for (start, end) in events {
+            let ms = start.elapsed_ms(&end).map_err(GpuError::cuda("reading an event"))? as f64;
+            samples.push(ms);
+            total += ms;
+        }
+    }
+    Ok(Timing::from_samples(samples))
+}
+
+/// Times one loaded variant on `copies` uploaded copies of `problem`.
+pub fn time_variant(
+    gpu: &Gpu,
+    loaded: &LoadedVariant,
+    problem: &Problem,
+    copies: &[DeviceProblem],
+    launches: &[Launch],
+    plan: &TimingPlan,
+) -> Result<Timing, RunError> {
+    loaded.fill_constants(gpu, problem)?;
+    time_with(gpu, copies.len(), plan, |i| loaded.launch(gpu, problem, &copies[i % copies.len()], launches))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let t = Timing::from_samples((1..=11).rev().map(|v| v as f64).collect());
+        assert_eq!(t.median_ms, 6.0);
+        assert_eq!(t.p10_ms, 2.0);
+        assert_eq!(t.p90_ms, 10.0);
+        assert_eq!(t.runs, 11);
+        assert_eq!(t.spread_ms(), 8.0);
+    }
+}

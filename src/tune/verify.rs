@@ -1,0 +1,211 @@
+//! Verification: every variant runs on fresh random inputs with NaN-poisoned outputs and is
+//! compared with the op's f64 CPU reference by relative L2 error.
+
+use std::collections::{BTreeMap, HashMap};
+
+use rand::SeedableRng;
+
+use crate::codegen::Renderer;
+use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
+use crate::ops::{self, Epilogue, Mask, Problem, Shape};
+use crate::spec::{epilogue_name, mask_name, shape_text, Dtype, Variant};
+
+/// Largest relative L2 error a dtype may show against the f64 reference (DESIGN.md).
+pub fn tolerance(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F32 => 1e-5,
+    }
+}
+
+/// Outcome of one variant on one shape.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "status", content = "reason", rename_all = "snake_case")]
+pub enum Status {
+    Pass,
+    /// Wrong result, or failed to compile, load or launch.
+    Fail(String),
+    /// The variant does not support the shape (its `constraints.shape`).
+    Skip(String),
+}
+
+/// One row of the verification table.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Check {
+    pub family: String,
+    pub kernel: String,
+    pub variant: String,
+    pub op: String,
+    pub shape: String,
+    /// Largest relative L2 error over the outputs (None when it did not run).
+    pub error: Option<f64>,
+    pub tolerance: f64,
+    #[serde(flatten)]
+    pub status: Status,
+}
+
+/// Which shapes to check.
+#[derive(Debug, Clone)]
+pub enum Shapes {
+    /// Each op's awkward test shapes.
+    TestShapes,
+    /// One shape for every variant (completed per epilogue/mask by the op).
+    Given(Shape),
+}
+
+/// Verifies `variants` on `shapes`; never stops early except on a GPU fault (which poisons the
+/// context, so later rows would be meaningless: they are reported as failures).
+/// `progress` is called after each row.
+pub fn verify(
+    gpu: &Gpu,
+    compiler: &Compiler,
+    renderer: &Renderer,
+    variants: &[Variant],
+    shapes: &Shapes,
+    seed: u64,
+    mut progress: impl FnMut(&Check),
+) -> Vec<Check> {
+    let mut rows = Vec::new();
+    // Render and compile everything up front, in parallel.
+    let sources: Vec<_> = variants.iter().map(|v| renderer.render(v)).collect();
+    let ok_sources: Vec<_> = sources.iter().filter_map(|s| s.as_ref().ok().cloned()).collect();
+    let mut compiled: HashMap<String, Result<Compiled, String>> = HashMap::new();
+    for (source, result) in ok_sources.iter().zip(compiler.compile_all(&ok_sources)) {
+        compiled.insert(source.kernel_name.clone(), result.map_err(|e| e.to_string()));
+    }
+
+    // Group variants by the problem they need so every group shares inputs and reference.
+    let mut groups: BTreeMap<(&'static str, Epilogue, Mask), Vec<usize>> = BTreeMap::new();
+    for (i, v) in variants.iter().enumerate() {
+        groups.entry((v.family.op.name(), v.epilogue, v.mask)).or_default().push(i);
+    }
+    let mut loaded: HashMap<String, LoadedVariant> = HashMap::new();
+    let mut faulted: Option<String> = None;
+    for ((op_name, epilogue, mask), members) in groups {
+        let op = ops::op_by_name(op_name).expect("families name known ops");
+        let shape_list = match shapes {
+            Shapes::TestShapes => op.test_shapes(epilogue, mask),
+            Shapes::Given(shape) => {
+                let mut s = shape.clone();
+                match op.complete_shape(&mut s, epilogue, mask) {
+                    Ok(()) => vec![s],
+                    Err(e) => {
+                        for &i in &members {
+                            let row = row_for(&variants[i], shape, None, Status::Skip(e.to_string()));
+                            progress(&row);
+                            rows.push(row);
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
+        for (shape_index, shape) in shape_list.iter().enumerate() {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ ((shape_index as u64) << 32) ^ epilogue as u64 ^ ((mask as u64) << 8));
+            let problem = op.problem(shape, epilogue, mask, &mut rng);
+            let (problem, reference) = match problem {
+                Ok(p) => {
+                    let r = op.reference(&p);
+                    (p, r)
+                }
+                Err(e) => {
+                    for &i in &members {
+                        let row = row_for(&variants[i], shape, None, Status::Fail(format!("cannot build the problem: {e}")));
+                        progress(&row);
+                        rows.push(row);
+                    }
+                    continue;
+                }
+            };
+            let mut device = match DeviceProblem::upload(gpu, &problem) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    faulted.get_or_insert(e.to_string());
+                    None
+                }
+            };
+            for &i in &members {
+                let variant = &variants[i];
+                let status_error = if let Some(fault) = &faulted {
+                    (Status::Fail(format!("not run: an earlier kernel faulted the GPU context ({fault})")), None)
+                } else if let Err(why) = variant.check_shape(shape, &gpu.info.limits) {
+                    (Status::Skip(why), None)
+                } else {
+                    match run_one(gpu, variant, &sources[i], &compiled, &mut loaded, &problem, device.as_mut().expect("uploaded"), &reference) {
+                        Ok(error) if error < tolerance(variant.dtype) => (Status::Pass, Some(error)),
+                        Ok(error) => (Status::Fail(format!("relative L2 error {error:.3e}")), Some(error)),
+                        Err(RunFailure::Soft(message)) => (Status::Fail(message), None),
+                        Err(RunFailure::Fault(message)) => {
+                            faulted = Some(message.clone());
+                            (Status::Fail(message), None)
+                        }
+                    }
+                };
+                let row = row_for(variant, shape, status_error.1, status_error.0);
+                progress(&row);
+                rows.push(row);
+            }
+        }
+    }
+    rows
+}
+
+enum RunFailure {
+    /// This variant is broken; others can still run.
+    Soft(String),
+    /// The GPU context is unusable from now on.
+    Fault(String),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_one(
+    gpu: &Gpu,
+    variant: &Variant,
+    source: &Result<crate::codegen::Source, crate::codegen::CodegenError>,
+    compiled: &HashMap<String, Result<Compiled, String>>,
+    loaded: &mut HashMap<String, LoadedVariant>,
+    problem: &Problem,
+    device: &mut DeviceProblem,
+    reference: &[(usize, Vec<f64>)],
+) -> Result<f64, RunFailure> {
+    let soft = |e: &dyn std::fmt::Display| RunFailure::Soft(e.to_string());
+    let source = source.as_ref().map_err(|e| soft(e))?;
+    let name = &source.kernel_name;
+    if !loaded.contains_key(name) {
+        let cubin = compiled.get(name).expect("compiled every rendered source").as_ref().map_err(|e| soft(e))?;
+        loaded.insert(name.clone(), LoadedVariant::load(gpu, variant, cubin).map_err(|e| soft(&e))?);
+    }
+    let module = &loaded[name];
+    let launches = module.plan(gpu, problem).map_err(|e| soft(&e))?;
+    let elems = variant.workspace_elems(&problem.shape, &gpu.info.limits).map_err(|e| soft(&e))?;
+    device.ensure_workspace(gpu, elems).map_err(|e| soft(&e))?;
+    module.fill_constants(gpu, problem).map_err(|e| soft(&e))?;
+    device.poison_outputs(gpu, problem).map_err(|e| soft(&e))?;
+    module.launch(gpu, problem, device, &launches).map_err(|e| RunFailure::Fault(e.to_string()))?;
+    gpu.synchronize().map_err(|e| RunFailure::Fault(e.to_string()))?;
+    let mut worst = 0.0f64;
+    for (index, want) in reference {
+        let got = device.download(gpu, *index).map_err(|e| RunFailure::Fault(e.to_string()))?;
+        worst = worst.max(ops::relative_l2_error(&got, want));
+    }
+    Ok(worst)
+}
+
+fn row_for(variant: &Variant, shape: &Shape, error: Option<f64>, status: Status) -> Check {
+    let mut kernel = variant.family.name.clone();
+    if variant.epilogue != Epilogue::None {
+        kernel = format!("{kernel}[{}]", epilogue_name(variant.epilogue));
+    }
+    if variant.mask != Mask::None {
+        kernel = format!("{kernel}[{}]", mask_name(variant.mask));
+    }
+    Check {
+        family: variant.family.name.clone(),
+        kernel,
+        variant: variant.key(),
+        op: variant.family.op.name().to_string(),
+        shape: shape_text(shape),
+        error,
+        tolerance: tolerance(variant.dtype),
+        status,
+    }
+}

@@ -1,0 +1,123 @@
+//! The project's own specs and templates: they load, expand, render, and `generated/` is in sync.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use kernelforge::codegen::{cuda_files, render_catalog, Renderer};
+use kernelforge::spec::{expand, Catalog, DeviceLimits, Points};
+
+fn catalog() -> Catalog {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    Catalog::load(&root.join("specs"), &root.join("templates")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn every_family_of_the_design_exists() {
+    let c = catalog();
+    let names: BTreeSet<_> = c.families.iter().map(|f| f.name.as_str()).collect();
+    for want in [
+        "encoder_block",
+        "encoder_gridstride",
+        "layernorm_warp",
+        "layernorm_block",
+        "matmul_naive",
+        "matmul_tiled",
+        "matmul_regtile",
+        "matmul_splitk",
+        "attention_naive",
+        "attention_flash",
+        "softmax_row",
+        "gelu",
+        "residual",
+    ] {
+        assert!(names.contains(want), "missing family {want}; have {names:?}");
+    }
+}
+
+#[test]
+fn every_matmul_family_has_every_epilogue_and_attention_every_mask() {
+    let c = catalog();
+    for f in c.for_op("matmul") {
+        assert_eq!(f.epilogues.len(), 5, "{}", f.name);
+    }
+    for f in c.for_op("attention") {
+        assert_eq!(f.masks.len(), 3, "{}", f.name);
+    }
+}
+
+/// The size of every search space and the default launch of every family, reviewed as a
+/// snapshot: a change to a spec shows up here.
+#[test]
+fn catalog_summary() {
+    let c = catalog();
+    let limits = DeviceLimits::default();
+    let mut lines = Vec::new();
+    for f in &c.families {
+        let points = f.point_count(&limits).unwrap();
+        let variants = expand(f, Points::All, &limits).unwrap().len();
+        let default = expand(f, Points::Default, &limits).unwrap().remove(0);
+        let shape = f.op.test_shapes(default.epilogue, default.mask).remove(0);
+        let launches = default.launches(&shape, &limits).unwrap();
+        let geometry: Vec<String> = launches
+            .iter()
+            .map(|l| format!("{}: grid {:?} block {:?} smem {}", l.function.rsplit('_').next().unwrap(), l.grid, l.block, l.smem_bytes))
+            .collect();
+        lines.push(format!(
+            "{} (op {}): {points} points, {variants} variants; default {} on {}: {}",
+            f.name,
+            f.op.name(),
+            default.key(),
+            kernelforge::spec::shape_text(&shape),
+            geometry.join("; ")
+        ));
+    }
+    insta::assert_snapshot!(lines.join("\n"));
+}
+
+#[test]
+fn kernel_names_are_deterministic_and_distinct() {
+    let c = catalog();
+    let limits = DeviceLimits::default();
+    let mut seen = BTreeSet::new();
+    for f in &c.families {
+        for v in expand(f, Points::All, &limits).unwrap() {
+            let name = v.kernel_name();
+            assert_eq!(name, v.clone().kernel_name());
+            assert!(name.starts_with(&f.name), "{name}");
+            assert!(seen.insert(name.clone()), "two variants share the kernel name {name}");
+        }
+    }
+}
+
+#[test]
+fn every_variant_renders_and_defines_its_kernels() {
+    let c = catalog();
+    let renderer = Renderer::new(&c.templates_dir).unwrap();
+    for f in &c.families {
+        // every point would be slow for the biggest spaces; a seeded sample plus the default
+        for v in expand(f, Points::Sample { count: 12, seed: 7 }, &DeviceLimits::default()).unwrap() {
+            let source = renderer.render(&v).unwrap_or_else(|e| panic!("{e}"));
+            for k in &f.kernels {
+                let signature = format!("void {}_{}(", source.kernel_name, k.name);
+                assert!(source.code.contains(&signature), "{}: no `{signature}` in\n{}", v.key(), source.code);
+            }
+            assert!(source.code.contains("extern \"C\""), "{}", v.key());
+        }
+    }
+}
+
+#[test]
+fn generated_folder_matches_specs_and_templates() {
+    let c = catalog();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = root.join("generated");
+    let files = render_catalog(&c, Points::Default, &DeviceLimits::default()).unwrap();
+    for f in &files {
+        let on_disk = std::fs::read_to_string(out.join(&f.path)).unwrap_or_default();
+        assert!(on_disk == f.code, "generated/{} is stale: run `kernelforge gen`", f.path.display());
+    }
+    let expected: BTreeSet<_> = files.iter().map(|f| out.join(&f.path)).collect();
+    for extra in cuda_files(&out) {
+        assert!(expected.contains(&extra), "{} is not rendered by any spec: run `kernelforge gen`", extra.display());
+    }
+}

@@ -1,0 +1,136 @@
+//! Every family on the GPU: the default and a seeded random sample of variants, every epilogue
+//! and mask, on each op's awkward shapes, against the f64 CPU reference with NaN-poisoned
+//! outputs. Run with `cargo test -- --include-ignored` on a machine with a CUDA GPU.
+
+use std::path::Path;
+
+use kernelforge::codegen::Renderer;
+use kernelforge::gpu::{Compiler, Gpu};
+use kernelforge::spec::{expand, Catalog, Points};
+use kernelforge::tune::verify::{verify, Check, Shapes, Status};
+
+/// Variants drawn per family besides the default.
+const SAMPLE: usize = 4;
+
+fn seed() -> u64 {
+    let seed = std::env::var("KERNELFORGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    eprintln!("seed {seed} (set KERNELFORGE_SEED to reproduce)");
+    seed
+}
+
+fn run(catalog: &Catalog, op: &str, points: impl Fn(u64) -> Points) -> Vec<Check> {
+    let gpu = Gpu::new(0).expect("a CUDA GPU");
+    let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
+    let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
+    let seed = seed();
+    let mut variants = Vec::new();
+    for f in catalog.for_op(op) {
+        variants.extend(expand(f, points(seed), &gpu.info.limits).expect("expand"));
+    }
+    assert!(!variants.is_empty(), "no family implements {op}");
+    let rows = verify(&gpu, &compiler, &renderer, &variants, &Shapes::TestShapes, seed, |_| {});
+    for r in &rows {
+        eprintln!("{:40} {:42} {:>10} {:?}", r.kernel, r.shape, r.error.map(|e| format!("{e:.2e}")).unwrap_or_default(), r.status);
+    }
+    rows
+}
+
+fn check_op(op: &str) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let rows = run(&catalog, op, |seed| Points::Sample { count: SAMPLE, seed });
+    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
+    assert!(failures.is_empty(), "{} of {} checks failed: {failures:#?}", failures.len(), rows.len());
+    // Every family must actually have run somewhere, and every default on every test shape
+    // its constraints allow.
+    for f in catalog.for_op(op) {
+        let passed = rows.iter().filter(|r| r.family == f.name && r.status == Status::Pass).count();
+        assert!(passed > 0, "{}: no variant ran on any test shape", f.name);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_encoder() {
+    check_op("encoder");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_layernorm() {
+    check_op("layernorm");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul() {
+    check_op("matmul");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attention() {
+    check_op("attention");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_softmax() {
+    check_op("softmax");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gelu() {
+    check_op("gelu");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_residual() {
+    check_op("residual");
+}
+
+/// The harness itself must catch broken kernels: one that skips the last element (caught by
+/// the NaN poison), one that is off by a little (caught by the tolerance), one that does not
+/// compile (reported, not a crash).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_harness_catches_broken_kernels() {
+    let dir = tempfile::tempdir().unwrap();
+    let (specs, templates) = (dir.path().join("specs"), dir.path().join("templates"));
+    std::fs::create_dir_all(&specs).unwrap();
+    std::fs::create_dir_all(templates.join("t")).unwrap();
+    let template = r#"extern "C" __global__ void {{ kernel_name }}_main(float* out, const float* a, const float* b, int N) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+{% if bug == 0 %}    if (i < N - 1) out[i] = a[i] + b[i];   // forgets the last element
+{% elif bug == 1 %}    if (i < N) out[i] = a[i] + b[i] * 1.0001f;  // slightly wrong
+{% else %}    this does not compile
+{% endif %}}
+"#;
+    std::fs::write(templates.join("t/bad.cu.tera"), template).unwrap();
+    let spec = r#"[family]
+name = "residual_broken"
+op = "residual"
+template = "t/bad.cu.tera"
+dtypes = ["f32"]
+[params]
+bug = [0, 1, 2]
+[[kernels]]
+name = "main"
+grid = ["ceil_div(N, 128)", "1", "1"]
+block = ["128", "1", "1"]
+[default]
+bug = 0
+"#;
+    std::fs::write(specs.join("residual_broken.toml"), spec).unwrap();
+    let catalog = Catalog::load(&specs, &templates).unwrap();
+    let rows = run(&catalog, "residual", |_| Points::All);
+    assert!(!rows.is_empty());
+    for r in &rows {
+        assert!(matches!(r.status, Status::Fail(_)), "a broken kernel passed: {r:?}");
+    }
+    assert!(rows.iter().any(|r| r.variant.contains("bug=2") && format!("{:?}", r.status).contains("NVRTC")));
+}

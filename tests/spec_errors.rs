@@ -1,0 +1,178 @@
+//! Bad specs are refused with one clear line naming the file and the field.
+
+use std::path::{Path, PathBuf};
+
+use kernelforge::codegen::Renderer;
+use kernelforge::spec::{expand, Family, Points, DeviceLimits};
+
+/// A templates folder with one template that renders, and one that references an unknown variable.
+fn templates() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("t")).unwrap();
+    std::fs::write(
+        dir.path().join("t/ok.cu.tera"),
+        "extern \"C\" __global__ void {{ kernel_name }}_main(float* out, const float* inp, int N) {}\n",
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("t/broken.cu.tera"), "{{ no_such_variable }}\n").unwrap();
+    dir
+}
+
+const GOOD: &str = r#"
+[family]
+name = "gelu_test"
+op = "gelu"
+template = "t/ok.cu.tera"
+description = "test family"
+dtypes = ["f32"]
+
+[params]
+block_size = [64, 128, 256]
+vector_width = [1, 4]
+
+[derived]
+threads = "block_size"
+
+[constraints]
+require = ["threads <= max_threads"]
+
+[[kernels]]
+name = "main"
+grid = ["ceil_div(N, block_size * vector_width)", "1", "1"]
+block = ["threads", "1", "1"]
+
+[default]
+block_size = 128
+vector_width = 4
+"#;
+
+fn parse(text: &str, dir: &Path) -> Result<Family, String> {
+    Family::parse(text, &PathBuf::from("specs/gelu_test.toml"), dir).map_err(|e| e.to_string())
+}
+
+fn error_of(text: &str) -> String {
+    let t = templates();
+    let e = parse(text, t.path()).expect_err("the spec must be refused");
+    assert!(e.starts_with("specs/gelu_test.toml: "), "names the file: {e}");
+    assert!(!e.contains('\n'), "one line: {e}");
+    e
+}
+
+#[test]
+fn the_good_spec_loads_and_expands() {
+    let t = templates();
+    let family = std::sync::Arc::new(parse(GOOD, t.path()).unwrap());
+    assert_eq!(family.point_count(&DeviceLimits::default()).unwrap(), 6);
+    let all = expand(&family, Points::All, &DeviceLimits::default()).unwrap();
+    assert_eq!(all.len(), 6);
+    let default = expand(&family, Points::Default, &DeviceLimits::default()).unwrap();
+    assert_eq!(default.len(), 1);
+    assert_eq!(default[0].params["block_size"], 128);
+    assert_eq!(default[0].derived["threads"], 128);
+}
+
+#[test]
+fn toml_syntax_error_names_the_line() {
+    let e = error_of(&GOOD.replace("block_size = [64, 128, 256]", "block_size = [64, 128"));
+    assert!(e.contains("line"), "{e}");
+}
+
+#[test]
+fn unknown_keys_are_refused() {
+    let e = error_of(&GOOD.replace("dtypes = [\"f32\"]", "dtypes = [\"f32\"]\ntile = 3"));
+    assert!(e.contains("unknown field `tile`"), "{e}");
+    let e = error_of(&GOOD.replace("[derived]", "[derivd]"));
+    assert!(e.contains("unknown field `derivd`"), "{e}");
+}
+
+#[test]
+fn empty_value_list() {
+    let e = error_of(&GOOD.replace("vector_width = [1, 4]", "vector_width = []"));
+    assert!(e.contains("params.vector_width: empty list"), "{e}");
+}
+
+#[test]
+fn constraint_that_rejects_every_point() {
+    let e = error_of(&GOOD.replace("threads <= max_threads", "threads > 4096"));
+    assert!(e.contains("constraints.require: no point of the 6-point space"), "{e}");
+    assert!(e.contains("`threads > 4096` rejects all of them"), "{e}");
+}
+
+#[test]
+fn default_outside_the_space() {
+    let e = error_of(&GOOD.replace("block_size = 128\n", "block_size = 96\n"));
+    assert!(e.contains("default.block_size: 96 is not in params.block_size"), "{e}");
+    let e = error_of(&GOOD.replace("vector_width = 4\n", ""));
+    assert!(e.contains("default: no value for param `vector_width`"), "{e}");
+    let e = error_of(&GOOD.replace("vector_width = 4\n", "vector_width = 4\ntile = 8\n"));
+    assert!(e.contains("default.tile: `tile` is not a param"), "{e}");
+}
+
+#[test]
+fn default_that_violates_a_constraint() {
+    let e = error_of(&GOOD.replace("threads <= max_threads", "threads <= 64"));
+    assert!(e.contains("default: the default point violates `threads <= 64`"), "{e}");
+}
+
+#[test]
+fn missing_template() {
+    let e = error_of(&GOOD.replace("t/ok.cu.tera", "t/nope.cu.tera"));
+    assert!(e.contains("family.template:") && e.contains("nope.cu.tera does not exist"), "{e}");
+}
+
+#[test]
+fn template_that_fails_to_render() {
+    let t = templates();
+    let family = std::sync::Arc::new(parse(&GOOD.replace("t/ok.cu.tera", "t/broken.cu.tera"), t.path()).unwrap());
+    let variant = expand(&family, Points::Default, &DeviceLimits::default()).unwrap().remove(0);
+    let e = Renderer::new(t.path()).unwrap().render(&variant).unwrap_err().to_string();
+    assert!(e.starts_with("specs/gelu_test.toml: family.template: templates/t/broken.cu.tera failed to render"), "{e}");
+    assert!(e.contains("no_such_variable"), "{e}");
+}
+
+#[test]
+fn template_with_a_syntax_error_names_the_file() {
+    let t = templates();
+    std::fs::write(t.path().join("t/bad.cu.tera"), "{% if x %} unterminated").unwrap();
+    let e = Renderer::new(t.path()).err().expect("refused").to_string();
+    assert!(e.contains("bad.cu.tera"), "{e}");
+}
+
+#[test]
+fn unknown_op_epilogue_and_name_mismatch() {
+    let e = error_of(&GOOD.replace("op = \"gelu\"", "op = \"conv\""));
+    assert!(e.contains("family.op: unknown op `conv` (known: "), "{e}");
+    let e = error_of(&GOOD.replace("dtypes = [\"f32\"]", "dtypes = [\"f32\"]\nepilogues = [\"bias\"]"));
+    assert!(e.contains("family.epilogues: op `gelu` has no epilogue `bias`"), "{e}");
+    let e = error_of(&GOOD.replace("name = \"gelu_test\"", "name = \"other\""));
+    assert!(e.contains("family.name: `other` must match the file name `gelu_test.toml`"), "{e}");
+    let e = error_of(&GOOD.replace("dtypes = [\"f32\"]", "dtypes = [\"f64\"]"));
+    assert!(e.contains("f64"), "{e}");
+}
+
+#[test]
+fn bad_expressions_name_the_field() {
+    let e = error_of(&GOOD.replace("threads = \"block_size\"", "threads = \"block_sise * 2\""));
+    assert!(e.contains("derived.threads: `block_sise * 2`: unknown variable `block_sise` (did you mean `block_size`?)"), "{e}");
+    let e = error_of(&GOOD.replace("\"threads\", \"1\", \"1\"", "\"threads\", \"1 +\", \"1\""));
+    assert!(e.contains("kernels[0].block[1]: cannot parse `1 +`"), "{e}");
+    let e = error_of(&GOOD.replace("ceil_div(N, block_size * vector_width)", "ceil_div(M, block_size)"));
+    assert!(e.contains("kernels[0].grid[0]: `ceil_div(M, block_size)`: unknown variable `M`"), "{e}");
+    let e = error_of(&GOOD.replace("require = [\"threads <= max_threads\"]", "require = [\"threads = 3\"]"));
+    assert!(e.contains("constraints.require[0]: cannot parse `threads = 3` at column 9"), "{e}");
+}
+
+#[test]
+fn duplicate_values_and_reserved_names() {
+    let e = error_of(&GOOD.replace("vector_width = [1, 4]", "vector_width = [1, 4, 4]"));
+    assert!(e.contains("params.vector_width: a value is listed twice"), "{e}");
+    let e = error_of(&GOOD.replace("threads = \"block_size\"", "threads = \"block_size\"\nN = \"3\""));
+    assert!(e.contains("derived.N:"), "{e}");
+}
+
+#[test]
+fn no_kernels() {
+    let text = GOOD.split("[[kernels]]").next().unwrap().to_string() + "[default]\nblock_size = 128\nvector_width = 4\n";
+    let e = error_of(&text);
+    assert!(e.contains("kernels: no [[kernels]] entry"), "{e}");
+}
