@@ -98,10 +98,10 @@ fn every_variant_renders_and_defines_its_kernels() {
         for v in expand(f, Points::Sample { count: 12, seed: 7 }, &DeviceLimits::default()).unwrap() {
             let source = renderer.render(&v).unwrap_or_else(|e| panic!("{e}"));
             for k in &f.kernels {
-                let signature = format!("void {}_{}(", source.kernel_name, k.name);
+                let signature = format!("{}_{}(", source.kernel_name, k.name);
                 assert!(source.code.contains(&signature), "{}: no `{signature}` in\n{}", v.key(), source.code);
             }
-            assert!(source.code.contains("extern \"C\""), "{}", v.key());
+            assert!(source.code.contains("extern \"C\" __global__"), "{}", v.key());
         }
     }
 }

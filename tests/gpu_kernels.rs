@@ -106,7 +106,7 @@ fn gpu_harness_catches_broken_kernels() {
     let template = r#"extern "C" __global__ void {{ kernel_name }}_main(float* out, const float* a, const float* b, int N) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
 {% if bug == 0 %}    if (i < N - 1) out[i] = a[i] + b[i];   // forgets the last element
-{% elif bug == 1 %}    if (i < N) out[i] = a[i] + b[i] * 1.0001f;  // slightly wrong
+{% elif bug == 1 %}    if (i < N) out[i] = a[i] + b[i] + 1e-3f;  // slightly wrong
 {% else %}    this does not compile
 {% endif %}}
 "#;

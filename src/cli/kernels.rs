@@ -8,7 +8,7 @@ use clap::Args;
 use crate::codegen::{render_catalog, write_files, Renderer};
 use crate::gpu::{Compiler, Gpu, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask};
-use crate::spec::{self, expand, variant_with, Catalog, DeviceLimits, Dtype, Points};
+use crate::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Points};
 use crate::tune::verify::{self, Check, Shapes, Status};
 
 /// Render kernel families to CUDA source files for reading.
@@ -103,14 +103,14 @@ fn parse_param(text: &str) -> Result<(String, i64), String> {
 fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
     [Epilogue::None, Epilogue::Bias, Epilogue::BiasGelu, Epilogue::BiasResidual, Epilogue::Qkv]
         .into_iter()
-        .find(|e| spec::epilogue_name(*e) == text)
+        .find(|e| e.as_str() == text)
         .ok_or_else(|| format!("unknown epilogue `{text}` (none, bias, bias_gelu, bias_residual, qkv)"))
 }
 
 fn parse_mask(text: &str) -> Result<Mask, String> {
     [Mask::Causal, Mask::Full, Mask::Window]
         .into_iter()
-        .find(|m| spec::mask_name(*m) == text)
+        .find(|m| m.as_str() == text)
         .ok_or_else(|| format!("unknown mask `{text}` (causal, full, window)"))
 }
 

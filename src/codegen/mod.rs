@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use crate::spec::{epilogue_name, mask_name, expand, Catalog, DeviceLimits, Points, SpecError, Variant};
+use crate::spec::{expand, Catalog, DeviceLimits, Points, SpecError, Variant};
 
 /// Rendering failed; the message names the spec and template.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +60,20 @@ impl Renderer {
         Ok(Renderer { tera })
     }
 
+    /// Renders a template that is not a family (the baselines' helper kernels) with `vars`.
+    pub fn render_template(&self, template: &str, vars: &[(&str, &str)]) -> Result<String, CodegenError> {
+        let mut ctx = tera::Context::new();
+        for (k, v) in vars {
+            ctx.insert(*k, v);
+        }
+        self.tera.render(template, &ctx).map_err(|e| CodegenError::Render {
+            spec: PathBuf::from("(no spec)"),
+            template: template.to_string(),
+            variant: format!("{vars:?}"),
+            message: error_chain(&e),
+        })
+    }
+
     /// Renders one variant. The source starts with a header naming the spec, template and point.
     pub fn render(&self, variant: &Variant) -> Result<Source, CodegenError> {
         let family = &variant.family;
@@ -69,8 +83,8 @@ impl Renderer {
         ctx.insert("family", &family.name);
         ctx.insert("op", family.op.name());
         ctx.insert("dtype", &variant.dtype.to_string());
-        ctx.insert("epilogue", epilogue_name(variant.epilogue));
-        ctx.insert("mask", mask_name(variant.mask));
+        ctx.insert("epilogue", variant.epilogue.as_str());
+        ctx.insert("mask", variant.mask.as_str());
         for (k, v) in variant.params.iter().chain(variant.derived.iter()) {
             ctx.insert(k.as_str(), v);
         }
@@ -124,10 +138,10 @@ pub fn render_catalog(catalog: &Catalog, points: Points, limits: &DeviceLimits) 
                         parts.push(variant.dtype.to_string());
                     }
                     if variant.epilogue != crate::ops::Epilogue::None {
-                        parts.push(epilogue_name(variant.epilogue).to_string());
+                        parts.push(variant.epilogue.as_str().to_string());
                     }
                     if variant.mask != crate::ops::Mask::None {
-                        parts.push(mask_name(variant.mask).to_string());
+                        parts.push(variant.mask.as_str().to_string());
                     }
                     if parts.is_empty() {
                         "default".to_string()

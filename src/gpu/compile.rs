@@ -238,7 +238,7 @@ pub fn source_context(log: &str, code: &str) -> String {
     });
     let Some(line) = line else { return String::new() };
     let lines: Vec<&str> = code.lines().collect();
-    let first = line.saturating_sub(4).max(1);
+    let first = line.saturating_sub(3).max(1);
     let last = (line + 3).min(lines.len());
     let mut out = format!("\nsource around line {line}:\n");
     for n in first..=last {

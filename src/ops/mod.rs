@@ -6,6 +6,14 @@ use std::collections::BTreeMap;
 
 use rand::rngs::StdRng;
 
+pub mod attention;
+pub mod encoder;
+pub mod gelu;
+pub mod layernorm;
+pub mod matmul;
+pub mod residual;
+pub mod softmax;
+
 /// Named problem dimensions (`M`, `N`, `K`, `T`, ...), visible to launch expressions.
 pub type Shape = BTreeMap<String, i64>;
 
@@ -56,7 +64,9 @@ pub enum Arg {
 }
 
 /// Fused epilogue of a matmul (`none` for other ops).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Epilogue {
     None,
@@ -67,7 +77,9 @@ pub enum Epilogue {
 }
 
 /// Attention mask (`none` for other ops).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Mask {
     None,
@@ -87,37 +99,748 @@ pub struct Problem {
     pub args: Vec<Arg>,
 }
 
-// ---- interim declarations (replaced by the op contracts branch) ----
-#[derive(Debug, thiserror::Error)]
-pub enum OpError {
-    #[error("{0}")]
-    Invalid(String),
+impl Epilogue {
+    /// The spec / CLI spelling (`bias_gelu`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Epilogue::None => "none",
+            Epilogue::Bias => "bias",
+            Epilogue::BiasGelu => "bias_gelu",
+            Epilogue::BiasResidual => "bias_residual",
+            Epilogue::Qkv => "qkv",
+        }
+    }
 }
 
+impl std::fmt::Display for Epilogue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Mask {
+    /// The spec / CLI spelling (`causal`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mask::None => "none",
+            Mask::Causal => "causal",
+            Mask::Full => "full",
+            Mask::Window => "window",
+        }
+    }
+}
+
+impl std::fmt::Display for Mask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl TensorArg {
+    pub fn input_f32(name: &'static str, data: Vec<f32>) -> Self {
+        TensorArg {
+            name,
+            role: Role::Input,
+            data: HostData::F32(data),
+        }
+    }
+    pub fn input_i32(name: &'static str, data: Vec<i32>) -> Self {
+        TensorArg {
+            name,
+            role: Role::Input,
+            data: HostData::I32(data),
+        }
+    }
+    /// An output buffer of `len` f32 (filled with NaN; the runner poisons it anyway).
+    pub fn output_f32(name: &'static str, len: usize) -> Self {
+        TensorArg {
+            name,
+            role: Role::Output,
+            data: HostData::F32(vec![f32::NAN; len]),
+        }
+    }
+}
+
+impl Problem {
+    /// The tensor called `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorArg> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+    /// Index into [`Problem::tensors`] of the tensor called `name`.
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.tensors.iter().position(|t| t.name == name)
+    }
+    /// The f32 data of the tensor called `name` (panics when absent or not f32: a contract bug).
+    pub fn f32s(&self, name: &str) -> &[f32] {
+        match self.tensor(name).map(|t| &t.data) {
+            Some(HostData::F32(v)) => v,
+            _ => panic!("{}: no f32 tensor named {name}", self.op),
+        }
+    }
+    /// The i32 data of the tensor called `name` (panics when absent or not i32).
+    pub fn i32s(&self, name: &str) -> &[i32] {
+        match self.tensor(name).map(|t| &t.data) {
+            Some(HostData::I32(v)) => v,
+            _ => panic!("{}: no i32 tensor named {name}", self.op),
+        }
+    }
+    /// A shape variable (panics when absent: problems are built from complete shapes).
+    pub fn dim(&self, name: &str) -> usize {
+        match self.shape.get(name) {
+            Some(&v) if v >= 0 => v as usize,
+            _ => panic!("{}: shape has no variable {name}", self.op),
+        }
+    }
+    /// Indices of the output tensors.
+    pub fn outputs(&self) -> Vec<usize> {
+        (0..self.tensors.len())
+            .filter(|&i| self.tensors[i].role == Role::Output)
+            .collect()
+    }
+}
+
+/// Why a shape, epilogue or mask does not fit an op.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    #[error("{op}: epilogue `{epilogue}` is not supported (supported: {supported})")]
+    UnsupportedEpilogue {
+        op: &'static str,
+        epilogue: Epilogue,
+        supported: String,
+    },
+    #[error("{op}: mask `{mask}` is not supported (supported: {supported})")]
+    UnsupportedMask {
+        op: &'static str,
+        mask: Mask,
+        supported: String,
+    },
+    #[error("{op}: shape variable {var} is missing ({hint})")]
+    MissingVar {
+        op: &'static str,
+        var: String,
+        hint: String,
+    },
+    #[error("{op}: {msg}")]
+    Shape { op: &'static str, msg: String },
+    #[error("{op}: cannot parse shape `{text}`: {msg}")]
+    Parse {
+        op: &'static str,
+        text: String,
+        msg: String,
+    },
+}
+
+/// The contract of one op: kernel arguments, shape variables, test problems and the f64 reference.
 pub trait OpContract: Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
+    /// One line for --help.
     fn summary(&self) -> &'static str;
+    /// Shape variables `--shape` lists, in order (matmul: ["M","N","K"]).
     fn dims(&self) -> &'static [&'static str];
+    /// Further shape variables that `--shape` may name (`T`, `n_head`, `pos_offset`, ...); they
+    /// may be zero and [`OpContract::complete_shape`] fills them in when absent.
+    fn optional_vars(&self) -> &'static [&'static str] {
+        &[]
+    }
+    /// The epilogues / masks it supports ([Epilogue::None] / [Mask::None] when not applicable).
     fn epilogues(&self) -> &'static [Epilogue];
     fn masks(&self) -> &'static [Mask];
-    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError>;
+    /// Fill in derived/optional shape variables and validate. Every variable a launch
+    /// expression may use is present afterwards. Idempotent.
+    fn complete_shape(
+        &self,
+        shape: &mut Shape,
+        epilogue: Epilogue,
+        mask: Mask,
+    ) -> Result<(), OpError>;
+    /// Awkward shapes for verification (not multiples of 32/64, tiny ones), already complete.
     fn test_shapes(&self, epilogue: Epilogue, mask: Mask) -> Vec<Shape>;
-    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError>;
+    /// A problem with fresh random inputs, output buffers sized, args in kernel-signature order.
+    /// The shape is completed first (so a partial one is fine).
+    fn problem(
+        &self,
+        shape: &Shape,
+        epilogue: Epilogue,
+        mask: Mask,
+        rng: &mut StdRng,
+    ) -> Result<Problem, OpError>;
+    /// f64 reference for every Output tensor: (index into problem.tensors, values).
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)>;
 }
 
+static ALL_OPS: [&dyn OpContract; 7] = [
+    &encoder::Encoder,
+    &layernorm::LayerNorm,
+    &matmul::Matmul,
+    &attention::Attention,
+    &softmax::Softmax,
+    &gelu::Gelu,
+    &residual::Residual,
+];
+
+/// Every op contract.
 pub fn all_ops() -> &'static [&'static dyn OpContract] {
-    &[]
+    &ALL_OPS
 }
+
+/// The op called `name` (`matmul`, ...).
 pub fn op_by_name(name: &str) -> Option<&'static dyn OpContract> {
-    all_ops().iter().copied().find(|o| o.name() == name)
+    ALL_OPS.iter().copied().find(|op| op.name() == name)
 }
+
+/// Names of every op, in [`all_ops`] order.
 pub fn op_names() -> Vec<&'static str> {
-    all_ops().iter().map(|o| o.name()).collect()
+    ALL_OPS.iter().map(|op| op.name()).collect()
 }
-pub fn parse_shape(_op: &dyn OpContract, _text: &str) -> Result<Shape, OpError> {
-    unimplemented!()
+
+fn shape_usage(op: &dyn OpContract) -> String {
+    let dims = op.dims().join(",");
+    let mut s = format!(
+        "expected {} comma-separated values ({dims}) or NAME=VALUE pairs",
+        op.dims().len()
+    );
+    if !op.optional_vars().is_empty() {
+        s += &format!(" (optional: {})", op.optional_vars().join(", "));
+    }
+    s
 }
-pub fn relative_l2_error(_got: &[f32], _want: &[f64]) -> f64 {
-    unimplemented!()
+
+/// Parse `--shape`: `"37,100,72"` positional by [`OpContract::dims`], or
+/// `"M=37,N=100,K=72,T=37,n_head=2"` named (positional values may precede named ones).
+/// Dims must be positive; optional variables non-negative. The result is not completed.
+pub fn parse_shape(op: &dyn OpContract, text: &str) -> Result<Shape, OpError> {
+    let err = |msg: String| OpError::Parse {
+        op: op.name(),
+        text: text.to_string(),
+        msg,
+    };
+    let dims = op.dims();
+    let mut shape = Shape::new();
+    let mut positional = 0usize;
+    let mut seen_named = false;
+    for (i, item) in text.split(',').enumerate() {
+        let item = item.trim();
+        if item.is_empty() {
+            return Err(err(format!("empty item #{}; {}", i + 1, shape_usage(op))));
+        }
+        let (name, value) = match item.split_once('=') {
+            Some((n, v)) => {
+                seen_named = true;
+                let n = n.trim();
+                let known = dims.iter().chain(op.optional_vars()).find(|d| **d == n);
+                match known {
+                    Some(d) => (*d, v.trim()),
+                    None => {
+                        return Err(err(format!("unknown variable `{n}`; {}", shape_usage(op))))
+                    }
+                }
+            }
+            None => {
+                if seen_named {
+                    return Err(err(format!(
+                        "positional value `{item}` after named ones; {}",
+                        shape_usage(op)
+                    )));
+                }
+                if positional >= dims.len() {
+                    return Err(err(format!("too many values; {}", shape_usage(op))));
+                }
+                positional += 1;
+                (dims[positional - 1], item)
+            }
+        };
+        let v: i64 = value.parse().map_err(|_| {
+            err(format!(
+                "{name}=`{value}` is not an integer; {}",
+                shape_usage(op)
+            ))
+        })?;
+        let is_dim = dims.contains(&name);
+        if is_dim && v <= 0 {
+            return Err(err(format!("{name} must be positive (got {v})")));
+        }
+        if v < 0 {
+            return Err(err(format!("{name} must not be negative (got {v})")));
+        }
+        if v > i32::MAX as i64 {
+            return Err(err(format!("{name}={v} does not fit a 32-bit int")));
+        }
+        if shape.insert(name.to_string(), v).is_some() {
+            return Err(err(format!("{name} given twice")));
+        }
+    }
+    let missing: Vec<&str> = dims
+        .iter()
+        .copied()
+        .filter(|d| !shape.contains_key(*d))
+        .collect();
+    if !missing.is_empty() {
+        return Err(err(format!(
+            "missing {}; {}",
+            missing.join(", "),
+            shape_usage(op)
+        )));
+    }
+    Ok(shape)
+}
+
+/// Relative L2 error `||got - want|| / ||want||` (denominator floored at 1e-30); any NaN/inf in
+/// `got`, or a length mismatch, gives `f64::INFINITY`.
+pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let mut diff = 0.0f64;
+    let mut norm = 0.0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        if !g.is_finite() {
+            return f64::INFINITY;
+        }
+        let d = g as f64 - w;
+        diff += d * d;
+        norm += w * w;
+    }
+    let e = diff.sqrt() / norm.sqrt().max(1e-30);
+    if e.is_nan() {
+        f64::INFINITY
+    } else {
+        e
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers shared by the op files.
+
+/// Check that the epilogue and mask are among the op's.
+pub(crate) fn check_variant(
+    op: &dyn OpContract,
+    epilogue: Epilogue,
+    mask: Mask,
+) -> Result<(), OpError> {
+    if !op.epilogues().contains(&epilogue) {
+        let supported = op
+            .epilogues()
+            .iter()
+            .map(|e| e.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(OpError::UnsupportedEpilogue {
+            op: op.name(),
+            epilogue,
+            supported,
+        });
+    }
+    if !op.masks().contains(&mask) {
+        let supported = op
+            .masks()
+            .iter()
+            .map(|m| m.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(OpError::UnsupportedMask {
+            op: op.name(),
+            mask,
+            supported,
+        });
+    }
+    Ok(())
+}
+
+/// A positive dim of the shape, or an error naming it.
+pub(crate) fn get_dim(op: &dyn OpContract, shape: &Shape, name: &str) -> Result<i64, OpError> {
+    match shape.get(name) {
+        None => Err(OpError::MissingVar {
+            op: op.name(),
+            var: name.to_string(),
+            hint: format!("give all of {} in --shape", op.dims().join(",")),
+        }),
+        Some(&v) if v <= 0 => Err(OpError::Shape {
+            op: op.name(),
+            msg: format!("{name} must be positive (got {v})"),
+        }),
+        Some(&v) => Ok(v),
+    }
+}
+
+/// Check that every value and the given element counts fit a 32-bit int (kernels index with `int`).
+pub(crate) fn check_i32(
+    op: &dyn OpContract,
+    shape: &Shape,
+    counts: &[(&str, i64)],
+) -> Result<(), OpError> {
+    for (k, &v) in shape {
+        if !(0..=i32::MAX as i64).contains(&v) {
+            return Err(OpError::Shape {
+                op: op.name(),
+                msg: format!("{k}={v} must be in 0..=2^31-1"),
+            });
+        }
+    }
+    for &(what, n) in counts {
+        if n > i32::MAX as i64 {
+            return Err(OpError::Shape {
+                op: op.name(),
+                msg: format!(
+                    "{what} has {n} elements, more than a 32-bit index reaches; use smaller dims"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Build a shape from pairs.
+pub(crate) fn shape_of(pairs: &[(&str, i64)]) -> Shape {
+    pairs.iter().map(|&(k, v)| (k.to_string(), v)).collect()
+}
+
+/// `n` values uniform in `[lo, hi)`.
+pub(crate) fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    use rand::Rng;
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// GELU, tanh approximation, in f64.
+pub(crate) fn gelu_f64(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+}
+
+pub(crate) fn to_f64(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    /// The op signatures of templates/README.md, verbatim.
+    const SIGNATURES: &[(&str, &str)] = &[
+        ("encoder", "float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C, int pos_offset"),
+        ("layernorm", "float* out, const float* inp, const float* gamma, const float* beta, int N, int C"),
+        ("matmul", "float* out, const float* inp, const float* weight, const float* bias, const float* residual, float* workspace, int M, int N, int K, int T, int n_head"),
+        ("attention", "float* out, const float* q, const float* k, const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale"),
+        ("softmax", "float* out, const float* inp, int N, int C"),
+        ("gelu", "float* out, const float* inp, int N"),
+        ("residual", "float* out, const float* a, const float* b, int N"),
+    ];
+
+    fn variants(op: &dyn OpContract) -> Vec<(Epilogue, Mask)> {
+        op.epilogues()
+            .iter()
+            .flat_map(|&e| op.masks().iter().map(move |&m| (e, m)))
+            .collect()
+    }
+
+    #[test]
+    fn registry() {
+        assert_eq!(
+            op_names(),
+            [
+                "encoder",
+                "layernorm",
+                "matmul",
+                "attention",
+                "softmax",
+                "gelu",
+                "residual"
+            ]
+        );
+        for name in op_names() {
+            assert_eq!(op_by_name(name).unwrap().name(), name);
+        }
+        assert!(op_by_name("conv2d").is_none());
+        assert_eq!(op_by_name("matmul").unwrap().dims(), ["M", "N", "K"]);
+    }
+
+    #[test]
+    fn args_match_readme_signatures() {
+        assert_eq!(SIGNATURES.len(), all_ops().len());
+        let mut rng = StdRng::seed_from_u64(7);
+        for &(name, sig) in SIGNATURES {
+            let op = op_by_name(name).unwrap();
+            for (e, m) in variants(op) {
+                let shape = &op.test_shapes(e, m)[1];
+                let p = op.problem(shape, e, m, &mut rng).unwrap();
+                let params: Vec<&str> = sig.split(", ").collect();
+                assert_eq!(p.args.len(), params.len(), "{name}: arg count");
+                for (param, arg) in params.iter().zip(&p.args) {
+                    let pname = param.rsplit(' ').next().unwrap();
+                    match (param.contains('*'), arg) {
+                        (true, Arg::Workspace) => assert_eq!(pname, "workspace", "{name}"),
+                        (true, &Arg::Tensor(i)) => {
+                            let t = &p.tensors[i];
+                            assert_eq!(t.name, pname, "{name}");
+                            assert!(!t.data.is_empty(), "{name}.{pname} empty");
+                            let want_role = if param.starts_with("const ") {
+                                Role::Input
+                            } else {
+                                Role::Output
+                            };
+                            assert_eq!(t.role, want_role, "{name}.{pname}");
+                            match &t.data {
+                                HostData::F32(_) => {
+                                    assert!(param.contains("float*"), "{name}.{pname}")
+                                }
+                                HostData::I32(_) => {
+                                    assert!(param.contains("int*"), "{name}.{pname}")
+                                }
+                            }
+                        }
+                        (false, &Arg::I32(v)) => {
+                            assert!(param.starts_with("int "), "{name}.{pname}");
+                            assert_eq!(p.shape[pname], v as i64, "{name}.{pname}");
+                        }
+                        (false, &Arg::F32(v)) => {
+                            assert!(param.starts_with("float "), "{name}.{pname}");
+                            assert_eq!(pname, "scale");
+                            assert_eq!(v, 1.0 / (p.shape["HS"] as f32).sqrt());
+                        }
+                        _ => panic!("{name}: {param} got {arg:?}"),
+                    }
+                }
+                // Every tensor is an argument exactly once.
+                let mut used: Vec<usize> = p
+                    .args
+                    .iter()
+                    .filter_map(|a| {
+                        if let Arg::Tensor(i) = a {
+                            Some(*i)
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                used.sort();
+                assert_eq!(used, (0..p.tensors.len()).collect::<Vec<_>>(), "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn test_shapes_complete_and_references_sized() {
+        let mut rng = StdRng::seed_from_u64(11);
+        for &op in all_ops() {
+            for (e, m) in variants(op) {
+                let shapes = op.test_shapes(e, m);
+                assert!(shapes.len() >= 3, "{}", op.name());
+                let awkward = shapes
+                    .iter()
+                    .any(|s| op.dims().iter().any(|d| s[*d] % 4 != 0));
+                assert!(
+                    awkward,
+                    "{}: needs a shape that is not a multiple of 4",
+                    op.name()
+                );
+                for shape in shapes {
+                    let mut again = shape.clone();
+                    op.complete_shape(&mut again, e, m).unwrap();
+                    assert_eq!(
+                        again,
+                        shape,
+                        "{} {e} {m}: test shape not complete",
+                        op.name()
+                    );
+                    let p = op.problem(&shape, e, m, &mut rng).unwrap();
+                    assert_eq!(p.shape, shape);
+                    let refs = op.reference(&p);
+                    assert_eq!(refs.iter().map(|r| r.0).collect::<Vec<_>>(), p.outputs());
+                    for (i, want) in refs {
+                        assert_eq!(
+                            want.len(),
+                            p.tensors[i].data.len(),
+                            "{} {shape:?}",
+                            op.name()
+                        );
+                        assert!(
+                            want.iter().all(|x| x.is_finite()),
+                            "{} {shape:?}",
+                            op.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiny_shapes_covered() {
+        // Every op verifies on a shape with T=1 (encoder, attention, qkv) or a first dim of 1.
+        for &op in all_ops() {
+            for (e, m) in variants(op) {
+                let shapes = op.test_shapes(e, m);
+                let tiny = |s: &Shape| s.get("T") == Some(&1) || s[op.dims()[0]] == 1;
+                assert!(shapes.iter().any(tiny), "{} {e}: no tiny shape", op.name());
+            }
+        }
+    }
+
+    #[test]
+    fn different_seeds_different_inputs() {
+        for &op in all_ops() {
+            for (e, m) in variants(op) {
+                let shape = op.test_shapes(e, m).pop().unwrap();
+                let a = op
+                    .problem(&shape, e, m, &mut StdRng::seed_from_u64(1))
+                    .unwrap();
+                let b = op
+                    .problem(&shape, e, m, &mut StdRng::seed_from_u64(2))
+                    .unwrap();
+                let a2 = op
+                    .problem(&shape, e, m, &mut StdRng::seed_from_u64(1))
+                    .unwrap();
+                for ((ta, tb), ta2) in a.tensors.iter().zip(&b.tensors).zip(&a2.tensors) {
+                    if ta.role == Role::Input && ta.data.len() > 1 {
+                        assert_ne!(ta.data, tb.data, "{} {}", op.name(), ta.name);
+                        assert_eq!(ta.data, ta2.data, "{} {}: same seed", op.name(), ta.name);
+                        if let HostData::F32(v) = &ta.data {
+                            assert!(v.iter().all(|x| x.is_finite()));
+                            assert!(
+                                v.iter().any(|&x| x != 0.0),
+                                "{} {} all zero",
+                                op.name(),
+                                ta.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn parse_shape_good() {
+        let mm = op_by_name("matmul").unwrap();
+        let s = parse_shape(mm, "37,100,72").unwrap();
+        assert_eq!(s, shape_of(&[("M", 37), ("N", 100), ("K", 72)]));
+        let s = parse_shape(mm, " M=37, N = 100,K=72,T=37,n_head=2 ").unwrap();
+        assert_eq!(
+            s,
+            shape_of(&[("M", 37), ("N", 100), ("K", 72), ("T", 37), ("n_head", 2)])
+        );
+        let s = parse_shape(mm, "K=72,M=37,N=100").unwrap();
+        assert_eq!(s["K"], 72);
+        let s = parse_shape(mm, "10,48,40,T=5,n_head=2").unwrap();
+        assert_eq!((s["M"], s["T"]), (10, 5));
+        let enc = op_by_name("encoder").unwrap();
+        let s = parse_shape(enc, "4,64,768,pos_offset=0").unwrap();
+        assert_eq!(s["pos_offset"], 0);
+        let gelu = op_by_name("gelu").unwrap();
+        assert_eq!(parse_shape(gelu, "1001").unwrap()["N"], 1001);
+    }
+
+    #[test]
+    fn parse_shape_bad() {
+        let mm = op_by_name("matmul").unwrap();
+        let bad = [
+            ("37,100", "missing K"),
+            ("37,100,72,5", "too many"),
+            ("M=37,N=100,X=1", "unknown variable `X`"),
+            ("M=37,N=100", "missing K"),
+            ("37,0,72", "N must be positive"),
+            ("37,-1,72", "N must be positive"),
+            ("37,abc,72", "not an integer"),
+            ("37,,72", "empty"),
+            ("M=3,M=4,N=1,K=1", "twice"),
+            ("37,N=100,72", "after named"),
+            ("37,100,72,T=-1", "must not be negative"),
+            ("37,100,99999999999", "32-bit"),
+            ("", "empty"),
+        ];
+        for (text, want) in bad {
+            let e = parse_shape(mm, text).unwrap_err().to_string();
+            assert!(e.starts_with("matmul: cannot parse shape"), "{e}");
+            assert!(e.contains(want), "{text}: {e}");
+        }
+        // The usage names the dims.
+        let e = parse_shape(mm, "1,2").unwrap_err().to_string();
+        assert!(e.contains("(M,N,K)") && e.contains("T, n_head"), "{e}");
+        let att = op_by_name("attention").unwrap();
+        let e = parse_shape(att, "1,2,3").unwrap_err().to_string();
+        assert!(e.contains("B,NH,T,HS"), "{e}");
+    }
+
+    #[test]
+    fn complete_shape_errors() {
+        for &op in all_ops() {
+            let mut empty = Shape::new();
+            let (e, m) = variants(op)[0];
+            let err = op.complete_shape(&mut empty, e, m).unwrap_err().to_string();
+            assert!(
+                err.starts_with(op.name()) && err.contains(op.dims()[0]),
+                "{err}"
+            );
+            if op.name() != "matmul" {
+                let mut s = op.test_shapes(e, m)[0].clone();
+                let err = op
+                    .complete_shape(&mut s, Epilogue::Qkv, m)
+                    .unwrap_err()
+                    .to_string();
+                assert!(err.contains("epilogue `qkv` is not supported"), "{err}");
+            }
+            let mut s = op.test_shapes(e, m)[0].clone();
+            s.insert(op.dims()[0].to_string(), 0);
+            assert!(op.complete_shape(&mut s, e, m).is_err(), "{}", op.name());
+        }
+        let ln = op_by_name("layernorm").unwrap();
+        let mut s = shape_of(&[("N", 1 << 20), ("C", 1 << 12)]);
+        let err = ln
+            .complete_shape(&mut s, Epilogue::None, Mask::None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("32-bit"), "{err}");
+        let mm = op_by_name("matmul").unwrap();
+        let err = mm.problem(
+            &shape_of(&[("M", 4)]),
+            Epilogue::Bias,
+            Mask::None,
+            &mut StdRng::seed_from_u64(0),
+        );
+        assert!(err.unwrap_err().to_string().contains("N is missing"));
+    }
+
+    #[test]
+    fn relative_l2() {
+        assert_eq!(relative_l2_error(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        let e = relative_l2_error(&[3.0, 4.0], &[0.0, 5.0]);
+        // ||(3,-1)|| / 5
+        assert!((e - 10f64.sqrt() / 5.0).abs() < 1e-12);
+        assert_eq!(
+            relative_l2_error(&[1.0, f32::NAN], &[1.0, 2.0]),
+            f64::INFINITY
+        );
+        assert_eq!(relative_l2_error(&[f32::INFINITY], &[1.0]), f64::INFINITY);
+        assert_eq!(
+            relative_l2_error(&[f32::NEG_INFINITY], &[1.0]),
+            f64::INFINITY
+        );
+        assert_eq!(relative_l2_error(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(relative_l2_error(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
+        assert!(relative_l2_error(&[1e-3], &[0.0]) > 1e20);
+        assert_eq!(relative_l2_error(&[], &[]), 0.0);
+    }
+
+    #[test]
+    fn error_messages_name_op_and_fix() {
+        let mm = op_by_name("matmul").unwrap();
+        let mut s = shape_of(&[("M", 10), ("N", 100), ("K", 8), ("T", 5), ("n_head", 2)]);
+        let e = mm
+            .complete_shape(&mut s, Epilogue::Qkv, Mask::None)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "matmul: qkv epilogue needs N divisible by 3*n_head (N=100, n_head=2)"
+        );
+        let sm = op_by_name("softmax").unwrap();
+        let mut s = shape_of(&[("N", 3), ("C", 4)]);
+        let e = sm
+            .complete_shape(&mut s, Epilogue::None, Mask::Causal)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "softmax: mask `causal` is not supported (supported: none)"
+        );
+    }
 }

@@ -34,27 +34,6 @@ impl fmt::Display for Dtype {
     }
 }
 
-/// Lower-case spec name of an epilogue (`bias_gelu`).
-pub fn epilogue_name(e: Epilogue) -> &'static str {
-    match e {
-        Epilogue::None => "none",
-        Epilogue::Bias => "bias",
-        Epilogue::BiasGelu => "bias_gelu",
-        Epilogue::BiasResidual => "bias_residual",
-        Epilogue::Qkv => "qkv",
-    }
-}
-
-/// Lower-case spec name of a mask (`causal`).
-pub fn mask_name(m: Mask) -> &'static str {
-    match m {
-        Mask::None => "none",
-        Mask::Causal => "causal",
-        Mask::Full => "full",
-        Mask::Window => "window",
-    }
-}
-
 /// What the device allows; expressions see these as `max_threads`, `max_smem_static`,
 /// `max_smem_dynamic`, `num_sms` and `warp_size`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, Deserialize)]
@@ -345,8 +324,8 @@ impl Family {
                     format!(
                         "op `{}` has no epilogue `{}` (it supports: {})",
                         op.name(),
-                        epilogue_name(*e),
-                        op.epilogues().iter().map(|e| epilogue_name(*e)).collect::<Vec<_>>().join(", ")
+                        e.as_str(),
+                        op.epilogues().iter().map(|e| e.as_str()).collect::<Vec<_>>().join(", ")
                     ),
                 ));
             }
@@ -359,8 +338,8 @@ impl Family {
                     format!(
                         "op `{}` has no mask `{}` (it supports: {})",
                         op.name(),
-                        mask_name(*m),
-                        op.masks().iter().map(|m| mask_name(*m)).collect::<Vec<_>>().join(", ")
+                        m.as_str(),
+                        op.masks().iter().map(|m| m.as_str()).collect::<Vec<_>>().join(", ")
                     ),
                 ));
             }
@@ -815,10 +794,10 @@ impl Variant {
     pub fn key(&self) -> String {
         let mut parts = vec![format!("dtype={}", self.dtype)];
         if self.epilogue != Epilogue::None {
-            parts.push(format!("epilogue={}", epilogue_name(self.epilogue)));
+            parts.push(format!("epilogue={}", self.epilogue.as_str()));
         }
         if self.mask != Mask::None {
-            parts.push(format!("mask={}", mask_name(self.mask)));
+            parts.push(format!("mask={}", self.mask.as_str()));
         }
         parts.extend(self.params.iter().map(|(k, v)| format!("{k}={v}")));
         parts.join(" ")
@@ -830,10 +809,10 @@ impl Variant {
         let hash: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
         let mut name = self.family.name.clone();
         if self.epilogue != Epilogue::None {
-            name = format!("{name}_{}", epilogue_name(self.epilogue));
+            name = format!("{name}_{}", self.epilogue.as_str());
         }
         if self.mask != Mask::None {
-            name = format!("{name}_{}", mask_name(self.mask));
+            name = format!("{name}_{}", self.mask.as_str());
         }
         format!("{name}_{hash}")
     }

@@ -1,6 +1,8 @@
 //! Checking and measuring variants on the GPU: [`verify`] runs variants against the ops' f64
 //! CPU references.
 
+pub mod baseline;
 pub mod db;
 pub mod time;
+pub mod workloads;
 pub mod verify;

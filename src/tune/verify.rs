@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use crate::codegen::Renderer;
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask, Problem, Shape};
-use crate::spec::{epilogue_name, mask_name, shape_text, Dtype, Variant};
+use crate::spec::{shape_text, Dtype, Variant};
 
 /// Largest relative L2 error a dtype may show against the f64 reference (DESIGN.md).
 pub fn tolerance(dtype: Dtype) -> f64 {
@@ -193,10 +193,10 @@ fn run_one(
 fn row_for(variant: &Variant, shape: &Shape, error: Option<f64>, status: Status) -> Check {
     let mut kernel = variant.family.name.clone();
     if variant.epilogue != Epilogue::None {
-        kernel = format!("{kernel}[{}]", epilogue_name(variant.epilogue));
+        kernel = format!("{kernel}[{}]", variant.epilogue.as_str());
     }
     if variant.mask != Mask::None {
-        kernel = format!("{kernel}[{}]", mask_name(variant.mask));
+        kernel = format!("{kernel}[{}]", variant.mask.as_str());
     }
     Check {
         family: variant.family.name.clone(),

@@ -1,0 +1,107 @@
+//! residual: `out[i] = a[i] + b[i]`.
+//!
+//! Kernel arguments: `float* out, const float* a, const float* b, int N`. Shape: `N` (elements).
+//! Tensors: `out [N]` (output), `a [N]`, `b [N]`, inputs uniform in `[-1, 1]`.
+//! No epilogue, no mask.
+
+use rand::rngs::StdRng;
+
+use super::*;
+
+#[derive(Debug)]
+pub struct Residual;
+
+impl OpContract for Residual {
+    fn name(&self) -> &'static str {
+        "residual"
+    }
+    fn summary(&self) -> &'static str {
+        "elementwise residual add: out = a + b"
+    }
+    fn dims(&self) -> &'static [&'static str] {
+        &["N"]
+    }
+    fn epilogues(&self) -> &'static [Epilogue] {
+        &[Epilogue::None]
+    }
+    fn masks(&self) -> &'static [Mask] {
+        &[Mask::None]
+    }
+    fn complete_shape(
+        &self,
+        shape: &mut Shape,
+        epilogue: Epilogue,
+        mask: Mask,
+    ) -> Result<(), OpError> {
+        check_variant(self, epilogue, mask)?;
+        get_dim(self, shape, "N")?;
+        check_i32(self, shape, &[])
+    }
+    fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
+        [1, 3, 37, 1001, 4099, 100_003]
+            .iter()
+            .map(|&n| shape_of(&[("N", n)]))
+            .collect()
+    }
+    fn problem(
+        &self,
+        shape: &Shape,
+        epilogue: Epilogue,
+        mask: Mask,
+        rng: &mut StdRng,
+    ) -> Result<Problem, OpError> {
+        let mut shape = shape.clone();
+        self.complete_shape(&mut shape, epilogue, mask)?;
+        let n = shape["N"];
+        let tensors = vec![
+            TensorArg::output_f32("out", n as usize),
+            TensorArg::input_f32("a", uniform(rng, n as usize, -1.0, 1.0)),
+            TensorArg::input_f32("b", uniform(rng, n as usize, -1.0, 1.0)),
+        ];
+        let args = vec![
+            Arg::Tensor(0),
+            Arg::Tensor(1),
+            Arg::Tensor(2),
+            Arg::I32(n as i32),
+        ];
+        Ok(Problem {
+            op: self.name(),
+            shape,
+            epilogue,
+            mask,
+            tensors,
+            args,
+        })
+    }
+    fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
+        let a = problem.f32s("a");
+        let b = problem.f32s("b");
+        let out = a
+            .iter()
+            .zip(b)
+            .map(|(&x, &y)| x as f64 + y as f64)
+            .collect();
+        vec![(problem.tensor_index("out").unwrap(), out)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn residual_by_hand() {
+        let mut p = Residual
+            .problem(
+                &shape_of(&[("N", 3)]),
+                Epilogue::None,
+                Mask::None,
+                &mut StdRng::seed_from_u64(1),
+            )
+            .unwrap();
+        p.tensors[1].data = HostData::F32(vec![1.0, -2.0, 0.5]);
+        p.tensors[2].data = HostData::F32(vec![0.25, 2.0, 3.0]);
+        assert_eq!(Residual.reference(&p), vec![(0, vec![1.25, 0.0, 3.5])]);
+    }
+}
