@@ -1,1 +1,29 @@
-//! (in progress)
+//! GPT-2: configuration, checkpoint loading and writing (Hugging Face safetensors folders and
+//! llm.c `.bin` checkpoints), the GPT-2 BPE tokenizer, the f32 CPU reference forward with a KV
+//! cache, sampling, and the generation loop over a [`generate::Backend`].
+//!
+//! Everything here is the CPU side: the oracle GPU tests compare with, and the parts (weights,
+//! tokenizer, sampling, generation loop) a GPU backend reuses. All fallible functions return
+//! [`ModelError`], whose messages name the file, tensor or shape at fault.
+
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod generate;
+pub mod npy;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::GPT2Config;
+pub use cpu::{CpuBackend, KvCache};
+pub use error::{ModelError, Result};
+pub use generate::{
+    generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason,
+};
+pub use sampling::{Sampler, SamplingParams};
+pub use tokenizer::{Tokenizer, EOT_TOKEN, GPT2_VOCAB_SIZE};
+pub use weights::{
+    load_model, write_hf_folder, write_llmc, GPT2Model, GPT2Weights, HfDtype, LayerWeights,
+    LlmcVersion,
+};

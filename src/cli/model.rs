@@ -1,0 +1,547 @@
+//! `kernelforge tokenize`, `forward` and `generate`: thin commands over [`crate::model`],
+//! implementing the DESIGN.md command-line contract. Text goes to stdout (streamed token by
+//! token for `generate`), one stats line goes to stderr at the end, `--json` prints one JSON
+//! object instead. `--device cuda` is refused until the GPU forward exists.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+
+use crate::model::config::{GPT2Config, PRESET_NAMES};
+use crate::model::cpu::CpuBackend;
+use crate::model::generate::{generate, Backend, GenerateOptions};
+use crate::model::npy::write_npy_f32;
+use crate::model::sampling::SamplingParams;
+use crate::model::tokenizer::{StreamDecoder, Tokenizer};
+use crate::model::weights::{load_model, GPT2Model};
+
+/// Where the forward pass runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+impl Device {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+}
+
+/// Compute precision (see DESIGN.md "Precision modes"); the CPU runs f32 only.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DType {
+    #[default]
+    F32,
+    Tf32,
+    F16,
+    Bf16,
+}
+
+/// `kernelforge tokenize TEXT` / `kernelforge tokenize --decode IDS`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TokenizeArgs {
+    /// Text to encode with the GPT-2 BPE ("-" reads standard input). Prints the ids, comma-separated.
+    #[arg(required_unless_present = "decode")]
+    pub text: Option<String>,
+    /// Decode these token ids (comma- or space-separated) back to text instead.
+    #[arg(long, value_name = "IDS", conflicts_with = "text")]
+    pub decode: Option<String>,
+    /// Print one JSON object (ids and per-token strings, or the decoded text).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kernelforge forward`: logits for every position.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ForwardArgs {
+    /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name
+    /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
+    #[arg(long, value_name = "DIR|FILE|NAME")]
+    pub model: String,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Input token ids, comma-separated (e.g. 15496,11,995).
+    #[arg(
+        long,
+        value_name = "IDS",
+        required_unless_present = "prompt",
+        conflicts_with = "prompt"
+    )]
+    pub ids: Option<String>,
+    /// Input text, tokenized with the GPT-2 BPE.
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
+    /// Write the logits, [T, vocab] float32, to this .npy file.
+    #[arg(long, value_name = "PATH")]
+    pub logits_out: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = DType::F32)]
+    pub dtype: DType,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kernelforge generate`: stream text from a prompt.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name
+    /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
+    #[arg(long, value_name = "DIR|FILE|NAME")]
+    pub model: String,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+    /// Prompt text.
+    #[arg(
+        long,
+        value_name = "TEXT",
+        required_unless_present = "ids",
+        conflicts_with = "ids"
+    )]
+    pub prompt: Option<String>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_name = "IDS")]
+    pub ids: Option<String>,
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Always take the most likely token.
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
+    pub greedy: bool,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Random seed; sequence b of the batch uses seed + b.
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// Run B copies of the prompt as one batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    #[arg(long, value_enum, default_value_t = DType::F32)]
+    pub dtype: DType,
+    /// Print the generated token ids (one comma-separated line per sequence) instead of text.
+    #[arg(long)]
+    pub print_ids: bool,
+    /// Keep generating after <|endoftext|>.
+    #[arg(long)]
+    pub ignore_eot: bool,
+    /// Print one JSON object (ids, text, stats) at the end instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parse `15496,11,995` (commas and/or whitespace) into token ids.
+pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    let ids = s
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|x| !x.is_empty())
+        .map(|x| {
+            x.parse::<u32>().with_context(|| {
+                format!("`{x}` in the id list is not a token id (expected e.g. 15496,11,995)")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("the id list `{s}` is empty");
+    }
+    Ok(ids)
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// The Hugging Face hub cache folder (`$HF_HUB_CACHE`, `$HF_HOME/hub`, or
+/// `~/.cache/huggingface/hub`).
+pub fn hf_hub_cache() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(p) = std::env::var_os("HF_HOME") {
+        return Some(PathBuf::from(p).join("hub"));
+    }
+    dirs::home_dir().map(|h| h.join(".cache").join("huggingface").join("hub"))
+}
+
+fn snapshot_in(repo: &Path) -> Option<PathBuf> {
+    let snaps = repo.join("snapshots");
+    let has_model = |d: &Path| {
+        d.join("config.json").is_file()
+            && (d.join("model.safetensors").exists()
+                || d.join("model.safetensors.index.json").exists())
+    };
+    if let Ok(main) = std::fs::read_to_string(repo.join("refs").join("main")) {
+        let d = snaps.join(main.trim());
+        if has_model(&d) {
+            return Some(d);
+        }
+    }
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&snaps)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    dirs.sort();
+    dirs.into_iter().find(|d| has_model(d))
+}
+
+/// Turn `--model` into a path: an existing path as is; a size name (gpt2, gpt2-medium,
+/// gpt2-large, gpt2-xl) looked up in the Hugging Face cache. Nothing is downloaded.
+pub fn resolve_model(spec: &str) -> Result<PathBuf> {
+    resolve_model_in(spec, hf_hub_cache())
+}
+
+/// [`resolve_model`] with an explicit Hugging Face hub cache folder.
+pub fn resolve_model_in(spec: &str, cache: Option<PathBuf>) -> Result<PathBuf> {
+    let p = PathBuf::from(spec);
+    if p.exists() {
+        return Ok(p);
+    }
+    let name = spec.strip_prefix("openai-community/").unwrap_or(spec);
+    if !PRESET_NAMES.contains(&name) {
+        bail!(
+            "model `{spec}` not found: pass a Hugging Face folder, an llm.c .bin file, or one of {}",
+            PRESET_NAMES.join(", ")
+        );
+    }
+    if let Some(cache) = &cache {
+        for repo in [
+            format!("models--{name}"),
+            format!("models--openai-community--{name}"),
+        ] {
+            if let Some(d) = snapshot_in(&cache.join(repo)) {
+                return Ok(d);
+            }
+        }
+    }
+    bail!(
+        "model `{name}` is not in the Hugging Face cache ({}) and downloads are not available offline; \
+         pass --model PATH (a folder with config.json + model.safetensors, or an llm.c checkpoint)",
+        cache.map_or_else(|| "no home folder".to_string(), |c| c.display().to_string())
+    )
+}
+
+fn check_device(device: Device, dtype: DType) -> Result<()> {
+    match device {
+        Device::Cuda => bail!("the GPU forward is not built yet; use --device cpu"),
+        Device::Cpu if dtype != DType::F32 => {
+            bail!("the CPU backend computes in f32 only; drop --dtype or pass --dtype f32")
+        }
+        Device::Cpu => Ok(()),
+    }
+}
+
+fn load(spec: &str) -> Result<Arc<GPT2Model>> {
+    let path = resolve_model(spec)?;
+    let model = load_model(&path).with_context(|| format!("loading model {}", path.display()))?;
+    Ok(Arc::new(model))
+}
+
+/// Build the backend for `device` (the GPU one is wired here later).
+pub fn make_backend(
+    device: Device,
+    dtype: DType,
+    model: Arc<GPT2Model>,
+) -> Result<Box<dyn Backend>> {
+    check_device(device, dtype)?;
+    Ok(Box::new(CpuBackend::new(model)))
+}
+
+fn prompt_ids(tok: &Tokenizer, ids: &Option<String>, prompt: &Option<String>) -> Result<Vec<u32>> {
+    match (ids, prompt) {
+        (Some(ids), _) => parse_ids(ids),
+        (None, Some(text)) => {
+            let ids = tok.encode(text);
+            if ids.is_empty() {
+                bail!("the prompt is empty: GPT-2 needs at least one token (try --ids 50256)");
+            }
+            Ok(ids)
+        }
+        (None, None) => bail!("give --prompt TEXT or --ids IDS"),
+    }
+}
+
+/// `kernelforge tokenize`.
+pub fn run_tokenize(args: &TokenizeArgs) -> Result<()> {
+    let tok = Tokenizer::gpt2();
+    let mut out = std::io::stdout().lock();
+    if let Some(ids) = &args.decode {
+        let ids = parse_ids(ids)?;
+        let text = tok.decode(&ids)?;
+        if args.json {
+            writeln!(out, "{}", json!({ "ids": ids, "text": text }))?;
+        } else {
+            writeln!(out, "{text}")?;
+        }
+        return Ok(());
+    }
+    let text = match args.text.as_deref() {
+        Some("-") => std::io::read_to_string(std::io::stdin()).context("reading standard input")?,
+        Some(t) => t.to_string(),
+        None => bail!("give TEXT to encode or --decode IDS"),
+    };
+    let ids = tok.encode(&text);
+    if args.json {
+        let pieces = ids
+            .iter()
+            .map(|&i| tok.decode(&[i]))
+            .collect::<crate::model::Result<Vec<_>>>()?;
+        writeln!(
+            out,
+            "{}",
+            json!({ "ids": ids, "tokens": pieces, "count": ids.len() })
+        )?;
+    } else {
+        writeln!(out, "{}", join_ids(&ids))?;
+    }
+    Ok(())
+}
+
+/// `kernelforge forward`.
+pub fn run_forward(args: &ForwardArgs) -> Result<()> {
+    check_device(args.device, args.dtype)?;
+    let tok = Tokenizer::gpt2();
+    let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
+    let model = load(&args.model)?;
+    let cfg: GPT2Config = model.config.clone();
+    let mut backend = make_backend(args.device, args.dtype, model)?;
+    let t0 = Instant::now();
+    let logits = backend.prefill(std::slice::from_ref(&ids))?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (t, v) = (logits.seq_len, logits.vocab);
+    if let Some(p) = &args.logits_out {
+        write_npy_f32(p, &[t, v], &logits.data)?;
+    }
+    let last = logits.last(0);
+    let mut order: Vec<usize> = (0..v).collect();
+    let k = 5.min(v);
+    order.select_nth_unstable_by(k - 1, |&a, &b| last[b].total_cmp(&last[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order.sort_by(|&a, &b| last[b].total_cmp(&last[a]).then(a.cmp(&b)));
+    let piece = |i: usize| tok.decode(&[i as u32]).unwrap_or_else(|_| format!("<{i}>"));
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let top: Vec<_> = order
+            .iter()
+            .map(|&i| json!({ "id": i, "logit": last[i], "text": piece(i) }))
+            .collect();
+        let j = json!({
+            "device": backend.name(),
+            "tokens": ids,
+            "shape": [t, v],
+            "logits_out": args.logits_out,
+            "last_top": top,
+            "forward_ms": ms,
+            "config": cfg,
+        });
+        writeln!(out, "{j}")?;
+    } else {
+        match &args.logits_out {
+            Some(p) => writeln!(out, "logits [{t}, {v}] float32 -> {}", p.display())?,
+            None => writeln!(
+                out,
+                "logits [{t}, {v}] (pass --logits-out FILE.npy to save them)"
+            )?,
+        }
+        writeln!(out, "most likely next tokens after the last position:")?;
+        for &i in &order {
+            writeln!(out, "  {i:>6} {:>10.4}  {:?}", last[i], piece(i))?;
+        }
+    }
+    eprintln!("{}: forward of {t} tokens in {ms:.1} ms", backend.name());
+    Ok(())
+}
+
+/// `kernelforge generate`.
+pub fn run_generate(args: &GenerateArgs) -> Result<()> {
+    check_device(args.device, args.dtype)?;
+    if args.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
+    let tok = Tokenizer::gpt2();
+    let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
+    let sampling = if args.greedy {
+        SamplingParams::greedy()
+    } else {
+        SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+        }
+    };
+    sampling.validate()?;
+    let model = load(&args.model)?;
+    let mut backend = make_backend(args.device, args.dtype, model)?;
+    let opts = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        seed: args.seed,
+        stop_at_eot: !args.ignore_eot,
+    };
+    let prompts = vec![ids.clone(); args.batch];
+    let stream = !args.json && !args.print_ids && args.batch == 1;
+    let mut stdout = std::io::stdout().lock();
+    let mut dec = StreamDecoder::new();
+    if stream {
+        write!(stdout, "{}", tok.decode(&ids)?)?;
+        stdout.flush()?;
+    }
+    let result = generate(backend.as_mut(), &prompts, &opts, &mut |_, id| {
+        if stream {
+            let piece = dec.push(&tok, id)?;
+            let io = |e: std::io::Error| crate::model::ModelError::io("<stdout>", e);
+            stdout.write_all(piece.as_bytes()).map_err(io)?;
+            stdout.flush().map_err(io)?;
+        }
+        Ok(())
+    })?;
+    if stream {
+        writeln!(stdout, "{}", dec.finish())?;
+    } else if args.json {
+        let outputs = result
+            .tokens
+            .iter()
+            .map(|t| Ok(json!({ "ids": t, "text": tok.decode(t)? })))
+            .collect::<Result<Vec<_>>>()?;
+        let j = json!({
+            "device": backend.name(),
+            "prompt_ids": ids,
+            "outputs": outputs,
+            "stop": result.stop,
+            "message": result.message,
+            "sampling": sampling,
+            "seed": args.seed,
+            "stats": result.stats,
+            "decode_tokens_per_s": result.stats.decode_tokens_per_s(),
+        });
+        writeln!(stdout, "{j}")?;
+    } else if args.print_ids {
+        for t in &result.tokens {
+            writeln!(stdout, "{}", join_ids(t))?;
+        }
+    } else {
+        let prompt_text = tok.decode(&ids)?;
+        for (b, t) in result.tokens.iter().enumerate() {
+            writeln!(
+                stdout,
+                "=== sequence {b} ===\n{prompt_text}{}",
+                tok.decode(t)?
+            )?;
+        }
+    }
+    drop(stdout);
+    if let Some(m) = &result.message {
+        eprintln!("note: {m}");
+    }
+    eprintln!("{}", result.stats.summary());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::npy::read_npy_f32;
+    use crate::model::weights::{write_hf_folder, write_llmc, GPT2Weights, LlmcVersion};
+
+    #[test]
+    fn id_lists() {
+        assert_eq!(parse_ids("15496,11, 995").unwrap(), vec![15496, 11, 995]);
+        assert_eq!(parse_ids("1 2\t3").unwrap(), vec![1, 2, 3]);
+        assert!(parse_ids("1,x").unwrap_err().to_string().contains("`x`"));
+        assert!(parse_ids(" , ").is_err());
+    }
+
+    #[test]
+    fn model_names_resolve_in_the_hf_cache_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = dir.path().to_path_buf();
+        let msg = resolve_model_in("gpt2-medium", Some(cache.clone()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("not available offline") && msg.contains("--model PATH"),
+            "{msg}"
+        );
+        assert!(resolve_model_in("gpt5", Some(cache.clone()))
+            .unwrap_err()
+            .to_string()
+            .contains("not found"));
+        let repo = cache.join("models--openai-community--gpt2-medium");
+        let snap = repo.join("snapshots").join("abc123");
+        std::fs::create_dir_all(&snap).unwrap();
+        std::fs::write(snap.join("config.json"), "{}").unwrap();
+        std::fs::write(snap.join("model.safetensors"), "").unwrap();
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        std::fs::write(repo.join("refs").join("main"), "abc123\n").unwrap();
+        assert_eq!(resolve_model_in("gpt2-medium", Some(cache)).unwrap(), snap);
+    }
+
+    #[test]
+    fn forward_and_generate_commands_on_a_tiny_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GPT2Config::new(2, 2, 32, 64, 50257).unwrap();
+        let w = GPT2Weights::random(&cfg, 5);
+        let bin = dir.path().join("m.bin");
+        let hf = dir.path().join("hf");
+        write_llmc(&bin, &cfg, &w, LlmcVersion::F32).unwrap();
+        write_hf_folder(&hf, &cfg, &w).unwrap();
+        let mut outs = Vec::new();
+        for model in [&bin, &hf] {
+            let out = dir.path().join(format!("{}.npy", outs.len()));
+            run_forward(&ForwardArgs {
+                model: model.display().to_string(),
+                device: Device::Cpu,
+                ids: Some("15496,11,995".into()),
+                prompt: None,
+                logits_out: Some(out.clone()),
+                dtype: DType::F32,
+                json: true,
+            })
+            .unwrap();
+            let (shape, data) = read_npy_f32(&out).unwrap();
+            assert_eq!(shape, vec![3, 50257]);
+            outs.push(data);
+        }
+        assert_eq!(outs[0], outs[1]);
+        let gen = GenerateArgs {
+            model: bin.display().to_string(),
+            device: Device::Cpu,
+            prompt: Some("Hello".into()),
+            ids: None,
+            max_new_tokens: 3,
+            greedy: true,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            batch: 2,
+            dtype: DType::F32,
+            print_ids: true,
+            ignore_eot: false,
+            json: false,
+        };
+        run_generate(&gen).unwrap();
+        let cuda = GenerateArgs {
+            device: Device::Cuda,
+            ..gen.clone()
+        };
+        assert!(run_generate(&cuda)
+            .unwrap_err()
+            .to_string()
+            .contains("not built yet"));
+        let bad = GenerateArgs { batch: 0, ..gen };
+        assert!(run_generate(&bad).is_err());
+    }
+}

@@ -1,0 +1,329 @@
+//! The generation loop, independent of where the forward pass runs. A [`Backend`] (the CPU
+//! reference here, the GPU later) owns the weights and the KV cache and turns tokens into
+//! [`Logits`]; [`generate`] prefills B prompts, then samples and feeds one token per sequence per
+//! step, streaming each produced token through a callback, until `max_new_tokens`, end-of-text or
+//! the context length, and reports timing stats.
+
+use std::time::Instant;
+
+use super::config::GPT2Config;
+use super::error::{ModelError, Result};
+use super::sampling::{Sampler, SamplingParams};
+use super::tokenizer::EOT_TOKEN;
+
+/// Logits `[batch, seq_len, vocab]`, row-major, over the real vocabulary.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logits {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub vocab: usize,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    /// Wrap a buffer, checking its length is `batch * seq_len * vocab`.
+    pub fn new(batch: usize, seq_len: usize, vocab: usize, data: Vec<f32>) -> Result<Self> {
+        if data.len() != batch * seq_len * vocab {
+            return Err(ModelError::Batch(format!(
+                "logits buffer has {} values, expected [{batch}, {seq_len}, {vocab}] = {}",
+                data.len(),
+                batch * seq_len * vocab
+            )));
+        }
+        Ok(Logits {
+            batch,
+            seq_len,
+            vocab,
+            data,
+        })
+    }
+
+    /// The logits of sequence `b` at position `t` (panics when out of range, like indexing).
+    pub fn row(&self, b: usize, t: usize) -> &[f32] {
+        assert!(
+            b < self.batch && t < self.seq_len,
+            "logits row ({b}, {t}) out of range"
+        );
+        let start = (b * self.seq_len + t) * self.vocab;
+        &self.data[start..start + self.vocab]
+    }
+
+    /// The logits of the last position of sequence `b`.
+    pub fn last(&self, b: usize) -> &[f32] {
+        self.row(b, self.seq_len - 1)
+    }
+
+    /// Keep only the last position of each sequence: `[batch, 1, vocab]`.
+    pub fn into_last(self) -> Logits {
+        if self.seq_len == 1 {
+            return self;
+        }
+        let data = (0..self.batch)
+            .flat_map(|b| self.last(b).to_vec())
+            .collect();
+        Logits {
+            batch: self.batch,
+            seq_len: 1,
+            vocab: self.vocab,
+            data,
+        }
+    }
+}
+
+/// Where a GPT-2 forward pass runs. A backend holds the weights and one KV cache for a batch of
+/// B sequences of equal length.
+pub trait Backend {
+    /// Short name for messages and stats (`cpu`, `cuda:0`, ...).
+    fn name(&self) -> &str;
+
+    /// The model's shape (context length, vocabulary).
+    fn config(&self) -> &GPT2Config;
+
+    /// Start B new sequences (dropping any previous cache) from `tokens` (B prompts, all the
+    /// same non-zero length T), filling the KV cache, and return logits for every position,
+    /// `[B, T, V]`.
+    fn prefill(&mut self, tokens: &[Vec<u32>]) -> Result<Logits>;
+
+    /// Like [`Backend::prefill`] but only the last position's logits are needed, `[B, 1, V]`.
+    /// Backends may override it to skip the LM head for earlier positions.
+    fn prefill_last(&mut self, tokens: &[Vec<u32>]) -> Result<Logits> {
+        Ok(self.prefill(tokens)?.into_last())
+    }
+
+    /// Append one token to each of the B sequences and return their logits `[B, 1, V]`.
+    fn decode(&mut self, last: &[u32]) -> Result<Logits>;
+}
+
+/// Options of [`generate`].
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Sequence `b` samples with seed `seed + b`.
+    pub seed: u64,
+    /// A sequence stops after producing `<|endoftext|>`.
+    pub stop_at_eot: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 64,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            stop_at_eot: true,
+        }
+    }
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// Every sequence produced `max_new_tokens` (or some ended with end-of-text first).
+    MaxNewTokens,
+    /// Every sequence ended with `<|endoftext|>`.
+    EndOfText,
+    /// The sequences reached the model's context length.
+    ContextFull,
+}
+
+/// Timing and counts of one [`generate`] call.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GenerateStats {
+    pub backend: String,
+    pub batch: usize,
+    /// Prompt tokens over the whole batch.
+    pub prompt_tokens: usize,
+    /// Wall time of the prefill call.
+    pub prefill_ms: f64,
+    /// Number of decode calls (each feeds one token per sequence).
+    pub decode_steps: usize,
+    /// Wall time of the decode steps, sampling included.
+    pub decode_ms: f64,
+    /// Tokens produced over the whole batch.
+    pub generated_tokens: usize,
+}
+
+impl GenerateStats {
+    /// Tokens fed through decode steps per second, over the batch.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        if self.decode_ms <= 0.0 {
+            return 0.0;
+        }
+        (self.decode_steps * self.batch) as f64 / (self.decode_ms / 1e3)
+    }
+
+    /// One human-readable line.
+    pub fn summary(&self) -> String {
+        format!(
+            "{}: batch {}, prompt {} tokens, prefill {:.1} ms, generated {} tokens, decode {} steps in {:.1} ms ({:.1} tok/s)",
+            self.backend,
+            self.batch,
+            self.prompt_tokens,
+            self.prefill_ms,
+            self.generated_tokens,
+            self.decode_steps,
+            self.decode_ms,
+            self.decode_tokens_per_s()
+        )
+    }
+}
+
+/// Result of [`generate`]: the new tokens of each sequence (prompts excluded).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GenerateOutput {
+    pub tokens: Vec<Vec<u32>>,
+    pub stop: StopReason,
+    /// A note for the user when the stop was not the one asked for (context full).
+    pub message: Option<String>,
+    pub stats: GenerateStats,
+}
+
+/// Generate up to `opts.max_new_tokens` tokens after each prompt. Prompts may have different
+/// lengths: the common prefix is prefilled and the rest of each prompt is fed (not sampled)
+/// during the first decode steps. `on_token(b, id)` is called for every produced token, in order.
+/// The total length of a sequence never exceeds the model's context length: generation stops
+/// there with [`StopReason::ContextFull`] and a message.
+pub fn generate(
+    backend: &mut dyn Backend,
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(usize, u32) -> Result<()>,
+) -> Result<GenerateOutput> {
+    let cfg = backend.config().clone();
+    let batch = prompts.len();
+    if batch == 0 {
+        return Err(ModelError::Batch("no prompts given".into()));
+    }
+    if let Some(b) = prompts.iter().position(|p| p.is_empty()) {
+        return Err(ModelError::Batch(format!(
+            "prompt {b} is empty (GPT-2 needs at least one token; use <|endoftext|> = {EOT_TOKEN} to start from nothing)"
+        )));
+    }
+    for p in prompts {
+        if let Some((position, &token)) = p
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= cfg.vocab_size)
+        {
+            return Err(ModelError::InvalidToken {
+                token,
+                position,
+                vocab_size: cfg.vocab_size,
+            });
+        }
+    }
+    let max_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    if max_len > cfg.n_ctx {
+        return Err(ModelError::ContextOverflow {
+            needed: max_len,
+            n_ctx: cfg.n_ctx,
+        });
+    }
+    let mut samplers = (0..batch)
+        .map(|b| Sampler::new(opts.sampling, opts.seed.wrapping_add(b as u64)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut stats = GenerateStats {
+        backend: backend.name().to_string(),
+        batch,
+        prompt_tokens: prompts.iter().map(Vec::len).sum(),
+        ..Default::default()
+    };
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); batch];
+    if opts.max_new_tokens == 0 {
+        return Ok(GenerateOutput {
+            tokens: out,
+            stop: StopReason::MaxNewTokens,
+            message: None,
+            stats,
+        });
+    }
+
+    let common = prompts.iter().map(Vec::len).min().unwrap_or(0);
+    let prefix: Vec<Vec<u32>> = prompts.iter().map(|p| p[..common].to_vec()).collect();
+    let t0 = Instant::now();
+    let mut logits = backend.prefill_last(&prefix)?;
+    stats.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+    check_logits(&logits, batch, backend.name())?;
+
+    let mut pos = common; // tokens fed so far, per sequence
+    let mut done = vec![false; batch];
+    let mut ended_by_eot = vec![false; batch];
+    let t1 = Instant::now();
+    let stop = loop {
+        if pos >= cfg.n_ctx {
+            break StopReason::ContextFull;
+        }
+        // Finished sequences keep being fed their last token (ignored) so the batch stays
+        // rectangular.
+        let mut next: Vec<u32> = (0..batch)
+            .map(|b| {
+                *out[b]
+                    .last()
+                    .unwrap_or(&prompts[b][pos.min(prompts[b].len()) - 1])
+            })
+            .collect();
+        for b in 0..batch {
+            if pos < prompts[b].len() {
+                next[b] = prompts[b][pos];
+            } else if !done[b] {
+                let tok = samplers[b].sample(logits.last(b))?;
+                out[b].push(tok);
+                stats.generated_tokens += 1;
+                on_token(b, tok)?;
+                if opts.stop_at_eot && tok == EOT_TOKEN {
+                    done[b] = true;
+                    ended_by_eot[b] = true;
+                } else if out[b].len() >= opts.max_new_tokens {
+                    done[b] = true;
+                }
+                next[b] = tok;
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break if ended_by_eot.iter().all(|&e| e) {
+                StopReason::EndOfText
+            } else {
+                StopReason::MaxNewTokens
+            };
+        }
+        if pos + 1 >= cfg.n_ctx {
+            break StopReason::ContextFull;
+        }
+        logits = backend.decode(&next)?;
+        check_logits(&logits, batch, backend.name())?;
+        stats.decode_steps += 1;
+        pos += 1;
+    };
+    stats.decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let message = (stop == StopReason::ContextFull).then(|| {
+        format!(
+            "stopped at the model's context length ({} tokens) after {} new tokens per sequence at most",
+            cfg.n_ctx,
+            out.iter().map(Vec::len).max().unwrap_or(0)
+        )
+    });
+    Ok(GenerateOutput {
+        tokens: out,
+        stop,
+        message,
+        stats,
+    })
+}
+
+fn check_logits(l: &Logits, batch: usize, backend: &str) -> Result<()> {
+    if l.batch != batch || l.seq_len == 0 || l.data.len() != l.batch * l.seq_len * l.vocab {
+        return Err(ModelError::Backend {
+            backend: backend.to_string(),
+            message: format!(
+                "returned logits [{}, {}, {}] with {} values for a batch of {batch}",
+                l.batch,
+                l.seq_len,
+                l.vocab,
+                l.data.len()
+            ),
+        });
+    }
+    Ok(())
+}

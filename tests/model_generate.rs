@@ -1,0 +1,152 @@
+//! The generation loop over a scripted [`Backend`] (no model): end-of-text stops, batch
+//! bookkeeping, and input checks. Also shows a backend can be implemented outside the crate.
+
+use kernelforge::model::config::GPT2Config;
+use kernelforge::model::generate::{generate, Backend, GenerateOptions, Logits, StopReason};
+use kernelforge::model::sampling::SamplingParams;
+use kernelforge::model::tokenizer::EOT_TOKEN;
+use kernelforge::model::Result;
+
+/// Predicts token `(last + 1) % 10`, except that sequence b predicts EOT once it has seen
+/// `eot_after[b]` tokens.
+struct Scripted {
+    cfg: GPT2Config,
+    seen: Vec<Vec<u32>>,
+    eot_after: Vec<usize>,
+    decode_calls: usize,
+}
+
+impl Scripted {
+    fn new(eot_after: Vec<usize>) -> Self {
+        Scripted {
+            cfg: GPT2Config::new(1, 1, 8, 32, 50257).unwrap(),
+            seen: Vec::new(),
+            eot_after,
+            decode_calls: 0,
+        }
+    }
+    fn logits(&self) -> Logits {
+        let v = self.cfg.vocab_size;
+        let mut data = vec![0.0f32; self.seen.len() * v];
+        for (b, s) in self.seen.iter().enumerate() {
+            let next = if s.len() >= self.eot_after[b] {
+                EOT_TOKEN
+            } else {
+                (s.last().unwrap() + 1) % 10
+            };
+            data[b * v + next as usize] = 10.0;
+        }
+        Logits::new(self.seen.len(), 1, v, data).unwrap()
+    }
+}
+
+impl Backend for Scripted {
+    fn name(&self) -> &str {
+        "scripted"
+    }
+    fn config(&self) -> &GPT2Config {
+        &self.cfg
+    }
+    fn prefill(&mut self, tokens: &[Vec<u32>]) -> Result<Logits> {
+        self.seen = tokens.to_vec();
+        Ok(self.logits())
+    }
+    fn decode(&mut self, last: &[u32]) -> Result<Logits> {
+        self.decode_calls += 1;
+        for (s, &t) in self.seen.iter_mut().zip(last) {
+            s.push(t);
+        }
+        Ok(self.logits())
+    }
+}
+
+fn greedy(n: usize, stop_at_eot: bool) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: n,
+        sampling: SamplingParams::greedy(),
+        seed: 0,
+        stop_at_eot,
+    }
+}
+
+#[test]
+fn stops_at_end_of_text_per_sequence() {
+    let mut be = Scripted::new(vec![4, 6]);
+    let out = generate(
+        &mut be,
+        &[vec![1], vec![5]],
+        &greedy(20, true),
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
+    assert_eq!(out.tokens[0], vec![2, 3, 4, EOT_TOKEN]);
+    assert_eq!(out.tokens[1], vec![6, 7, 8, 9, 0, EOT_TOKEN]);
+    assert_eq!(out.stop, StopReason::EndOfText);
+    assert_eq!(out.stats.generated_tokens, 10);
+    assert_eq!(be.decode_calls, 5);
+    assert!(out.stats.summary().contains("scripted"));
+
+    let mut be = Scripted::new(vec![3, 100]);
+    let out = generate(
+        &mut be,
+        &[vec![1], vec![1]],
+        &greedy(5, true),
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
+    assert_eq!(out.tokens[0], vec![2, 3, EOT_TOKEN]);
+    assert_eq!(out.tokens[1].len(), 5);
+    assert_eq!(out.stop, StopReason::MaxNewTokens);
+
+    let mut be = Scripted::new(vec![2]);
+    let out = generate(&mut be, &[vec![1]], &greedy(5, false), &mut |_, _| Ok(())).unwrap();
+    assert_eq!(out.tokens[0].len(), 5, "--ignore-eot keeps going");
+}
+
+#[test]
+fn ragged_prompts_are_fed_not_sampled() {
+    let mut be = Scripted::new(vec![100, 100]);
+    let mut seen = Vec::new();
+    let out = generate(
+        &mut be,
+        &[vec![1, 7, 7, 7], vec![3]],
+        &greedy(3, true),
+        &mut |b, t| {
+            seen.push((b, t));
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert_eq!(out.tokens, vec![vec![8, 9, 0], vec![4, 5, 6]]);
+    assert_eq!(be.seen[0][..4], [1, 7, 7, 7]);
+    assert_eq!(
+        seen[0],
+        (1, 4),
+        "sequence 1 starts producing while 0 is still in its prompt"
+    );
+}
+
+#[test]
+fn input_checks() {
+    let mut be = Scripted::new(vec![100]);
+    let o = greedy(3, true);
+    assert!(generate(&mut be, &[], &o, &mut |_, _| Ok(())).is_err());
+    let msg = generate(&mut be, &[vec![]], &o, &mut |_, _| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("empty"), "{msg}");
+    let msg = generate(&mut be, &[vec![60000]], &o, &mut |_, _| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("60000"), "{msg}");
+    let zero = generate(&mut be, &[vec![1]], &greedy(0, true), &mut |_, _| Ok(())).unwrap();
+    assert!(zero.tokens[0].is_empty());
+    // A callback error aborts generation.
+    let err = generate(&mut be, &[vec![1]], &o, &mut |_, _| {
+        Err(kernelforge::model::ModelError::Backend {
+            backend: "sink".into(),
+            message: "closed".into(),
+        })
+    });
+    assert!(err.is_err());
+}
