@@ -1,6 +1,7 @@
 //! The `kernelforge` command line: each subcommand is a thin layer over the library.
 
 mod kernels;
+pub mod model;
 
 use std::path::{Path, PathBuf};
 
@@ -30,16 +31,22 @@ pub enum Command {
     Gen(kernels::GenArgs),
     Inspect(kernels::InspectArgs),
     Verify(kernels::VerifyArgs),
+    Tokenize(model::TokenizeArgs),
+    Forward(model::ForwardArgs),
+    Generate(model::GenerateArgs),
 }
 
 /// Parses the command line and runs it.
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
-    let root = project_root(cli.root.as_deref())?;
+    let root = || project_root(cli.root.as_deref());
     match cli.command {
-        Command::Gen(args) => kernels::gen(&root, args),
-        Command::Inspect(args) => kernels::inspect(&root, args),
-        Command::Verify(args) => kernels::verify(&root, args),
+        Command::Gen(args) => kernels::gen(&root()?, args),
+        Command::Inspect(args) => kernels::inspect(&root()?, args),
+        Command::Verify(args) => kernels::verify(&root()?, args),
+        Command::Tokenize(args) => model::run_tokenize(&args),
+        Command::Forward(args) => model::run_forward(&args),
+        Command::Generate(args) => model::run_generate(&args),
     }
 }
 

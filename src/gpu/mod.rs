@@ -8,4 +8,4 @@ pub mod run;
 
 pub use compile::{CompileError, Compiled, Compiler};
 pub use device::{Gpu, GpuError};
-pub use run::{DeviceProblem, LoadedVariant, RunError};
+pub use run::{ArgValue, DeviceProblem, LoadedVariant, RunError};

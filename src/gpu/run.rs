@@ -7,7 +7,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfi
 use std::sync::Arc;
 
 use super::{Compiled, Gpu, GpuError};
-use crate::ops::{Arg, HostData, Problem, Role};
+use crate::ops::{Arg, HostData, Problem, Role, Shape};
 use crate::spec::{Launch, SpecError, Variant};
 
 /// Running a variant failed.
@@ -203,10 +203,10 @@ impl LoadedVariant {
         Ok(())
     }
 
-    /// Launch geometry for the problem's shape, checked against the device limits.
-    pub fn plan(&self, gpu: &Gpu, problem: &Problem) -> Result<Vec<Launch>, RunError> {
+    /// Launch geometry for `shape`, checked against the device limits.
+    pub fn plan(&self, gpu: &Gpu, shape: &Shape) -> Result<Vec<Launch>, RunError> {
         let limits = &gpu.info.limits;
-        let launches = self.variant.launches(&problem.shape, limits)?;
+        let launches = self.variant.launches(shape, limits)?;
         for l in &launches {
             let threads: i64 = l.block.iter().map(|v| *v as i64).product();
             let bad = if threads > limits.max_threads {
@@ -228,7 +228,8 @@ impl LoadedVariant {
         Ok(launches)
     }
 
-    /// Launches every kernel once, in spec order (asynchronously; synchronize to see faults).
+    /// Launches every kernel once on a problem's device copy, in spec order (asynchronously;
+    /// synchronize to see faults).
     pub fn launch(&self, gpu: &Gpu, problem: &Problem, device: &DeviceProblem, launches: &[Launch]) -> Result<(), RunError> {
         let values: Vec<ArgValue> = problem
             .args
@@ -240,6 +241,12 @@ impl LoadedVariant {
                 Arg::F32(v) => ArgValue::F32(*v),
             })
             .collect();
+        self.launch_args(gpu, &values, launches)
+    }
+
+    /// Launches every kernel once with explicit arguments (device pointers and scalars in the
+    /// op's signature order): what the model uses on its own buffers.
+    pub fn launch_args(&self, gpu: &Gpu, values: &[ArgValue], launches: &[Launch]) -> Result<(), RunError> {
         for (function, l) in self.functions.iter().zip(launches) {
             if l.smem_bytes > 48 * 1024 {
                 function
@@ -247,7 +254,7 @@ impl LoadedVariant {
                     .map_err(GpuError::cuda(format!("allowing {} bytes of shared memory", l.smem_bytes)))?;
             }
             let mut builder = gpu.stream.launch_builder(function);
-            for v in &values {
+            for v in values {
                 match v {
                     ArgValue::Ptr(p) => builder.arg(p),
                     ArgValue::I32(x) => builder.arg(x),
@@ -269,7 +276,9 @@ impl LoadedVariant {
     }
 }
 
-enum ArgValue {
+/// A kernel argument value: a raw device pointer or a scalar.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ArgValue {
     Ptr(u64),
     I32(i32),
     F32(f32),

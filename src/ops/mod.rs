@@ -40,7 +40,11 @@ impl HostData {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     Input,
+    /// Written by the kernel; the runner poisons it with NaN before every launch.
     Output,
+    /// Read and partly overwritten (a KV cache the kernel appends to): uploaded with its data,
+    /// not poisoned, and compared in full, so untouched parts must stay as they were.
+    InOut,
 }
 
 /// One tensor argument: inputs carry their data, outputs carry a buffer of the right length
@@ -194,7 +198,7 @@ impl Problem {
     /// Indices of the output tensors.
     pub fn outputs(&self) -> Vec<usize> {
         (0..self.tensors.len())
-            .filter(|&i| self.tensors[i].role == Role::Output)
+            .filter(|&i| self.tensors[i].role != Role::Input)
             .collect()
     }
 }

@@ -136,6 +136,10 @@ struct RawFamily {
     template: String,
     #[serde(default)]
     description: String,
+    /// Lower is preferred when nothing is tuned: the registry falls back to the default point
+    /// of the best-ranked family that supports the shape.
+    #[serde(default = "default_rank")]
+    rank: i64,
     dtypes: Vec<Dtype>,
     #[serde(default)]
     epilogues: Vec<Epilogue>,
@@ -160,6 +164,10 @@ struct RawKernel {
     block: [String; 3],
     #[serde(default = "zero")]
     smem: String,
+}
+
+fn default_rank() -> i64 {
+    100
 }
 
 fn zero() -> String {
@@ -206,6 +214,8 @@ pub struct Family {
     /// Template path relative to the templates folder.
     pub template: String,
     pub description: String,
+    /// Fallback preference among the op's families (lower first).
+    pub rank: i64,
     /// The spec file it came from.
     pub file: PathBuf,
     pub dtypes: Vec<Dtype>,
@@ -447,6 +457,7 @@ impl Family {
             op,
             template: f.template.clone(),
             description: f.description.clone(),
+            rank: f.rank,
             file: file.to_path_buf(),
             dtypes: f.dtypes.clone(),
             epilogues,

@@ -175,7 +175,7 @@ fn run_one(
         loaded.insert(name.clone(), LoadedVariant::load(gpu, variant, cubin).map_err(|e| soft(&e))?);
     }
     let module = &loaded[name];
-    let launches = module.plan(gpu, problem).map_err(|e| soft(&e))?;
+    let launches = module.plan(gpu, &problem.shape).map_err(|e| soft(&e))?;
     let elems = variant.workspace_elems(&problem.shape, &gpu.info.limits).map_err(|e| soft(&e))?;
     device.ensure_workspace(gpu, elems).map_err(|e| soft(&e))?;
     module.fill_constants(gpu, problem).map_err(|e| soft(&e))?;
