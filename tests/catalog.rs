@@ -56,11 +56,24 @@ fn catalog_summary() {
         let points = f.point_count(&limits).unwrap();
         let variants = expand(f, Points::All, &limits).unwrap().len();
         let default = expand(f, Points::Default, &limits).unwrap().remove(0);
-        let shape = f.op.test_shapes(default.epilogue, default.mask).remove(0);
+        // the largest test shape, so the grid sizes say something
+        let shape =
+            f.op.test_shapes(default.epilogue, default.mask)
+                .into_iter()
+                .max_by_key(|s| s.values().product::<i64>())
+                .unwrap();
         let launches = default.launches(&shape, &limits).unwrap();
         let geometry: Vec<String> = launches
             .iter()
-            .map(|l| format!("{}: grid {:?} block {:?} smem {}", l.function.rsplit('_').next().unwrap(), l.grid, l.block, l.smem_bytes))
+            .map(|l| {
+                format!(
+                    "{}: grid {:?} block {:?} smem {}",
+                    l.function.rsplit('_').next().unwrap(),
+                    l.grid,
+                    l.block,
+                    l.smem_bytes
+                )
+            })
             .collect();
         lines.push(format!(
             "{} (op {}): {points} points, {variants} variants; default {} on {}: {}",
@@ -99,7 +112,12 @@ fn every_variant_renders_and_defines_its_kernels() {
             let source = renderer.render(&v).unwrap_or_else(|e| panic!("{e}"));
             for k in &f.kernels {
                 let signature = format!("{}_{}(", source.kernel_name, k.name);
-                assert!(source.code.contains(&signature), "{}: no `{signature}` in\n{}", v.key(), source.code);
+                assert!(
+                    source.code.contains(&signature),
+                    "{}: no `{signature}` in\n{}",
+                    v.key(),
+                    source.code
+                );
             }
             assert!(source.code.contains("extern \"C\" __global__"), "{}", v.key());
         }
@@ -114,10 +132,18 @@ fn generated_folder_matches_specs_and_templates() {
     let files = render_catalog(&c, Points::Default, &DeviceLimits::default()).unwrap();
     for f in &files {
         let on_disk = std::fs::read_to_string(out.join(&f.path)).unwrap_or_default();
-        assert!(on_disk == f.code, "generated/{} is stale: run `kernelforge gen`", f.path.display());
+        assert!(
+            on_disk == f.code,
+            "generated/{} is stale: run `kernelforge gen`",
+            f.path.display()
+        );
     }
     let expected: BTreeSet<_> = files.iter().map(|f| out.join(&f.path)).collect();
     for extra in cuda_files(&out) {
-        assert!(expected.contains(&extra), "{} is not rendered by any spec: run `kernelforge gen`", extra.display());
+        assert!(
+            expected.contains(&extra),
+            "{} is not rendered by any spec: run `kernelforge gen`",
+            extra.display()
+        );
     }
 }

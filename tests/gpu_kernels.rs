@@ -13,9 +13,15 @@ use kernelforge::tune::verify::{verify, Check, Shapes, Status};
 const SAMPLE: usize = 4;
 
 fn seed() -> u64 {
-    let seed = std::env::var("KERNELFORGE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    });
+    let seed = std::env::var("KERNELFORGE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
     eprintln!("seed {seed} (set KERNELFORGE_SEED to reproduce)");
     seed
 }
@@ -32,7 +38,13 @@ fn run(catalog: &Catalog, op: &str, points: impl Fn(u64) -> Points) -> Vec<Check
     assert!(!variants.is_empty(), "no family implements {op}");
     let rows = verify(&gpu, &compiler, &renderer, &variants, &Shapes::TestShapes, seed, |_| {});
     for r in &rows {
-        eprintln!("{:40} {:42} {:>10} {:?}", r.kernel, r.shape, r.error.map(|e| format!("{e:.2e}")).unwrap_or_default(), r.status);
+        eprintln!(
+            "{:40} {:42} {:>10} {:?}",
+            r.kernel,
+            r.shape,
+            r.error.map(|e| format!("{e:.2e}")).unwrap_or_default(),
+            r.status
+        );
     }
     rows
 }
@@ -42,11 +54,19 @@ fn check_op(op: &str) {
     let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
     let rows = run(&catalog, op, |seed| Points::Sample { count: SAMPLE, seed });
     let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
-    assert!(failures.is_empty(), "{} of {} checks failed: {failures:#?}", failures.len(), rows.len());
+    assert!(
+        failures.is_empty(),
+        "{} of {} checks failed: {failures:#?}",
+        failures.len(),
+        rows.len()
+    );
     // Every family must actually have run somewhere, and every default on every test shape
     // its constraints allow.
     for f in catalog.for_op(op) {
-        let passed = rows.iter().filter(|r| r.family == f.name && r.status == Status::Pass).count();
+        let passed = rows
+            .iter()
+            .filter(|r| r.family == f.name && r.status == Status::Pass)
+            .count();
         assert!(passed > 0, "{}: no variant ran on any test shape", f.name);
     }
 }
@@ -132,5 +152,7 @@ bug = 0
     for r in &rows {
         assert!(matches!(r.status, Status::Fail(_)), "a broken kernel passed: {r:?}");
     }
-    assert!(rows.iter().any(|r| r.variant.contains("bug=2") && format!("{:?}", r.status).contains("NVRTC")));
+    assert!(rows
+        .iter()
+        .any(|r| r.variant.contains("bug=2") && format!("{:?}", r.status).contains("NVRTC")));
 }

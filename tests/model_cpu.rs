@@ -11,8 +11,8 @@ use kernelforge::model::generate::{generate, Backend, GenerateOptions, StopReaso
 use kernelforge::model::sampling::{argmax, SamplingParams};
 use kernelforge::model::tokenizer::{Tokenizer, EOT_TOKEN};
 use kernelforge::model::weights::{
-    load_model, write_hf_folder, write_hf_folder_with, write_llmc, GPT2Model, GPT2Weights, HfDtype,
-    HfWriteOptions, LlmcVersion,
+    load_model, write_hf_folder, write_hf_folder_with, write_llmc, GPT2Model, GPT2Weights, HfDtype, HfWriteOptions,
+    LlmcVersion,
 };
 use kernelforge::model::ModelError;
 
@@ -111,10 +111,7 @@ fn half_precision_checkpoints_load_rounded() {
     assert!(m.weights == round_all(&w, bf));
     assert!(m.source.contains("bf16"), "{}", m.source);
 
-    for (dtype, f) in [
-        (HfDtype::F16, &hf16 as &dyn Fn(f32) -> f32),
-        (HfDtype::BF16, &bf),
-    ] {
+    for (dtype, f) in [(HfDtype::F16, &hf16 as &dyn Fn(f32) -> f32), (HfDtype::BF16, &bf)] {
         let d = dir.path().join(format!("{dtype:?}"));
         let opts = HfWriteOptions {
             dtype,
@@ -158,10 +155,7 @@ fn truncated_llmc_names_the_short_tensor() {
 
     let header_only = dir.path().join("h.bin");
     std::fs::write(&header_only, &bytes[..100]).unwrap();
-    assert!(load_model(&header_only)
-        .unwrap_err()
-        .to_string()
-        .contains("header"));
+    assert!(load_model(&header_only).unwrap_err().to_string().contains("header"));
 
     let mut v = bytes.clone();
     v[4..8].copy_from_slice(&7i32.to_le_bytes());
@@ -175,9 +169,7 @@ fn truncated_llmc_names_the_short_tensor() {
     let msg = load_model(&junk).unwrap_err().to_string();
     assert!(msg.contains("neither"), "{msg}");
 
-    let msg = load_model(&dir.path().join("absent.bin"))
-        .unwrap_err()
-        .to_string();
+    let msg = load_model(&dir.path().join("absent.bin")).unwrap_err().to_string();
     assert!(msg.contains("absent.bin"), "{msg}");
 }
 
@@ -207,12 +199,7 @@ fn rewrite_safetensors(dir: &Path, edit: impl Fn(Vec<Tensor>) -> Vec<Tensor>) {
         .collect();
     let views: Vec<(String, TensorView)> = raw
         .iter()
-        .map(|(n, s, d)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F32, s.clone(), d).unwrap(),
-            )
-        })
+        .map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap()))
         .collect();
     let out = safetensors::serialize(views.iter().map(|(n, v)| (n.clone(), v)), None).unwrap();
     std::fs::write(&p, out).unwrap();
@@ -253,9 +240,7 @@ fn broken_safetensors_name_the_tensor() {
     });
     let msg = load_model(&shape).unwrap_err().to_string();
     assert!(
-        msg.contains("h.0.attn.c_attn.weight")
-            && msg.contains("[96, 32]")
-            && msg.contains("[32, 96]"),
+        msg.contains("h.0.attn.c_attn.weight") && msg.contains("[96, 32]") && msg.contains("[32, 96]"),
         "{msg}"
     );
 
@@ -263,17 +248,9 @@ fn broken_safetensors_name_the_tensor() {
     let lm = dir.path().join("lm");
     write_hf_folder(&lm, &cfg, &w).unwrap();
     rewrite_safetensors(&lm, |mut ts| {
-        let wte = ts
-            .iter()
-            .find(|t| t.0 == "transformer.wte.weight")
-            .unwrap()
-            .clone();
+        let wte = ts.iter().find(|t| t.0 == "transformer.wte.weight").unwrap().clone();
         ts.push(("lm_head.weight".into(), wte.1, wte.2));
-        ts.push((
-            "transformer.h.0.attn.masked_bias".into(),
-            vec![1],
-            vec![-1e4],
-        ));
+        ts.push(("transformer.h.0.attn.masked_bias".into(), vec![1], vec![-1e4]));
         ts
     });
     assert!(load_model(&lm).unwrap().weights == w);
@@ -344,8 +321,7 @@ fn ref_forward_f64(m: &GPT2Model, tokens: &[u32]) -> Vec<f64> {
                 let z: f64 = s.iter().sum();
                 for (j, p) in s.iter().enumerate() {
                     for d in 0..hd {
-                        att[i * c + head * hd + d] +=
-                            p / z * qkv[j * 3 * c + 2 * c + head * hd + d];
+                        att[i * c + head * hd + d] += p / z * qkv[j * 3 * c + 2 * c + head * hd + d];
                     }
                 }
             }
@@ -395,10 +371,7 @@ fn kv_cache_decode_matches_full_forward() {
     let pre: Vec<Vec<u32>> = seqs.iter().map(|s| s[..prompt].to_vec()).collect();
     let pl = forward(&m, &mut cache, &pre, false).unwrap();
     assert_eq!((pl.batch, pl.seq_len, pl.vocab), (3, prompt, 100));
-    let full: Vec<_> = seqs
-        .iter()
-        .map(|s| forward_sequence(&m, s).unwrap())
-        .collect();
+    let full: Vec<_> = seqs.iter().map(|s| forward_sequence(&m, s).unwrap()).collect();
     for (b, f) in full.iter().enumerate() {
         for t in 0..prompt {
             assert!(rel_l2_f32(pl.row(b, t), f.row(0, t)) < 1e-5);
@@ -431,10 +404,7 @@ fn kv_cache_decode_matches_full_forward() {
 fn forward_rejects_bad_input() {
     let m = tiny_model();
     let msg = forward_sequence(&m, &[1, 2, 100]).unwrap_err().to_string();
-    assert!(
-        msg.contains("token id 100") && msg.contains("position 2"),
-        "{msg}"
-    );
+    assert!(msg.contains("token id 100") && msg.contains("position 2"), "{msg}");
     let long: Vec<u32> = vec![1; 65];
     let msg = forward_sequence(&m, &long).unwrap_err().to_string();
     assert!(msg.contains("65") && msg.contains("64"), "{msg}");
@@ -445,11 +415,7 @@ fn forward_rejects_bad_input() {
     assert!(msg.contains("rectangular"), "{msg}");
     assert!(forward(&m, &mut cache, &[vec![1]], false).is_err());
     let mut be = CpuBackend::new(Arc::new(m));
-    assert!(be
-        .decode(&[1])
-        .unwrap_err()
-        .to_string()
-        .contains("before prefill"));
+    assert!(be.decode(&[1]).unwrap_err().to_string().contains("before prefill"));
 }
 
 #[test]
@@ -484,30 +450,16 @@ fn greedy_generation_is_deterministic_and_matches_full_forward() {
     let prompt = vec![11u32, 22, 33];
     let mut streamed = Vec::new();
     let mut be = CpuBackend::new(m.clone());
-    let a = generate(
-        &mut be,
-        std::slice::from_ref(&prompt),
-        &opts,
-        &mut |b, id| {
-            streamed.push((b, id));
-            Ok(())
-        },
-    )
+    let a = generate(&mut be, std::slice::from_ref(&prompt), &opts, &mut |b, id| {
+        streamed.push((b, id));
+        Ok(())
+    })
     .unwrap();
-    let b = generate(
-        &mut be,
-        std::slice::from_ref(&prompt),
-        &opts,
-        &mut |_, _| Ok(()),
-    )
-    .unwrap();
+    let b = generate(&mut be, std::slice::from_ref(&prompt), &opts, &mut |_, _| Ok(())).unwrap();
     assert_eq!(a.tokens, b.tokens);
     assert_eq!(a.tokens[0].len(), 12);
     assert_eq!(a.stop, StopReason::MaxNewTokens);
-    assert_eq!(
-        streamed,
-        a.tokens[0].iter().map(|&t| (0, t)).collect::<Vec<_>>()
-    );
+    assert_eq!(streamed, a.tokens[0].iter().map(|&t| (0, t)).collect::<Vec<_>>());
     assert_eq!(a.stats.prompt_tokens, 3);
     assert_eq!(a.stats.decode_steps, 11);
     assert_eq!(a.stats.generated_tokens, 12);
@@ -546,10 +498,7 @@ fn sampled_generation_is_seeded_and_batches_are_independent() {
             seed: opts.seed + i as u64,
             ..opts.clone()
         };
-        let solo = generate(&mut be, std::slice::from_ref(p), &solo_opts, &mut |_, _| {
-            Ok(())
-        })
-        .unwrap();
+        let solo = generate(&mut be, std::slice::from_ref(p), &solo_opts, &mut |_, _| Ok(())).unwrap();
         assert_eq!(solo.tokens[0], a.tokens[i], "sequence {i}");
     }
 }
@@ -567,18 +516,11 @@ fn generation_stops_at_the_context_length() {
     };
     let out = generate(&mut be, &[prompt], &opts, &mut |_, _| Ok(())).unwrap();
     assert_eq!(out.stop, StopReason::ContextFull);
-    assert_eq!(
-        out.tokens[0].len(),
-        4,
-        "60 prompt + 4 new = the 64-token context"
-    );
+    assert_eq!(out.tokens[0].len(), 4, "60 prompt + 4 new = the 64-token context");
     assert!(out.message.unwrap().contains("context length (64 tokens)"));
     let too_long: Vec<u32> = vec![1; 65];
     let msg = generate(&mut be, &[too_long], &opts, &mut |_, _| Ok(()))
         .unwrap_err()
         .to_string();
-    assert!(
-        msg.contains("65") && msg.contains("context length is 64"),
-        "{msg}"
-    );
+    assert!(msg.contains("65") && msg.contains("context length is 64"), "{msg}");
 }

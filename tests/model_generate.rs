@@ -72,13 +72,7 @@ fn greedy(n: usize, stop_at_eot: bool) -> GenerateOptions {
 #[test]
 fn stops_at_end_of_text_per_sequence() {
     let mut be = Scripted::new(vec![4, 6]);
-    let out = generate(
-        &mut be,
-        &[vec![1], vec![5]],
-        &greedy(20, true),
-        &mut |_, _| Ok(()),
-    )
-    .unwrap();
+    let out = generate(&mut be, &[vec![1], vec![5]], &greedy(20, true), &mut |_, _| Ok(())).unwrap();
     assert_eq!(out.tokens[0], vec![2, 3, 4, EOT_TOKEN]);
     assert_eq!(out.tokens[1], vec![6, 7, 8, 9, 0, EOT_TOKEN]);
     assert_eq!(out.stop, StopReason::EndOfText);
@@ -87,13 +81,7 @@ fn stops_at_end_of_text_per_sequence() {
     assert!(out.stats.summary().contains("scripted"));
 
     let mut be = Scripted::new(vec![3, 100]);
-    let out = generate(
-        &mut be,
-        &[vec![1], vec![1]],
-        &greedy(5, true),
-        &mut |_, _| Ok(()),
-    )
-    .unwrap();
+    let out = generate(&mut be, &[vec![1], vec![1]], &greedy(5, true), &mut |_, _| Ok(())).unwrap();
     assert_eq!(out.tokens[0], vec![2, 3, EOT_TOKEN]);
     assert_eq!(out.tokens[1].len(), 5);
     assert_eq!(out.stop, StopReason::MaxNewTokens);
@@ -107,15 +95,10 @@ fn stops_at_end_of_text_per_sequence() {
 fn ragged_prompts_are_fed_not_sampled() {
     let mut be = Scripted::new(vec![100, 100]);
     let mut seen = Vec::new();
-    let out = generate(
-        &mut be,
-        &[vec![1, 7, 7, 7], vec![3]],
-        &greedy(3, true),
-        &mut |b, t| {
-            seen.push((b, t));
-            Ok(())
-        },
-    )
+    let out = generate(&mut be, &[vec![1, 7, 7, 7], vec![3]], &greedy(3, true), &mut |b, t| {
+        seen.push((b, t));
+        Ok(())
+    })
     .unwrap();
     assert_eq!(out.tokens, vec![vec![8, 9, 0], vec![4, 5, 6]]);
     assert_eq!(be.seen[0][..4], [1, 7, 7, 7]);

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use kernelforge::codegen::Renderer;
-use kernelforge::spec::{expand, Family, Points, DeviceLimits};
+use kernelforge::spec::{expand, DeviceLimits, Family, Points};
 
 /// A templates folder with one template that renders, and one that references an unknown variable.
 fn templates() -> tempfile::TempDir {
@@ -117,16 +117,28 @@ fn default_that_violates_a_constraint() {
 #[test]
 fn missing_template() {
     let e = error_of(&GOOD.replace("t/ok.cu.tera", "t/nope.cu.tera"));
-    assert!(e.contains("family.template:") && e.contains("nope.cu.tera does not exist"), "{e}");
+    assert!(
+        e.contains("family.template:") && e.contains("nope.cu.tera does not exist"),
+        "{e}"
+    );
 }
 
 #[test]
 fn template_that_fails_to_render() {
     let t = templates();
     let family = std::sync::Arc::new(parse(&GOOD.replace("t/ok.cu.tera", "t/broken.cu.tera"), t.path()).unwrap());
-    let variant = expand(&family, Points::Default, &DeviceLimits::default()).unwrap().remove(0);
-    let e = Renderer::new(t.path()).unwrap().render(&variant).unwrap_err().to_string();
-    assert!(e.starts_with("specs/gelu_test.toml: family.template: templates/t/broken.cu.tera failed to render"), "{e}");
+    let variant = expand(&family, Points::Default, &DeviceLimits::default())
+        .unwrap()
+        .remove(0);
+    let e = Renderer::new(t.path())
+        .unwrap()
+        .render(&variant)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("specs/gelu_test.toml: family.template: templates/t/broken.cu.tera failed to render"),
+        "{e}"
+    );
     assert!(e.contains("no_such_variable"), "{e}");
 }
 
@@ -145,7 +157,10 @@ fn unknown_op_epilogue_and_name_mismatch() {
     let e = error_of(&GOOD.replace("dtypes = [\"f32\"]", "dtypes = [\"f32\"]\nepilogues = [\"bias\"]"));
     assert!(e.contains("family.epilogues: op `gelu` has no epilogue `bias`"), "{e}");
     let e = error_of(&GOOD.replace("name = \"gelu_test\"", "name = \"other\""));
-    assert!(e.contains("family.name: `other` must match the file name `gelu_test.toml`"), "{e}");
+    assert!(
+        e.contains("family.name: `other` must match the file name `gelu_test.toml`"),
+        "{e}"
+    );
     let e = error_of(&GOOD.replace("dtypes = [\"f32\"]", "dtypes = [\"f64\"]"));
     assert!(e.contains("f64"), "{e}");
 }
@@ -153,13 +168,22 @@ fn unknown_op_epilogue_and_name_mismatch() {
 #[test]
 fn bad_expressions_name_the_field() {
     let e = error_of(&GOOD.replace("threads = \"block_size\"", "threads = \"block_sise * 2\""));
-    assert!(e.contains("derived.threads: `block_sise * 2`: unknown variable `block_sise` (did you mean `block_size`?)"), "{e}");
+    assert!(
+        e.contains("derived.threads: `block_sise * 2`: unknown variable `block_sise` (did you mean `block_size`?)"),
+        "{e}"
+    );
     let e = error_of(&GOOD.replace("\"threads\", \"1\", \"1\"", "\"threads\", \"1 +\", \"1\""));
     assert!(e.contains("kernels[0].block[1]: cannot parse `1 +`"), "{e}");
     let e = error_of(&GOOD.replace("ceil_div(N, block_size * vector_width)", "ceil_div(M, block_size)"));
-    assert!(e.contains("kernels[0].grid[0]: `ceil_div(M, block_size)`: unknown variable `M`"), "{e}");
+    assert!(
+        e.contains("kernels[0].grid[0]: `ceil_div(M, block_size)`: unknown variable `M`"),
+        "{e}"
+    );
     let e = error_of(&GOOD.replace("require = [\"threads <= max_threads\"]", "require = [\"threads = 3\"]"));
-    assert!(e.contains("constraints.require[0]: cannot parse `threads = 3` at column 9"), "{e}");
+    assert!(
+        e.contains("constraints.require[0]: cannot parse `threads = 3` at column 9"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -172,7 +196,8 @@ fn duplicate_values_and_reserved_names() {
 
 #[test]
 fn no_kernels() {
-    let text = GOOD.split("[[kernels]]").next().unwrap().to_string() + "[default]\nblock_size = 128\nvector_width = 4\n";
+    let text =
+        GOOD.split("[[kernels]]").next().unwrap().to_string() + "[default]\nblock_size = 128\nvector_width = 4\n";
     let e = error_of(&text);
     assert!(e.contains("kernels: no [[kernels]] entry"), "{e}");
 }

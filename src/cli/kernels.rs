@@ -95,16 +95,27 @@ pub struct VerifyArgs {
 }
 
 fn parse_param(text: &str) -> Result<(String, i64), String> {
-    let (name, value) = text.split_once('=').ok_or_else(|| format!("`{text}`: write NAME=VALUE, e.g. block_m=64"))?;
-    let value = value.trim().parse().map_err(|_| format!("`{text}`: `{value}` is not an integer"))?;
+    let (name, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("`{text}`: write NAME=VALUE, e.g. block_m=64"))?;
+    let value = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}`: `{value}` is not an integer"))?;
     Ok((name.trim().to_string(), value))
 }
 
 fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
-    [Epilogue::None, Epilogue::Bias, Epilogue::BiasGelu, Epilogue::BiasResidual, Epilogue::Qkv]
-        .into_iter()
-        .find(|e| e.as_str() == text)
-        .ok_or_else(|| format!("unknown epilogue `{text}` (none, bias, bias_gelu, bias_residual, qkv)"))
+    [
+        Epilogue::None,
+        Epilogue::Bias,
+        Epilogue::BiasGelu,
+        Epilogue::BiasResidual,
+        Epilogue::Qkv,
+    ]
+    .into_iter()
+    .find(|e| e.as_str() == text)
+    .ok_or_else(|| format!("unknown epilogue `{text}` (none, bias, bias_gelu, bias_residual, qkv)"))
 }
 
 fn parse_mask(text: &str) -> Result<Mask, String> {
@@ -254,13 +265,19 @@ pub fn verify(root: &Path, args: VerifyArgs) -> Result<()> {
         Some(text) => {
             let ops_named: std::collections::BTreeSet<_> = families.iter().map(|f| f.op.name()).collect();
             if ops_named.len() != 1 {
-                bail!("--shape needs one op: add --op or --family (the families span {})", ops_named.into_iter().collect::<Vec<_>>().join(", "));
+                bail!(
+                    "--shape needs one op: add --op or --family (the families span {})",
+                    ops_named.into_iter().collect::<Vec<_>>().join(", ")
+                );
             }
             Shapes::Given(ops::parse_shape(families[0].op, text)?)
         }
     };
     let seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
     });
     let gpu = Gpu::new(0).context("verify runs kernels on the GPU")?;
     let compiler = Compiler::new(&gpu.info.arch())?;
@@ -333,7 +350,13 @@ fn verify_table(rows: &[Check]) -> String {
 pub fn render_table(rows: &[Vec<String>]) -> String {
     let columns = rows.iter().map(|r| r.len()).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
-        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     let mut out = String::new();
     for (i, row) in rows.iter().enumerate() {

@@ -100,12 +100,7 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// Prompt text.
-    #[arg(
-        long,
-        value_name = "TEXT",
-        required_unless_present = "ids",
-        conflicts_with = "ids"
-    )]
+    #[arg(long, value_name = "TEXT", required_unless_present = "ids", conflicts_with = "ids")]
     pub prompt: Option<String>,
     /// Prompt token ids, comma-separated.
     #[arg(long, value_name = "IDS")]
@@ -149,9 +144,8 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .split(|c: char| c == ',' || c.is_whitespace())
         .filter(|x| !x.is_empty())
         .map(|x| {
-            x.parse::<u32>().with_context(|| {
-                format!("`{x}` in the id list is not a token id (expected e.g. 15496,11,995)")
-            })
+            x.parse::<u32>()
+                .with_context(|| format!("`{x}` in the id list is not a token id (expected e.g. 15496,11,995)"))
         })
         .collect::<Result<Vec<_>>>()?;
     if ids.is_empty() {
@@ -180,8 +174,7 @@ fn snapshot_in(repo: &Path) -> Option<PathBuf> {
     let snaps = repo.join("snapshots");
     let has_model = |d: &Path| {
         d.join("config.json").is_file()
-            && (d.join("model.safetensors").exists()
-                || d.join("model.safetensors.index.json").exists())
+            && (d.join("model.safetensors").exists() || d.join("model.safetensors.index.json").exists())
     };
     if let Ok(main) = std::fs::read_to_string(repo.join("refs").join("main")) {
         let d = snaps.join(main.trim());
@@ -217,10 +210,7 @@ pub fn resolve_model_in(spec: &str, cache: Option<PathBuf>) -> Result<PathBuf> {
         );
     }
     if let Some(cache) = &cache {
-        for repo in [
-            format!("models--{name}"),
-            format!("models--openai-community--{name}"),
-        ] {
+        for repo in [format!("models--{name}"), format!("models--openai-community--{name}")] {
             if let Some(d) = snapshot_in(&cache.join(repo)) {
                 return Ok(d);
             }
@@ -250,11 +240,7 @@ fn load(spec: &str) -> Result<Arc<GPT2Model>> {
 }
 
 /// Build the backend for `device` (the GPU one is wired here later).
-pub fn make_backend(
-    device: Device,
-    dtype: DType,
-    model: Arc<GPT2Model>,
-) -> Result<Box<dyn Backend>> {
+pub fn make_backend(device: Device, dtype: DType, model: Arc<GPT2Model>) -> Result<Box<dyn Backend>> {
     check_device(device, dtype)?;
     Ok(Box::new(CpuBackend::new(model)))
 }
@@ -298,11 +284,7 @@ pub fn run_tokenize(args: &TokenizeArgs) -> Result<()> {
             .iter()
             .map(|&i| tok.decode(&[i]))
             .collect::<crate::model::Result<Vec<_>>>()?;
-        writeln!(
-            out,
-            "{}",
-            json!({ "ids": ids, "tokens": pieces, "count": ids.len() })
-        )?;
+        writeln!(out, "{}", json!({ "ids": ids, "tokens": pieces, "count": ids.len() }))?;
     } else {
         writeln!(out, "{}", join_ids(&ids))?;
     }
@@ -350,10 +332,7 @@ pub fn run_forward(args: &ForwardArgs) -> Result<()> {
     } else {
         match &args.logits_out {
             Some(p) => writeln!(out, "logits [{t}, {v}] float32 -> {}", p.display())?,
-            None => writeln!(
-                out,
-                "logits [{t}, {v}] (pass --logits-out FILE.npy to save them)"
-            )?,
+            None => writeln!(out, "logits [{t}, {v}] (pass --logits-out FILE.npy to save them)")?,
         }
         writeln!(out, "most likely next tokens after the last position:")?;
         for &i in &order {
@@ -434,11 +413,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     } else {
         let prompt_text = tok.decode(&ids)?;
         for (b, t) in result.tokens.iter().enumerate() {
-            writeln!(
-                stdout,
-                "=== sequence {b} ===\n{prompt_text}{}",
-                tok.decode(t)?
-            )?;
+            writeln!(stdout, "=== sequence {b} ===\n{prompt_text}{}", tok.decode(t)?)?;
         }
     }
     drop(stdout);
@@ -537,10 +512,7 @@ mod tests {
             device: Device::Cuda,
             ..gen.clone()
         };
-        assert!(run_generate(&cuda)
-            .unwrap_err()
-            .to_string()
-            .contains("not built yet"));
+        assert!(run_generate(&cuda).unwrap_err().to_string().contains("not built yet"));
         let bad = GenerateArgs { batch: 0, ..gen };
         assert!(run_generate(&bad).is_err());
     }

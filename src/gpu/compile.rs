@@ -120,10 +120,13 @@ impl Compiler {
     /// Compiles to CUBIN (from the cache when the same source and options were compiled before).
     pub fn compile(&self, source: &Source) -> Result<Compiled, CompileError> {
         let options = self.options(&self.arch);
-        let cache_file = self
-            .cache_dir
-            .as_ref()
-            .map(|d| d.join(format!("{}-{}.cubin", source.kernel_name, self.cache_key(source, &options))));
+        let cache_file = self.cache_dir.as_ref().map(|d| {
+            d.join(format!(
+                "{}-{}.cubin",
+                source.kernel_name,
+                self.cache_key(source, &options)
+            ))
+        });
         if let Some(bytes) = cache_file.as_ref().and_then(|f| std::fs::read(f).ok()) {
             return Ok(Compiled {
                 kernel_name: source.kernel_name.clone(),
@@ -156,7 +159,12 @@ impl Compiler {
         Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
     }
 
-    fn run_nvrtc(&self, source: &Source, options: &[String], output: Output) -> Result<(Vec<u8>, String), CompileError> {
+    fn run_nvrtc(
+        &self,
+        source: &Source,
+        options: &[String],
+        output: Output,
+    ) -> Result<(Vec<u8>, String), CompileError> {
         let kernel = source.kernel_name.clone();
         let call_err = |call: &'static str| {
             let kernel = kernel.clone();
@@ -180,7 +188,10 @@ impl Compiler {
         let log = unsafe { nvrtc::get_program_log(program.0) }
             .map(|raw| {
                 // SAFETY: NVRTC returns a NUL-terminated log.
-                unsafe { CStr::from_ptr(raw.as_ptr()) }.to_string_lossy().trim().to_string()
+                unsafe { CStr::from_ptr(raw.as_ptr()) }
+                    .to_string_lossy()
+                    .trim()
+                    .to_string()
             })
             .unwrap_or_default();
         if compiled.is_err() {
@@ -255,7 +266,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> bool {
     if std::fs::create_dir_all(dir).is_err() {
         return false;
     }
-    let Ok(mut tmp) = tempfile::NamedTempFile::new_in(dir) else { return false };
+    let Ok(mut tmp) = tempfile::NamedTempFile::new_in(dir) else {
+        return false;
+    };
     use std::io::Write;
     tmp.write_all(bytes).is_ok() && tmp.persist(path).is_ok()
 }

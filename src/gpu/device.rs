@@ -68,7 +68,11 @@ impl Gpu {
         // SAFETY: no buffer is shared between streams.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        let attr = |a: Attr| ctx.attribute(a).map(i64::from).map_err(GpuError::cuda("reading a device attribute"));
+        let attr = |a: Attr| {
+            ctx.attribute(a)
+                .map(i64::from)
+                .map_err(GpuError::cuda("reading a device attribute"))
+        };
         let limits = DeviceLimits {
             max_threads: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
             max_smem_static: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
@@ -83,7 +87,9 @@ impl Gpu {
             .map_err(GpuError::cuda("reading the driver version"))?;
         let info = DeviceInfo {
             name: ctx.name().map_err(GpuError::cuda("reading the device name"))?,
-            compute_capability: ctx.compute_capability().map_err(GpuError::cuda("reading the compute capability"))?,
+            compute_capability: ctx
+                .compute_capability()
+                .map_err(GpuError::cuda("reading the compute capability"))?,
             driver_version,
             total_memory_bytes: ctx.total_mem().map_err(GpuError::cuda("reading the memory size"))?,
             limits,

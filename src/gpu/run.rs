@@ -95,7 +95,10 @@ impl DeviceProblem {
     /// Copies tensor `index` back to the host as f32.
     pub fn download(&self, gpu: &Gpu, index: usize) -> Result<Vec<f32>, GpuError> {
         match &self.buffers[index] {
-            DeviceBuffer::F32(s) => gpu.stream.clone_dtoh(s).map_err(GpuError::cuda("downloading an output")),
+            DeviceBuffer::F32(s) => gpu
+                .stream
+                .clone_dtoh(s)
+                .map_err(GpuError::cuda("downloading an output")),
             DeviceBuffer::I32(s) => Ok(gpu
                 .stream
                 .clone_dtoh(s)
@@ -120,7 +123,10 @@ impl LoadedVariant {
         let module = gpu
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
-            .map_err(GpuError::cuda(format!("loading the module of {}", compiled.kernel_name)))?;
+            .map_err(GpuError::cuda(format!(
+                "loading the module of {}",
+                compiled.kernel_name
+            )))?;
         let functions = variant
             .family
             .kernels
@@ -156,10 +162,18 @@ impl LoadedVariant {
                 Ok(KernelResources {
                     kernel: k.name.clone(),
                     registers: f.num_regs().map_err(err)?,
-                    static_smem_bytes: f.shared_size_bytes().map_err(GpuError::cuda("reading function attributes"))?,
-                    local_bytes: f.local_size_bytes().map_err(GpuError::cuda("reading function attributes"))?,
-                    const_bytes: f.const_size_bytes().map_err(GpuError::cuda("reading function attributes"))?,
-                    max_threads: f.max_threads_per_block().map_err(GpuError::cuda("reading function attributes"))?,
+                    static_smem_bytes: f
+                        .shared_size_bytes()
+                        .map_err(GpuError::cuda("reading function attributes"))?,
+                    local_bytes: f
+                        .local_size_bytes()
+                        .map_err(GpuError::cuda("reading function attributes"))?,
+                    const_bytes: f
+                        .const_size_bytes()
+                        .map_err(GpuError::cuda("reading function attributes"))?,
+                    max_threads: f
+                        .max_threads_per_block()
+                        .map_err(GpuError::cuda("reading function attributes"))?,
                 })
             })
             .collect()
@@ -168,14 +182,18 @@ impl LoadedVariant {
     /// Copies the problem's tensors into the variant's `__constant__` symbols.
     pub fn fill_constants(&self, gpu: &Gpu, problem: &Problem) -> Result<(), RunError> {
         for (symbol, tensor) in self.variant.constants()? {
-            let index = problem.tensors.iter().position(|t| t.name == tensor).ok_or_else(|| RunError::Launch {
-                kernel: self.variant.kernel_name(),
-                message: format!(
-                    "{}: constants: op `{}` has no tensor `{tensor}`",
-                    self.variant.family.file.display(),
-                    problem.op
-                ),
-            })?;
+            let index = problem
+                .tensors
+                .iter()
+                .position(|t| t.name == tensor)
+                .ok_or_else(|| RunError::Launch {
+                    kernel: self.variant.kernel_name(),
+                    message: format!(
+                        "{}: constants: op `{}` has no tensor `{tensor}`",
+                        self.variant.family.file.display(),
+                        problem.op
+                    ),
+                })?;
             let HostData::F32(values) = &problem.tensors[index].data else {
                 return Err(RunError::Launch {
                     kernel: self.variant.kernel_name(),
@@ -198,7 +216,9 @@ impl LoadedVariant {
                 });
             }
             let mut dst = global.slice_mut(0..bytes.len());
-            gpu.stream.memcpy_htod(&bytes, &mut dst).map_err(GpuError::cuda(format!("filling `{symbol}`")))?;
+            gpu.stream
+                .memcpy_htod(&bytes, &mut dst)
+                .map_err(GpuError::cuda(format!("filling `{symbol}`")))?;
         }
         Ok(())
     }
@@ -210,11 +230,17 @@ impl LoadedVariant {
         for l in &launches {
             let threads: i64 = l.block.iter().map(|v| *v as i64).product();
             let bad = if threads > limits.max_threads {
-                Some(format!("{threads} threads per block, the device allows {}", limits.max_threads))
+                Some(format!(
+                    "{threads} threads per block, the device allows {}",
+                    limits.max_threads
+                ))
             } else if l.grid[1] > 65535 || l.grid[2] > 65535 {
                 Some(format!("grid {:?} exceeds 65535 in y or z", l.grid))
             } else if l.smem_bytes as i64 > limits.max_smem_dynamic {
-                Some(format!("{} bytes of dynamic shared memory, the device allows {}", l.smem_bytes, limits.max_smem_dynamic))
+                Some(format!(
+                    "{} bytes of dynamic shared memory, the device allows {}",
+                    l.smem_bytes, limits.max_smem_dynamic
+                ))
             } else {
                 None
             };
@@ -230,7 +256,13 @@ impl LoadedVariant {
 
     /// Launches every kernel once on a problem's device copy, in spec order (asynchronously;
     /// synchronize to see faults).
-    pub fn launch(&self, gpu: &Gpu, problem: &Problem, device: &DeviceProblem, launches: &[Launch]) -> Result<(), RunError> {
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        problem: &Problem,
+        device: &DeviceProblem,
+        launches: &[Launch],
+    ) -> Result<(), RunError> {
         let values: Vec<ArgValue> = problem
             .args
             .iter()
@@ -250,8 +282,14 @@ impl LoadedVariant {
         for (function, l) in self.functions.iter().zip(launches) {
             if l.smem_bytes > 48 * 1024 {
                 function
-                    .set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, l.smem_bytes as i32)
-                    .map_err(GpuError::cuda(format!("allowing {} bytes of shared memory", l.smem_bytes)))?;
+                    .set_attribute(
+                        FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        l.smem_bytes as i32,
+                    )
+                    .map_err(GpuError::cuda(format!(
+                        "allowing {} bytes of shared memory",
+                        l.smem_bytes
+                    )))?;
             }
             let mut builder = gpu.stream.launch_builder(function);
             for v in values {
@@ -269,8 +307,10 @@ impl LoadedVariant {
             // SAFETY: the argument list follows the op contract every template of the op
             // implements, pointers are live device buffers of the sizes the op computed, and the
             // geometry was checked against the device limits in `plan`.
-            unsafe { builder.launch(config) }
-                .map_err(GpuError::cuda(format!("launching {} grid {:?} block {:?}", l.function, l.grid, l.block)))?;
+            unsafe { builder.launch(config) }.map_err(GpuError::cuda(format!(
+                "launching {} grid {:?} block {:?}",
+                l.function, l.grid, l.block
+            )))?;
         }
         Ok(())
     }

@@ -39,13 +39,7 @@ pub const PRESET_NAMES: [&str; 4] = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-
 
 impl GPT2Config {
     /// A validated config with `padded_vocab_size = pad_vocab(vocab_size)`.
-    pub fn new(
-        n_layer: usize,
-        n_head: usize,
-        n_embd: usize,
-        n_ctx: usize,
-        vocab_size: usize,
-    ) -> Result<Self> {
+    pub fn new(n_layer: usize, n_head: usize, n_embd: usize, n_ctx: usize, vocab_size: usize) -> Result<Self> {
         let cfg = GPT2Config {
             n_layer,
             n_head,
@@ -78,7 +72,7 @@ impl GPT2Config {
                 return bad(format!("{name} must be positive"));
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return bad(format!(
                 "n_embd {} is not divisible by n_head {}",
                 self.n_embd, self.n_head
@@ -164,13 +158,10 @@ impl GPT2Config {
         let get = |keys: &[&str]| -> Result<usize> {
             for k in keys {
                 if let Some(x) = v.get(*k) {
-                    return x
-                        .as_u64()
-                        .map(|n| n as usize)
-                        .ok_or_else(|| ModelError::Config {
-                            context: context.to_string(),
-                            message: format!("`{k}` is not a non-negative integer: {x}"),
-                        });
+                    return x.as_u64().map(|n| n as usize).ok_or_else(|| ModelError::Config {
+                        context: context.to_string(),
+                        message: format!("`{k}` is not a non-negative integer: {x}"),
+                    });
                 }
             }
             Err(ModelError::Config {
@@ -182,9 +173,7 @@ impl GPT2Config {
             if !matches!(act, "gelu_new" | "gelu_pytorch_tanh" | "gelu") {
                 return Err(ModelError::Config {
                     context: context.to_string(),
-                    message: format!(
-                        "activation_function `{act}` is not supported (GPT-2 uses gelu_new)"
-                    ),
+                    message: format!("activation_function `{act}` is not supported (GPT-2 uses gelu_new)"),
                 });
             }
         }

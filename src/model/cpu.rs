@@ -39,16 +39,14 @@ pub fn encoder(out: &mut [f32], tokens: &[u32], pos0: usize, wte: &[f32], wpe: &
 /// Row-wise layernorm over `C` channels: `out = (x - mean) / sqrt(var + 1e-5) * w + b`
 /// (biased variance). `inp` and `out` are `[N, C]`.
 pub fn layernorm(out: &mut [f32], inp: &[f32], weight: &[f32], bias: &[f32], c: usize) {
-    out.par_chunks_mut(c)
-        .zip(inp.par_chunks(c))
-        .for_each(|(o, x)| {
-            let mean = x.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
-            let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / c as f64;
-            let rstd = 1.0 / (var + LN_EPS as f64).sqrt();
-            for i in 0..c {
-                o[i] = (((x[i] as f64 - mean) * rstd) as f32) * weight[i] + bias[i];
-            }
-        });
+    out.par_chunks_mut(c).zip(inp.par_chunks(c)).for_each(|(o, x)| {
+        let mean = x.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
+        let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / c as f64;
+        let rstd = 1.0 / (var + LN_EPS as f64).sqrt();
+        for i in 0..c {
+            o[i] = (((x[i] as f64 - mean) * rstd) as f32) * weight[i] + bias[i];
+        }
+    });
 }
 
 /// Dot product with eight independent partial sums (vectorizes well).
@@ -71,14 +69,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// `out[M, N] = inp[M, K] @ weight[N, K]^T (+ bias[N])`. Parallel over row blocks when M is
 /// large, over output columns when M is small (decode).
-pub fn matmul(
-    out: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    k: usize,
-    n: usize,
-) {
+pub fn matmul(out: &mut [f32], inp: &[f32], weight: &[f32], bias: Option<&[f32]>, k: usize, n: usize) {
     const MB: usize = 16; // rows of inp per task
     const NB: usize = 16; // rows of weight kept hot while a row block runs over them
     let m = inp.len() / k;
@@ -130,9 +121,7 @@ pub fn gelu(x: &mut [f32]) {
 
 /// `x += y` (the residual connection).
 pub fn residual_add(x: &mut [f32], y: &[f32]) {
-    x.par_iter_mut()
-        .zip(y.par_iter())
-        .for_each(|(a, b)| *a += *b);
+    x.par_iter_mut().zip(y.par_iter()).for_each(|(a, b)| *a += *b);
 }
 
 /// Numerically stable softmax of one row, in place (sum in f64).
@@ -177,14 +166,7 @@ pub fn attention_row(out: &mut [f32], q: &[f32], k: &[f32], v: &[f32], n_kv: usi
 
 /// Causal self-attention of B sequences of T tokens from a fused `qkv [B, T, 3C]` (Q | K | V per
 /// row, as the QKV matmul writes it); `out` is `[B, T, C]`.
-pub fn attention_causal(
-    out: &mut [f32],
-    qkv: &[f32],
-    batch: usize,
-    t: usize,
-    c: usize,
-    n_head: usize,
-) {
+pub fn attention_causal(out: &mut [f32], qkv: &[f32], batch: usize, t: usize, c: usize, n_head: usize) {
     let split = |part: usize| -> Vec<Vec<f32>> {
         (0..batch)
             .map(|b| {
@@ -251,12 +233,7 @@ impl KvCache {
 /// holds (positions `cache.len() .. cache.len() + T`), extending the cache. Returns logits
 /// `[B, T, V]`, or `[B, 1, V]` for the last position only when `last_only`.
 /// A prefill is a call on an empty cache; a decode step is a call with T = 1.
-pub fn forward(
-    model: &GPT2Model,
-    cache: &mut KvCache,
-    tokens: &[Vec<u32>],
-    last_only: bool,
-) -> Result<Logits> {
+pub fn forward(model: &GPT2Model, cache: &mut KvCache, tokens: &[Vec<u32>], last_only: bool) -> Result<Logits> {
     let cfg = &model.config;
     let w = &model.weights;
     let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
@@ -269,9 +246,7 @@ pub fn forward(
     }
     let t = tokens[0].len();
     if t == 0 {
-        return Err(ModelError::Batch(
-            "sequences must have at least one token".into(),
-        ));
+        return Err(ModelError::Batch("sequences must have at least one token".into()));
     }
     if let Some(b) = tokens.iter().position(|s| s.len() != t) {
         return Err(ModelError::Batch(format!(
@@ -296,22 +271,13 @@ pub fn forward(
         });
     }
     if cache.n_embd != c || cache.k.len() != cfg.n_layer {
-        return Err(ModelError::Batch(
-            "KV cache was made for a different model".into(),
-        ));
+        return Err(ModelError::Batch("KV cache was made for a different model".into()));
     }
 
     let rows = batch * t;
     let mut x = vec![0.0f32; rows * c];
     for (b, s) in tokens.iter().enumerate() {
-        encoder(
-            &mut x[b * t * c..(b + 1) * t * c],
-            s,
-            pos0,
-            &w.wte,
-            &w.wpe,
-            c,
-        );
+        encoder(&mut x[b * t * c..(b + 1) * t * c], s, pos0, &w.wte, &w.wpe, c);
     }
     let mut ln = vec![0.0f32; rows * c];
     let mut qkv = vec![0.0f32; rows * 3 * c];
@@ -331,23 +297,9 @@ pub fn forward(
         let (kl, vl) = (&cache.k[li], &cache.v[li]);
         att.par_chunks_mut(c).enumerate().for_each(|(r, o)| {
             let (b, i) = (r / t, r % t);
-            attention_row(
-                o,
-                &qkv[r * 3 * c..r * 3 * c + c],
-                &kl[b],
-                &vl[b],
-                pos0 + i + 1,
-                nh,
-            );
+            attention_row(o, &qkv[r * 3 * c..r * 3 * c + c], &kl[b], &vl[b], pos0 + i + 1, nh);
         });
-        matmul(
-            &mut proj,
-            &att,
-            &lw.attn_proj_w,
-            Some(&lw.attn_proj_b),
-            c,
-            c,
-        );
+        matmul(&mut proj, &att, &lw.attn_proj_w, Some(&lw.attn_proj_b), c, c);
         residual_add(&mut x, &proj);
         layernorm(&mut ln, &x, &lw.ln2_w, &lw.ln2_b, c);
         matmul(&mut fc, &ln, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
@@ -434,24 +386,18 @@ mod tests {
     #[test]
     fn matmul_small_and_large_paths_agree() {
         let (k, n) = (37, 45);
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
-            .collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
         let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
         let m = 40;
-        let x: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
-            .collect();
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2).collect();
         let mut big = vec![0.0; m * n];
         matmul(&mut big, &x, &w, Some(&bias), k, n);
         for r in 0..m {
             let mut one = vec![0.0; n];
             matmul(&mut one, &x[r * k..(r + 1) * k], &w, Some(&bias), k, n);
             for j in 0..n {
-                let exact: f64 = (0..k)
-                    .map(|i| x[r * k + i] as f64 * w[j * k + i] as f64)
-                    .sum::<f64>()
-                    + bias[j] as f64;
+                let exact: f64 =
+                    (0..k).map(|i| x[r * k + i] as f64 * w[j * k + i] as f64).sum::<f64>() + bias[j] as f64;
                 assert!((one[j] as f64 - exact).abs() < 1e-4);
                 assert_eq!(one[j], big[r * n + j]);
             }

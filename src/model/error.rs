@@ -65,9 +65,7 @@ pub enum ModelError {
         file_len: u64,
         expected: u64,
     },
-    #[error(
-        "weights: tensor `{tensor}` has {found} elements, expected {expected} (shape {shape:?})"
-    )]
+    #[error("weights: tensor `{tensor}` has {found} elements, expected {expected} (shape {shape:?})")]
     WeightLen {
         tensor: String,
         shape: Vec<usize>,

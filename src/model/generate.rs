@@ -40,10 +40,7 @@ impl Logits {
 
     /// The logits of sequence `b` at position `t` (panics when out of range, like indexing).
     pub fn row(&self, b: usize, t: usize) -> &[f32] {
-        assert!(
-            b < self.batch && t < self.seq_len,
-            "logits row ({b}, {t}) out of range"
-        );
+        assert!(b < self.batch && t < self.seq_len, "logits row ({b}, {t}) out of range");
         let start = (b * self.seq_len + t) * self.vocab;
         &self.data[start..start + self.vocab]
     }
@@ -58,9 +55,7 @@ impl Logits {
         if self.seq_len == 1 {
             return self;
         }
-        let data = (0..self.batch)
-            .flat_map(|b| self.last(b).to_vec())
-            .collect();
+        let data = (0..self.batch).flat_map(|b| self.last(b).to_vec()).collect();
         Logits {
             batch: self.batch,
             seq_len: 1,
@@ -202,11 +197,7 @@ pub fn generate(
         )));
     }
     for p in prompts {
-        if let Some((position, &token)) = p
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| t as usize >= cfg.vocab_size)
-        {
+        if let Some((position, &token)) = p.iter().enumerate().find(|(_, &t)| t as usize >= cfg.vocab_size) {
             return Err(ModelError::InvalidToken {
                 token,
                 position,
@@ -258,11 +249,7 @@ pub fn generate(
         // Finished sequences keep being fed their last token (ignored) so the batch stays
         // rectangular.
         let mut next: Vec<u32> = (0..batch)
-            .map(|b| {
-                *out[b]
-                    .last()
-                    .unwrap_or(&prompts[b][pos.min(prompts[b].len()) - 1])
-            })
+            .map(|b| *out[b].last().unwrap_or(&prompts[b][pos.min(prompts[b].len()) - 1]))
             .collect();
         for b in 0..batch {
             if pos < prompts[b].len() {

@@ -18,12 +18,9 @@ pub mod weights;
 pub use config::GPT2Config;
 pub use cpu::{CpuBackend, KvCache};
 pub use error::{ModelError, Result};
-pub use generate::{
-    generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason,
-};
+pub use generate::{generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::{Tokenizer, EOT_TOKEN, GPT2_VOCAB_SIZE};
 pub use weights::{
-    load_model, write_hf_folder, write_llmc, GPT2Model, GPT2Weights, HfDtype, LayerWeights,
-    LlmcVersion,
+    load_model, write_hf_folder, write_llmc, GPT2Model, GPT2Weights, HfDtype, LayerWeights, LlmcVersion,
 };

@@ -15,11 +15,7 @@ fn header(shape: &[usize]) -> Vec<u8> {
         1 => format!("({},)", shape[0]),
         _ => format!(
             "({})",
-            shape
-                .iter()
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
+            shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
         ),
     };
     let mut dict = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {dims}, }}");
@@ -72,12 +68,8 @@ pub fn read_npy_f32(path: &Path) -> Result<(Vec<usize>, Vec<f32>)> {
         ),
         _ => return Err(bad("unsupported version")),
     };
-    let dict = std::str::from_utf8(
-        bytes
-            .get(start..start + hlen)
-            .ok_or_else(|| bad("short header"))?,
-    )
-    .map_err(|_| bad("header is not UTF-8"))?;
+    let dict = std::str::from_utf8(bytes.get(start..start + hlen).ok_or_else(|| bad("short header"))?)
+        .map_err(|_| bad("header is not UTF-8"))?;
     if !dict.contains("'<f4'") {
         return Err(bad("dtype is not '<f4'"));
     }

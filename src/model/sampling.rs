@@ -66,9 +66,7 @@ fn check_row(logits: &[f32]) -> Result<()> {
         return Err(ModelError::Sampling("empty logits row".into()));
     }
     if let Some(i) = logits.iter().position(|x| x.is_nan()) {
-        return Err(ModelError::Sampling(format!(
-            "logits contain NaN (first at token {i})"
-        )));
+        return Err(ModelError::Sampling(format!("logits contain NaN (first at token {i})")));
     }
     Ok(())
 }
@@ -101,11 +99,7 @@ pub fn candidates(logits: &[f32], params: &SamplingParams) -> Result<Vec<(u32, f
     }
     let inv_t = 1.0 / params.temperature as f64;
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    let by_logit_desc = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
-    };
+    let by_logit_desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
     let filtered = params.top_k > 0 && params.top_k < logits.len() || params.top_p < 1.0;
     if params.top_k > 0 && params.top_k < logits.len() {
         idx.select_nth_unstable_by(params.top_k - 1, by_logit_desc);
@@ -160,19 +154,11 @@ pub fn sample_with_uniform(logits: &[f32], params: &SamplingParams, u: f64) -> R
         }
     }
     // Rounding left u just above the total: take the last token with non-zero probability.
-    Ok(probs
-        .iter()
-        .rev()
-        .find(|p| p.1 > 0.0)
-        .map_or(probs[0].0, |p| p.0))
+    Ok(probs.iter().rev().find(|p| p.1 > 0.0).map_or(probs[0].0, |p| p.0))
 }
 
 /// Sample one token (greedy when `params.temperature == 0`, drawing nothing from `rng` then).
-pub fn sample<R: Rng + ?Sized>(
-    logits: &[f32],
-    params: &SamplingParams,
-    rng: &mut R,
-) -> Result<u32> {
+pub fn sample<R: Rng + ?Sized>(logits: &[f32], params: &SamplingParams, rng: &mut R) -> Result<u32> {
     if params.is_greedy() {
         params.validate()?;
         return argmax(logits);
@@ -223,10 +209,7 @@ mod tests {
         assert_eq!(greedy(&ROW).unwrap(), 3);
         assert_eq!(greedy(&[f32::NEG_INFINITY, -1.0]).unwrap(), 1);
         assert!(greedy(&[]).is_err());
-        assert!(greedy(&[0.0, f32::NAN])
-            .unwrap_err()
-            .to_string()
-            .contains("NaN"));
+        assert!(greedy(&[0.0, f32::NAN]).unwrap_err().to_string().contains("NaN"));
     }
 
     #[test]
@@ -262,10 +245,7 @@ mod tests {
         assert_eq!(sample_with_uniform(&row, &p(1.0, 0, 1.0), 0.0).unwrap(), 0);
         assert_eq!(sample_with_uniform(&row, &p(1.0, 0, 1.0), 0.6).unwrap(), 1);
         assert_eq!(sample_with_uniform(&row, &p(1.0, 0, 1.0), 0.85).unwrap(), 2);
-        assert_eq!(
-            sample_with_uniform(&row, &p(1.0, 0, 1.0), 0.999_999_9).unwrap(),
-            2
-        );
+        assert_eq!(sample_with_uniform(&row, &p(1.0, 0, 1.0), 0.999_999_9).unwrap(), 2);
     }
 
     #[test]
@@ -274,9 +254,7 @@ mod tests {
         let params = p(0.9, 20, 0.95);
         let run = |seed| {
             let mut s = Sampler::new(params, seed).unwrap();
-            (0..100)
-                .map(|_| s.sample(&row).unwrap())
-                .collect::<Vec<_>>()
+            (0..100).map(|_| s.sample(&row).unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));

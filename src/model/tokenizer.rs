@@ -53,12 +53,10 @@ impl Tokenizer {
                 max: EOT_TOKEN,
             });
         }
-        self.bpe
-            .decode_bytes(ids)
-            .map_err(|e| ModelError::DecodeToken {
-                token: e.token,
-                max: EOT_TOKEN,
-            })
+        self.bpe.decode_bytes(ids).map_err(|e| ModelError::DecodeToken {
+            token: e.token,
+            max: EOT_TOKEN,
+        })
     }
 
     /// Decode ids to text. Ids outside the vocabulary are an error; byte sequences that are not
@@ -69,9 +67,8 @@ impl Tokenizer {
 
     /// Decode ids that must form valid UTF-8 (error otherwise).
     pub fn decode_strict(&self, ids: &[u32]) -> Result<String> {
-        String::from_utf8(self.decode_bytes(ids)?).map_err(|e| {
-            ModelError::Tokenizer(format!("ids {ids:?} do not decode to valid UTF-8: {e}"))
-        })
+        String::from_utf8(self.decode_bytes(ids)?)
+            .map_err(|e| ModelError::Tokenizer(format!("ids {ids:?} do not decode to valid UTF-8: {e}")))
     }
 }
 
@@ -100,9 +97,7 @@ impl StreamDecoder {
                 }
                 Err(e) => {
                     let good = e.valid_up_to();
-                    out.push_str(
-                        std::str::from_utf8(&self.pending[..good]).expect("checked prefix"),
-                    );
+                    out.push_str(std::str::from_utf8(&self.pending[..good]).expect("checked prefix"));
                     match e.error_len() {
                         // Incomplete character at the end: keep it for the next token.
                         None => {

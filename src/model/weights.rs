@@ -201,11 +201,7 @@ impl GPT2Weights {
         ];
         let shapes = LayerWeights::shapes(cfg);
         for (i, l) in self.layers.iter().enumerate() {
-            for ((name, shape), t) in LAYER_TENSOR_NAMES
-                .iter()
-                .zip(shapes.iter())
-                .zip(l.tensors())
-            {
+            for ((name, shape), t) in LAYER_TENSOR_NAMES.iter().zip(shapes.iter()).zip(l.tensors()) {
                 out.push((format!("h.{i}.{name}"), shape.clone(), t));
             }
         }
@@ -294,10 +290,9 @@ pub fn load_model(path: &Path) -> Result<GPT2Model> {
     }
     Err(ModelError::NotAModel {
         path: path.to_path_buf(),
-        message:
-            "neither a Hugging Face GPT-2 folder (config.json + model.safetensors) nor an llm.c \
+        message: "neither a Hugging Face GPT-2 folder (config.json + model.safetensors) nor an llm.c \
                   checkpoint (magic 20240326)"
-                .into(),
+            .into(),
     })
 }
 
@@ -352,10 +347,9 @@ pub fn load_hf_folder(dir: &Path) -> Result<GPT2Model> {
     } else {
         return Err(ModelError::NotAModel {
             path: dir.to_path_buf(),
-            message:
-                "no model.safetensors (nor model.safetensors.index.json); pytorch_model.bin is not \
+            message: "no model.safetensors (nor model.safetensors.index.json); pytorch_model.bin is not \
                       supported, re-save with safe_serialization=True"
-                    .into(),
+                .into(),
         });
     };
     load_hf_files(&cfg, &files, dir)
@@ -378,10 +372,7 @@ fn load_hf_files(cfg: &GPT2Config, files: &[PathBuf], dir: &Path) -> Result<GPT2
         })?;
         parsed.push((p.as_path(), st));
     }
-    let first = files
-        .first()
-        .cloned()
-        .unwrap_or_else(|| dir.join("model.safetensors"));
+    let first = files.first().cloned().unwrap_or_else(|| dir.join("model.safetensors"));
     let reader = HfReader {
         files: &parsed,
         display: if files.len() == 1 {
@@ -420,11 +411,7 @@ fn load_hf_files(cfg: &GPT2Config, files: &[PathBuf], dir: &Path) -> Result<GPT2
     w.validate(cfg)?;
     let dtype = parsed
         .first()
-        .and_then(|(_, st)| {
-            st.iter()
-                .next()
-                .map(|(_, v)| format!("{:?}", v.dtype()).to_lowercase())
-        })
+        .and_then(|(_, st)| st.iter().next().map(|(_, v)| format!("{:?}", v.dtype()).to_lowercase()))
         .unwrap_or_else(|| "?".into());
     Ok(GPT2Model {
         config: cfg.clone(),
@@ -456,12 +443,10 @@ impl HfReader<'_, '_> {
                         found: view.shape().to_vec(),
                     });
                 }
-                let data = bytes_to_f32(view.data(), view.dtype()).ok_or_else(|| {
-                    ModelError::TensorDtype {
-                        path: path.to_path_buf(),
-                        tensor: candidate.to_string(),
-                        dtype: format!("{:?}", view.dtype()),
-                    }
+                let data = bytes_to_f32(view.data(), view.dtype()).ok_or_else(|| ModelError::TensorDtype {
+                    path: path.to_path_buf(),
+                    tensor: candidate.to_string(),
+                    dtype: format!("{:?}", view.dtype()),
                 })?;
                 return Ok(if conv1d {
                     transpose(&data, shape[0], shape[1])
@@ -548,21 +533,14 @@ impl View for &OwnedTensor {
 
 fn encode_tensor(data: &[f32], shape: Vec<usize>, dtype: HfDtype) -> OwnedTensor {
     let (dt, bytes) = match dtype {
-        HfDtype::F32 => (
-            Dtype::F32,
-            data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ),
+        HfDtype::F32 => (Dtype::F32, data.iter().flat_map(|x| x.to_le_bytes()).collect()),
         HfDtype::F16 => (
             Dtype::F16,
-            data.iter()
-                .flat_map(|x| f16::from_f32(*x).to_le_bytes())
-                .collect(),
+            data.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
         ),
         HfDtype::BF16 => (
             Dtype::BF16,
-            data.iter()
-                .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
-                .collect(),
+            data.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
         ),
     };
     OwnedTensor {
@@ -579,21 +557,12 @@ pub fn write_hf_folder(dir: &Path, cfg: &GPT2Config, weights: &GPT2Weights) -> R
 }
 
 /// [`write_hf_folder`] with a choice of dtype and naming.
-pub fn write_hf_folder_with(
-    dir: &Path,
-    cfg: &GPT2Config,
-    weights: &GPT2Weights,
-    opts: &HfWriteOptions,
-) -> Result<()> {
+pub fn write_hf_folder_with(dir: &Path, cfg: &GPT2Config, weights: &GPT2Weights, opts: &HfWriteOptions) -> Result<()> {
     cfg.validate("write_hf_folder")?;
     weights.validate(cfg)?;
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let c = cfg.n_embd;
-    let p = if opts.transformer_prefix {
-        "transformer."
-    } else {
-        ""
-    };
+    let p = if opts.transformer_prefix { "transformer." } else { "" };
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
     let mut put = |name: String, data: &[f32], shape: Vec<usize>| {
         tensors.insert(format!("{p}{name}"), encode_tensor(data, shape, opts.dtype));
@@ -605,25 +574,13 @@ pub fn write_hf_folder_with(
         put(h("ln_1.weight"), &l.ln1_w, vec![c]);
         put(h("ln_1.bias"), &l.ln1_b, vec![c]);
         // Back to Conv1D's [in, out] layout.
-        put(
-            h("attn.c_attn.weight"),
-            &transpose(&l.qkv_w, 3 * c, c),
-            vec![c, 3 * c],
-        );
+        put(h("attn.c_attn.weight"), &transpose(&l.qkv_w, 3 * c, c), vec![c, 3 * c]);
         put(h("attn.c_attn.bias"), &l.qkv_b, vec![3 * c]);
-        put(
-            h("attn.c_proj.weight"),
-            &transpose(&l.attn_proj_w, c, c),
-            vec![c, c],
-        );
+        put(h("attn.c_proj.weight"), &transpose(&l.attn_proj_w, c, c), vec![c, c]);
         put(h("attn.c_proj.bias"), &l.attn_proj_b, vec![c]);
         put(h("ln_2.weight"), &l.ln2_w, vec![c]);
         put(h("ln_2.bias"), &l.ln2_b, vec![c]);
-        put(
-            h("mlp.c_fc.weight"),
-            &transpose(&l.fc_w, 4 * c, c),
-            vec![c, 4 * c],
-        );
+        put(h("mlp.c_fc.weight"), &transpose(&l.fc_w, 4 * c, c), vec![c, 4 * c]);
         put(h("mlp.c_fc.bias"), &l.fc_b, vec![4 * c]);
         put(
             h("mlp.c_proj.weight"),
@@ -633,9 +590,7 @@ pub fn write_hf_folder_with(
         put(h("mlp.c_proj.bias"), &l.fc_proj_b, vec![c]);
         if opts.attn_bias_buffer {
             let t = cfg.n_ctx;
-            let mask: Vec<f32> = (0..t * t)
-                .map(|k| if k % t <= k / t { 1.0 } else { 0.0 })
-                .collect();
+            let mask: Vec<f32> = (0..t * t).map(|k| if k % t <= k / t { 1.0 } else { 0.0 }).collect();
             put(h("attn.bias"), &mask, vec![1, 1, t, t]);
         }
     }
@@ -655,11 +610,12 @@ pub fn write_hf_folder_with(
 
     let st_path = dir.join("model.safetensors");
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.clone(), v)), Some(metadata))
-        .map_err(|e| ModelError::Safetensors {
+    let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.clone(), v)), Some(metadata)).map_err(|e| {
+        ModelError::Safetensors {
             path: st_path.clone(),
             message: format!("serializing failed: {e}"),
-        })?;
+        }
+    })?;
     atomic_write(&st_path, |w| w.write_all(&bytes))
 }
 
@@ -836,12 +792,7 @@ pub fn load_llmc(path: &Path) -> Result<GPT2Model> {
 }
 
 /// Write an llm.c checkpoint (`version` 3 = f32, 5 = bf16), `wte` padded with zero rows to Vp.
-pub fn write_llmc(
-    path: &Path,
-    cfg: &GPT2Config,
-    weights: &GPT2Weights,
-    version: LlmcVersion,
-) -> Result<()> {
+pub fn write_llmc(path: &Path, cfg: &GPT2Config, weights: &GPT2Weights, version: LlmcVersion) -> Result<()> {
     cfg.validate("write_llmc")?;
     weights.validate(cfg)?;
     let mut header = [0i32; LLMC_HEADER_INTS];
@@ -868,9 +819,7 @@ pub fn write_llmc(
         let mut put = |data: &[f32]| -> std::io::Result<()> {
             let mut buf = Vec::with_capacity(data.len() * 4);
             match version {
-                LlmcVersion::F32 => data
-                    .iter()
-                    .for_each(|x| buf.extend_from_slice(&x.to_le_bytes())),
+                LlmcVersion::F32 => data.iter().for_each(|x| buf.extend_from_slice(&x.to_le_bytes())),
                 LlmcVersion::Bf16 => data
                     .iter()
                     .for_each(|x| buf.extend_from_slice(&bf16::from_f32(*x).to_le_bytes())),
@@ -902,10 +851,7 @@ fn temp_path(path: &Path) -> PathBuf {
 }
 
 /// Write `path` atomically: fill a temporary file beside it, sync, then rename over `path`.
-pub fn atomic_write(
-    path: &Path,
-    fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
-) -> Result<()> {
+pub fn atomic_write(path: &Path, fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>) -> Result<()> {
     if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     }

@@ -39,12 +39,7 @@ impl OpContract for Attention {
     fn masks(&self) -> &'static [Mask] {
         &[Mask::Causal, Mask::Full, Mask::Window]
     }
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError> {
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let b = get_dim(self, shape, "B")?;
         let nh = get_dim(self, shape, "NH")?;
@@ -56,7 +51,8 @@ impl OpContract for Attention {
                     return Err(OpError::MissingVar {
                         op: self.name(),
                         var: "window".into(),
-                        hint: "the window mask needs the window length, e.g. --shape B=1,NH=12,T=1024,HS=64,window=256".into(),
+                        hint: "the window mask needs the window length, e.g. --shape B=1,NH=12,T=1024,HS=64,window=256"
+                            .into(),
                     })
                 }
                 Some(&w) if w < 1 => {
@@ -100,13 +96,7 @@ impl OpContract for Attention {
         })
         .collect()
     }
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError> {
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         let mut shape = shape.clone();
         self.complete_shape(&mut shape, epilogue, mask)?;
         let (b, nh, t, hs) = (shape["B"], shape["NH"], shape["T"], shape["HS"]);
@@ -140,12 +130,7 @@ impl OpContract for Attention {
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
-        let (b, nh, t_len, hs) = (
-            problem.dim("B"),
-            problem.dim("NH"),
-            problem.dim("T"),
-            problem.dim("HS"),
-        );
+        let (b, nh, t_len, hs) = (problem.dim("B"), problem.dim("NH"), problem.dim("T"), problem.dim("HS"));
         let window = problem.dim("window");
         let mask = problem.mask;
         let scale = 1.0 / (hs as f64).sqrt();
@@ -247,12 +232,7 @@ mod tests {
         // B=2, NH=2, T=2, HS=2, q = 0: causal output at t is the mean of v[b,h,0..=t,:].
         let shape = shape_of(&[("B", 2), ("NH", 2), ("T", 2), ("HS", 2)]);
         let mut p = Attention
-            .problem(
-                &shape,
-                Epilogue::None,
-                Mask::Causal,
-                &mut StdRng::seed_from_u64(1),
-            )
+            .problem(&shape, Epilogue::None, Mask::Causal, &mut StdRng::seed_from_u64(1))
             .unwrap();
         p.tensors[1].data = HostData::F32(vec![0.0; 16]);
         let v: Vec<f32> = (0..16).map(|i| i as f32).collect();
@@ -274,9 +254,7 @@ mod tests {
     #[test]
     fn complete_shape_window() {
         let mut s = shape_of(&[("B", 1), ("NH", 2), ("T", 5), ("HS", 64)]);
-        Attention
-            .complete_shape(&mut s, Epilogue::None, Mask::Causal)
-            .unwrap();
+        Attention.complete_shape(&mut s, Epilogue::None, Mask::Causal).unwrap();
         assert_eq!(s["window"], 0);
         let mut s = shape_of(&[("B", 1), ("NH", 2), ("T", 5), ("HS", 64)]);
         let e = Attention

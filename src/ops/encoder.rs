@@ -37,12 +37,7 @@ impl OpContract for Encoder {
     fn masks(&self) -> &'static [Mask] {
         &[Mask::None]
     }
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError> {
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let b = get_dim(self, shape, "B")?;
         let t = get_dim(self, shape, "T")?;
@@ -100,21 +95,11 @@ impl OpContract for Encoder {
             s(2, 1, 768, 1000, 1024),
         ]
     }
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError> {
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         use rand::Rng;
         let mut shape = shape.clone();
         self.complete_shape(&mut shape, epilogue, mask)?;
-        let (b, t, c) = (
-            shape["B"] as usize,
-            shape["T"] as usize,
-            shape["C"] as usize,
-        );
+        let (b, t, c) = (shape["B"] as usize, shape["T"] as usize, shape["C"] as usize);
         let (v, max_t, pos) = (shape["V"], shape["max_T"] as usize, shape["pos_offset"]);
         let tokens: Vec<i32> = (0..b * t).map(|_| rng.random_range(0..v as i32)).collect();
         let tensors = vec![
@@ -143,11 +128,7 @@ impl OpContract for Encoder {
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
-        let (t_len, c, pos) = (
-            problem.dim("T"),
-            problem.dim("C"),
-            problem.dim("pos_offset"),
-        );
+        let (t_len, c, pos) = (problem.dim("T"), problem.dim("C"), problem.dim("pos_offset"));
         let (wte, wpe) = (problem.f32s("wte"), problem.f32s("wpe"));
         let mut out = Vec::with_capacity(problem.i32s("tokens").len() * c);
         for (i, &tok) in problem.i32s("tokens").iter().enumerate() {
@@ -170,38 +151,22 @@ mod tests {
         // B=1, T=2, C=2, V=3, pos_offset=1, max_T=3.
         let shape = shape_of(&[("B", 1), ("T", 2), ("C", 2), ("V", 3), ("pos_offset", 1)]);
         let mut p = Encoder
-            .problem(
-                &shape,
-                Epilogue::None,
-                Mask::None,
-                &mut StdRng::seed_from_u64(1),
-            )
+            .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(1))
             .unwrap();
         assert_eq!(p.shape["max_T"], 3);
         p.tensors[1].data = HostData::I32(vec![2, 0]);
         p.tensors[2].data = HostData::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         p.tensors[3].data = HostData::F32(vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0]);
         // out[0] = wte[2] + wpe[1] = [5+30, 6+40]; out[1] = wte[0] + wpe[2] = [1+50, 2+60].
-        assert_eq!(
-            Encoder.reference(&p),
-            vec![(0, vec![35.0, 46.0, 51.0, 62.0])]
-        );
+        assert_eq!(Encoder.reference(&p), vec![(0, vec![35.0, 46.0, 51.0, 62.0])]);
     }
 
     #[test]
     fn defaults_and_errors() {
         let mut s = shape_of(&[("B", 2), ("T", 8), ("C", 4)]);
-        Encoder
-            .complete_shape(&mut s, Epilogue::None, Mask::None)
-            .unwrap();
+        Encoder.complete_shape(&mut s, Epilogue::None, Mask::None).unwrap();
         assert_eq!((s["pos_offset"], s["V"], s["max_T"]), (0, DEFAULT_VOCAB, 8));
-        let mut s = shape_of(&[
-            ("B", 2),
-            ("T", 8),
-            ("C", 4),
-            ("pos_offset", 4),
-            ("max_T", 10),
-        ]);
+        let mut s = shape_of(&[("B", 2), ("T", 8), ("C", 4), ("pos_offset", 4), ("max_T", 10)]);
         let e = Encoder
             .complete_shape(&mut s, Epilogue::None, Mask::None)
             .unwrap_err()
@@ -219,18 +184,11 @@ mod tests {
     fn tokens_in_range() {
         for shape in Encoder.test_shapes(Epilogue::None, Mask::None) {
             let p = Encoder
-                .problem(
-                    &shape,
-                    Epilogue::None,
-                    Mask::None,
-                    &mut StdRng::seed_from_u64(5),
-                )
+                .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(5))
                 .unwrap();
             let v = shape["V"] as i32;
             assert!(p.i32s("tokens").iter().all(|&t| (0..v).contains(&t)));
-            assert!(
-                p.f32s("wpe").len() >= ((shape["T"] + shape["pos_offset"]) * shape["C"]) as usize
-            );
+            assert!(p.f32s("wpe").len() >= ((shape["T"] + shape["pos_offset"]) * shape["C"]) as usize);
         }
     }
 }

@@ -27,12 +27,7 @@ impl OpContract for Gelu {
     fn masks(&self) -> &'static [Mask] {
         &[Mask::None]
     }
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError> {
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         get_dim(self, shape, "N")?;
         check_i32(self, shape, &[])
@@ -43,13 +38,7 @@ impl OpContract for Gelu {
             .map(|&n| shape_of(&[("N", n)]))
             .collect()
     }
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError> {
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         let mut shape = shape.clone();
         self.complete_shape(&mut shape, epilogue, mask)?;
         let n = shape["N"];
@@ -68,11 +57,7 @@ impl OpContract for Gelu {
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
-        let out = problem
-            .f32s("inp")
-            .iter()
-            .map(|&x| gelu_f64(x as f64))
-            .collect();
+        let out = problem.f32s("inp").iter().map(|&x| gelu_f64(x as f64)).collect();
         vec![(problem.tensor_index("out").unwrap(), out)]
     }
 }

@@ -34,38 +34,19 @@ impl OpContract for LayerNorm {
     fn masks(&self) -> &'static [Mask] {
         &[Mask::None]
     }
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError> {
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let n = get_dim(self, shape, "N")?;
         let c = get_dim(self, shape, "C")?;
         check_i32(self, shape, &[("inp [N,C]", n * c)])
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [
-            (1, 1),
-            (1, 37),
-            (3, 5),
-            (37, 100),
-            (5, 768),
-            (130, 1001),
-            (3, 4099),
-        ]
-        .iter()
-        .map(|&(n, c)| shape_of(&[("N", n), ("C", c)]))
-        .collect()
+        [(1, 1), (1, 37), (3, 5), (37, 100), (5, 768), (130, 1001), (3, 4099)]
+            .iter()
+            .map(|&(n, c)| shape_of(&[("N", n), ("C", c)]))
+            .collect()
     }
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError> {
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         use rand::Rng;
         let mut shape = shape.clone();
         self.complete_shape(&mut shape, epilogue, mask)?;
@@ -126,12 +107,7 @@ mod tests {
     fn layernorm_by_hand() {
         let shape = shape_of(&[("N", 2), ("C", 3)]);
         let mut p = LayerNorm
-            .problem(
-                &shape,
-                Epilogue::None,
-                Mask::None,
-                &mut StdRng::seed_from_u64(1),
-            )
+            .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(1))
             .unwrap();
         // Row [1,2,3]: mean 2, var 2/3, rstd = 1/sqrt(2/3 + 1e-5) = 1.2247356859...
         // Row [5,5,5]: var 0 -> out = beta.
@@ -150,12 +126,7 @@ mod tests {
     fn gamma_beta_named_and_perturbed() {
         let shape = shape_of(&[("N", 4), ("C", 37)]);
         let p = LayerNorm
-            .problem(
-                &shape,
-                Epilogue::None,
-                Mask::None,
-                &mut StdRng::seed_from_u64(2),
-            )
+            .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(2))
             .unwrap();
         assert_eq!(p.tensor_index("gamma"), Some(2));
         assert_eq!(p.tensor_index("beta"), Some(3));

@@ -26,14 +26,7 @@ use super::*;
 pub struct Matmul;
 
 /// Where the qkv epilogue stores element `(m, n)` of the `[M, N]` product.
-pub fn qkv_index(
-    m: usize,
-    n: usize,
-    big_m: usize,
-    big_n: usize,
-    t_len: usize,
-    n_head: usize,
-) -> usize {
+pub fn qkv_index(m: usize, n: usize, big_m: usize, big_n: usize, t_len: usize, n_head: usize) -> usize {
     let c = big_n / 3;
     let hs = c / n_head;
     let (b, t) = (m / t_len, m % t_len);
@@ -83,12 +76,7 @@ impl OpContract for Matmul {
     fn masks(&self) -> &'static [Mask] {
         &[Mask::None]
     }
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError> {
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let m = get_dim(self, shape, "M")?;
         let n = get_dim(self, shape, "N")?;
@@ -124,18 +112,16 @@ impl OpContract for Matmul {
             if t <= 0 || nh <= 0 {
                 return Err(OpError::Shape {
                     op: self.name(),
-                    msg: format!("T and n_head must be positive (T={t}, n_head={nh}); leave them out unless the epilogue is qkv"),
+                    msg: format!(
+                        "T and n_head must be positive (T={t}, n_head={nh}); leave them out unless the epilogue is qkv"
+                    ),
                 });
             }
         }
         check_i32(
             self,
             shape,
-            &[
-                ("inp [M,K]", m * k),
-                ("weight [N,K]", n * k),
-                ("out [M,N]", m * n),
-            ],
+            &[("inp [M,K]", m * k), ("weight [N,K]", n * k), ("out [M,N]", m * n)],
         )
     }
     fn test_shapes(&self, epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
@@ -148,9 +134,7 @@ impl OpContract for Matmul {
                 (66, 192, 64, 33, 4),
             ]
             .iter()
-            .map(|&(m, n, k, t, nh)| {
-                shape_of(&[("M", m), ("N", n), ("K", k), ("T", t), ("n_head", nh)])
-            })
+            .map(|&(m, n, k, t, nh)| shape_of(&[("M", m), ("N", n), ("K", k), ("T", t), ("n_head", nh)]))
             .collect()
         } else {
             [
@@ -166,20 +150,10 @@ impl OpContract for Matmul {
             .collect()
         }
     }
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError> {
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         let mut shape = shape.clone();
         self.complete_shape(&mut shape, epilogue, mask)?;
-        let (m, n, k) = (
-            shape["M"] as usize,
-            shape["N"] as usize,
-            shape["K"] as usize,
-        );
+        let (m, n, k) = (shape["M"] as usize, shape["N"] as usize, shape["K"] as usize);
         let w_scale = 1.0 / (k as f32).sqrt();
         let weight: Vec<f32> = uniform(rng, n * k, -1.0, 1.0)
             .into_iter()
@@ -229,28 +203,26 @@ impl OpContract for Matmul {
         let mut out = vec![0.0f64; m * n];
         // Blocks of rows share each weight row while it is in cache.
         const ROWS: usize = 16;
-        out.par_chunks_mut(ROWS * n)
-            .enumerate()
-            .for_each(|(blk, chunk)| {
-                let m0 = blk * ROWS;
-                let rows = chunk.len() / n;
-                for j in 0..n {
-                    let w = &weight[j * k..][..k];
-                    for r in 0..rows {
-                        let mm = m0 + r;
-                        let mut x = dot(&inp[mm * k..][..k], w);
-                        if epilogue != Epilogue::None {
-                            x += bias[j] as f64;
-                        }
-                        match epilogue {
-                            Epilogue::BiasGelu => x = gelu_f64(x),
-                            Epilogue::BiasResidual => x += residual[mm * n + j] as f64,
-                            _ => {}
-                        }
-                        chunk[r * n + j] = x;
+        out.par_chunks_mut(ROWS * n).enumerate().for_each(|(blk, chunk)| {
+            let m0 = blk * ROWS;
+            let rows = chunk.len() / n;
+            for j in 0..n {
+                let w = &weight[j * k..][..k];
+                for r in 0..rows {
+                    let mm = m0 + r;
+                    let mut x = dot(&inp[mm * k..][..k], w);
+                    if epilogue != Epilogue::None {
+                        x += bias[j] as f64;
                     }
+                    match epilogue {
+                        Epilogue::BiasGelu => x = gelu_f64(x),
+                        Epilogue::BiasResidual => x += residual[mm * n + j] as f64,
+                        _ => {}
+                    }
+                    chunk[r * n + j] = x;
                 }
-            });
+            }
+        });
         if epilogue == Epilogue::Qkv {
             let (t, nh) = (problem.dim("T"), problem.dim("n_head"));
             let mut scattered = vec![0.0f64; m * n];
@@ -288,10 +260,7 @@ mod tests {
         let r = |e| Matmul.reference(&hand_problem(e))[0].1.clone();
         assert_eq!(r(Epilogue::None), vec![1.0, 2.0, 3.0, 3.0, 4.0, 7.0]);
         assert_eq!(r(Epilogue::Bias), vec![1.5, 1.0, 5.0, 3.5, 3.0, 9.0]);
-        assert_eq!(
-            r(Epilogue::BiasResidual),
-            vec![2.5, 2.0, 6.0, 3.5, 3.0, 8.0]
-        );
+        assert_eq!(r(Epilogue::BiasResidual), vec![2.5, 2.0, 6.0, 3.5, 3.0, 8.0]);
         let g = r(Epilogue::BiasGelu);
         assert!((g[1] - 0.8411919906).abs() < 1e-9);
         for (x, want) in g.iter().zip([1.5, 1.0, 5.0, 3.5, 3.0, 9.0]) {
@@ -324,28 +293,19 @@ mod tests {
         // Plain row m: [10m + n for n in 0..6]; q rows then k rows then v rows.
         let shape = shape_of(&[("M", 2), ("N", 6), ("K", 1), ("T", 1), ("n_head", 1)]);
         let mut p = Matmul
-            .problem(
-                &shape,
-                Epilogue::Qkv,
-                Mask::None,
-                &mut StdRng::seed_from_u64(1),
-            )
+            .problem(&shape, Epilogue::Qkv, Mask::None, &mut StdRng::seed_from_u64(1))
             .unwrap();
         p.tensors[1].data = HostData::F32(vec![0.0, 10.0]);
         p.tensors[2].data = HostData::F32(vec![1.0; 6]);
         p.tensors[3].data = HostData::F32(vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
-        let want = vec![
-            0.0, 1.0, 10.0, 11.0, 2.0, 3.0, 12.0, 13.0, 4.0, 5.0, 14.0, 15.0,
-        ];
+        let want = vec![0.0, 1.0, 10.0, 11.0, 2.0, 3.0, 12.0, 13.0, 4.0, 5.0, 14.0, 15.0];
         assert_eq!(Matmul.reference(&p)[0].1, want);
     }
 
     #[test]
     fn complete_shape_defaults_and_errors() {
         let mut s = shape_of(&[("M", 37), ("N", 100), ("K", 72)]);
-        Matmul
-            .complete_shape(&mut s, Epilogue::Bias, Mask::None)
-            .unwrap();
+        Matmul.complete_shape(&mut s, Epilogue::Bias, Mask::None).unwrap();
         assert_eq!((s["T"], s["n_head"]), (37, 1));
 
         let mut s = shape_of(&[("M", 10), ("N", 100), ("K", 8), ("T", 5), ("n_head", 2)]);
@@ -383,9 +343,7 @@ mod tests {
         assert!(e.contains("mask `causal`"), "{e}");
 
         let mut s = shape_of(&[("M", 100_000), ("N", 100_000), ("K", 8)]);
-        assert!(Matmul
-            .complete_shape(&mut s, Epilogue::Bias, Mask::None)
-            .is_err());
+        assert!(Matmul.complete_shape(&mut s, Epilogue::Bias, Mask::None).is_err());
     }
 
     #[test]
@@ -396,9 +354,7 @@ mod tests {
             .problem(&shape, Epilogue::BiasResidual, Mask::None, &mut rng)
             .unwrap();
         assert_eq!(p.f32s("residual").len(), 15);
-        let p = Matmul
-            .problem(&shape, Epilogue::Bias, Mask::None, &mut rng)
-            .unwrap();
+        let p = Matmul.problem(&shape, Epilogue::Bias, Mask::None, &mut rng).unwrap();
         assert!(!p.f32s("residual").is_empty());
         assert_eq!(p.f32s("bias").len(), 3);
     }
@@ -407,21 +363,13 @@ mod tests {
     fn blocked_reference_matches_naive() {
         let shape = shape_of(&[("M", 37), ("N", 10), ("K", 9)]);
         let p = Matmul
-            .problem(
-                &shape,
-                Epilogue::Bias,
-                Mask::None,
-                &mut StdRng::seed_from_u64(4),
-            )
+            .problem(&shape, Epilogue::Bias, Mask::None, &mut StdRng::seed_from_u64(4))
             .unwrap();
         let (inp, w, b) = (p.f32s("inp"), p.f32s("weight"), p.f32s("bias"));
         let got = &Matmul.reference(&p)[0].1;
         for m in 0..37 {
             for n in 0..10 {
-                let want: f64 = (0..9)
-                    .map(|k| inp[m * 9 + k] as f64 * w[n * 9 + k] as f64)
-                    .sum::<f64>()
-                    + b[n] as f64;
+                let want: f64 = (0..9).map(|k| inp[m * 9 + k] as f64 * w[n * 9 + k] as f64).sum::<f64>() + b[n] as f64;
                 assert!((got[m * 10 + n] - want).abs() < 1e-12);
             }
         }
@@ -440,12 +388,7 @@ mod speed {
         let shape = shape_of(&[("M", 1024), ("N", 3072), ("K", 768)]);
         let t0 = std::time::Instant::now();
         let p = Matmul
-            .problem(
-                &shape,
-                Epilogue::BiasGelu,
-                Mask::None,
-                &mut StdRng::seed_from_u64(1),
-            )
+            .problem(&shape, Epilogue::BiasGelu, Mask::None, &mut StdRng::seed_from_u64(1))
             .unwrap();
         let t1 = std::time::Instant::now();
         let r = Matmul.reference(&p);

@@ -68,9 +68,7 @@ pub enum Arg {
 }
 
 /// Fused epilogue of a matmul (`none` for other ops).
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Epilogue {
     None,
@@ -81,9 +79,7 @@ pub enum Epilogue {
 }
 
 /// Attention mask (`none` for other ops).
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mask {
     None,
@@ -251,23 +247,12 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn masks(&self) -> &'static [Mask];
     /// Fill in derived/optional shape variables and validate. Every variable a launch
     /// expression may use is present afterwards. Idempotent.
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError>;
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError>;
     /// Awkward shapes for verification (not multiples of 32/64, tiny ones), already complete.
     fn test_shapes(&self, epilogue: Epilogue, mask: Mask) -> Vec<Shape>;
     /// A problem with fresh random inputs, output buffers sized, args in kernel-signature order.
     /// The shape is completed first (so a partial one is fine).
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError>;
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError>;
     /// f64 reference for every Output tensor: (index into problem.tensors, values).
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)>;
 }
@@ -334,9 +319,7 @@ pub fn parse_shape(op: &dyn OpContract, text: &str) -> Result<Shape, OpError> {
                 let known = dims.iter().chain(op.optional_vars()).find(|d| **d == n);
                 match known {
                     Some(d) => (*d, v.trim()),
-                    None => {
-                        return Err(err(format!("unknown variable `{n}`; {}", shape_usage(op))))
-                    }
+                    None => return Err(err(format!("unknown variable `{n}`; {}", shape_usage(op)))),
                 }
             }
             None => {
@@ -353,12 +336,9 @@ pub fn parse_shape(op: &dyn OpContract, text: &str) -> Result<Shape, OpError> {
                 (dims[positional - 1], item)
             }
         };
-        let v: i64 = value.parse().map_err(|_| {
-            err(format!(
-                "{name}=`{value}` is not an integer; {}",
-                shape_usage(op)
-            ))
-        })?;
+        let v: i64 = value
+            .parse()
+            .map_err(|_| err(format!("{name}=`{value}` is not an integer; {}", shape_usage(op))))?;
         let is_dim = dims.contains(&name);
         if is_dim && v <= 0 {
             return Err(err(format!("{name} must be positive (got {v})")));
@@ -373,17 +353,9 @@ pub fn parse_shape(op: &dyn OpContract, text: &str) -> Result<Shape, OpError> {
             return Err(err(format!("{name} given twice")));
         }
     }
-    let missing: Vec<&str> = dims
-        .iter()
-        .copied()
-        .filter(|d| !shape.contains_key(*d))
-        .collect();
+    let missing: Vec<&str> = dims.iter().copied().filter(|d| !shape.contains_key(*d)).collect();
     if !missing.is_empty() {
-        return Err(err(format!(
-            "missing {}; {}",
-            missing.join(", "),
-            shape_usage(op)
-        )));
+        return Err(err(format!("missing {}; {}", missing.join(", "), shape_usage(op))));
     }
     Ok(shape)
 }
@@ -416,18 +388,9 @@ pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
 // Helpers shared by the op files.
 
 /// Check that the epilogue and mask are among the op's.
-pub(crate) fn check_variant(
-    op: &dyn OpContract,
-    epilogue: Epilogue,
-    mask: Mask,
-) -> Result<(), OpError> {
+pub(crate) fn check_variant(op: &dyn OpContract, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
     if !op.epilogues().contains(&epilogue) {
-        let supported = op
-            .epilogues()
-            .iter()
-            .map(|e| e.as_str())
-            .collect::<Vec<_>>()
-            .join(", ");
+        let supported = op.epilogues().iter().map(|e| e.as_str()).collect::<Vec<_>>().join(", ");
         return Err(OpError::UnsupportedEpilogue {
             op: op.name(),
             epilogue,
@@ -435,12 +398,7 @@ pub(crate) fn check_variant(
         });
     }
     if !op.masks().contains(&mask) {
-        let supported = op
-            .masks()
-            .iter()
-            .map(|m| m.as_str())
-            .collect::<Vec<_>>()
-            .join(", ");
+        let supported = op.masks().iter().map(|m| m.as_str()).collect::<Vec<_>>().join(", ");
         return Err(OpError::UnsupportedMask {
             op: op.name(),
             mask,
@@ -467,11 +425,7 @@ pub(crate) fn get_dim(op: &dyn OpContract, shape: &Shape, name: &str) -> Result<
 }
 
 /// Check that every value and the given element counts fit a 32-bit int (kernels index with `int`).
-pub(crate) fn check_i32(
-    op: &dyn OpContract,
-    shape: &Shape,
-    counts: &[(&str, i64)],
-) -> Result<(), OpError> {
+pub(crate) fn check_i32(op: &dyn OpContract, shape: &Shape, counts: &[(&str, i64)]) -> Result<(), OpError> {
     for (k, &v) in shape {
         if !(0..=i32::MAX as i64).contains(&v) {
             return Err(OpError::Shape {
@@ -484,9 +438,7 @@ pub(crate) fn check_i32(
         if n > i32::MAX as i64 {
             return Err(OpError::Shape {
                 op: op.name(),
-                msg: format!(
-                    "{what} has {n} elements, more than a 32-bit index reaches; use smaller dims"
-                ),
+                msg: format!("{what} has {n} elements, more than a 32-bit index reaches; use smaller dims"),
             });
         }
     }
@@ -608,13 +560,7 @@ mod tests {
                 let mut used: Vec<usize> = p
                     .args
                     .iter()
-                    .filter_map(|a| {
-                        if let Arg::Tensor(i) = a {
-                            Some(*i)
-                        } else {
-                            None
-                        }
-                    })
+                    .filter_map(|a| if let Arg::Tensor(i) = a { Some(*i) } else { None })
                     .collect();
                 used.sort();
                 assert_eq!(used, (0..p.tensors.len()).collect::<Vec<_>>(), "{name}");
@@ -629,39 +575,19 @@ mod tests {
             for (e, m) in variants(op) {
                 let shapes = op.test_shapes(e, m);
                 assert!(shapes.len() >= 3, "{}", op.name());
-                let awkward = shapes
-                    .iter()
-                    .any(|s| op.dims().iter().any(|d| s[*d] % 4 != 0));
-                assert!(
-                    awkward,
-                    "{}: needs a shape that is not a multiple of 4",
-                    op.name()
-                );
+                let awkward = shapes.iter().any(|s| op.dims().iter().any(|d| s[*d] % 4 != 0));
+                assert!(awkward, "{}: needs a shape that is not a multiple of 4", op.name());
                 for shape in shapes {
                     let mut again = shape.clone();
                     op.complete_shape(&mut again, e, m).unwrap();
-                    assert_eq!(
-                        again,
-                        shape,
-                        "{} {e} {m}: test shape not complete",
-                        op.name()
-                    );
+                    assert_eq!(again, shape, "{} {e} {m}: test shape not complete", op.name());
                     let p = op.problem(&shape, e, m, &mut rng).unwrap();
                     assert_eq!(p.shape, shape);
                     let refs = op.reference(&p);
                     assert_eq!(refs.iter().map(|r| r.0).collect::<Vec<_>>(), p.outputs());
                     for (i, want) in refs {
-                        assert_eq!(
-                            want.len(),
-                            p.tensors[i].data.len(),
-                            "{} {shape:?}",
-                            op.name()
-                        );
-                        assert!(
-                            want.iter().all(|x| x.is_finite()),
-                            "{} {shape:?}",
-                            op.name()
-                        );
+                        assert_eq!(want.len(), p.tensors[i].data.len(), "{} {shape:?}", op.name());
+                        assert!(want.iter().all(|x| x.is_finite()), "{} {shape:?}", op.name());
                     }
                 }
             }
@@ -685,27 +611,16 @@ mod tests {
         for &op in all_ops() {
             for (e, m) in variants(op) {
                 let shape = op.test_shapes(e, m).pop().unwrap();
-                let a = op
-                    .problem(&shape, e, m, &mut StdRng::seed_from_u64(1))
-                    .unwrap();
-                let b = op
-                    .problem(&shape, e, m, &mut StdRng::seed_from_u64(2))
-                    .unwrap();
-                let a2 = op
-                    .problem(&shape, e, m, &mut StdRng::seed_from_u64(1))
-                    .unwrap();
+                let a = op.problem(&shape, e, m, &mut StdRng::seed_from_u64(1)).unwrap();
+                let b = op.problem(&shape, e, m, &mut StdRng::seed_from_u64(2)).unwrap();
+                let a2 = op.problem(&shape, e, m, &mut StdRng::seed_from_u64(1)).unwrap();
                 for ((ta, tb), ta2) in a.tensors.iter().zip(&b.tensors).zip(&a2.tensors) {
                     if ta.role == Role::Input && ta.data.len() > 1 {
                         assert_ne!(ta.data, tb.data, "{} {}", op.name(), ta.name);
                         assert_eq!(ta.data, ta2.data, "{} {}: same seed", op.name(), ta.name);
                         if let HostData::F32(v) = &ta.data {
                             assert!(v.iter().all(|x| x.is_finite()));
-                            assert!(
-                                v.iter().any(|&x| x != 0.0),
-                                "{} {} all zero",
-                                op.name(),
-                                ta.name
-                            );
+                            assert!(v.iter().any(|&x| x != 0.0), "{} {} all zero", op.name(), ta.name);
                         }
                     }
                 }
@@ -771,16 +686,10 @@ mod tests {
             let mut empty = Shape::new();
             let (e, m) = variants(op)[0];
             let err = op.complete_shape(&mut empty, e, m).unwrap_err().to_string();
-            assert!(
-                err.starts_with(op.name()) && err.contains(op.dims()[0]),
-                "{err}"
-            );
+            assert!(err.starts_with(op.name()) && err.contains(op.dims()[0]), "{err}");
             if op.name() != "matmul" {
                 let mut s = op.test_shapes(e, m)[0].clone();
-                let err = op
-                    .complete_shape(&mut s, Epilogue::Qkv, m)
-                    .unwrap_err()
-                    .to_string();
+                let err = op.complete_shape(&mut s, Epilogue::Qkv, m).unwrap_err().to_string();
                 assert!(err.contains("epilogue `qkv` is not supported"), "{err}");
             }
             let mut s = op.test_shapes(e, m)[0].clone();
@@ -810,15 +719,9 @@ mod tests {
         let e = relative_l2_error(&[3.0, 4.0], &[0.0, 5.0]);
         // ||(3,-1)|| / 5
         assert!((e - 10f64.sqrt() / 5.0).abs() < 1e-12);
-        assert_eq!(
-            relative_l2_error(&[1.0, f32::NAN], &[1.0, 2.0]),
-            f64::INFINITY
-        );
+        assert_eq!(relative_l2_error(&[1.0, f32::NAN], &[1.0, 2.0]), f64::INFINITY);
         assert_eq!(relative_l2_error(&[f32::INFINITY], &[1.0]), f64::INFINITY);
-        assert_eq!(
-            relative_l2_error(&[f32::NEG_INFINITY], &[1.0]),
-            f64::INFINITY
-        );
+        assert_eq!(relative_l2_error(&[f32::NEG_INFINITY], &[1.0]), f64::INFINITY);
         assert_eq!(relative_l2_error(&[1.0], &[1.0, 2.0]), f64::INFINITY);
         assert_eq!(relative_l2_error(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
         assert!(relative_l2_error(&[1e-3], &[0.0]) > 1e20);
@@ -829,9 +732,7 @@ mod tests {
     fn error_messages_name_op_and_fix() {
         let mm = op_by_name("matmul").unwrap();
         let mut s = shape_of(&[("M", 10), ("N", 100), ("K", 8), ("T", 5), ("n_head", 2)]);
-        let e = mm
-            .complete_shape(&mut s, Epilogue::Qkv, Mask::None)
-            .unwrap_err();
+        let e = mm.complete_shape(&mut s, Epilogue::Qkv, Mask::None).unwrap_err();
         assert_eq!(
             e.to_string(),
             "matmul: qkv epilogue needs N divisible by 3*n_head (N=100, n_head=2)"
@@ -842,9 +743,6 @@ mod tests {
             .complete_shape(&mut s, Epilogue::None, Mask::Causal)
             .unwrap_err()
             .to_string();
-        assert_eq!(
-            e,
-            "softmax: mask `causal` is not supported (supported: none)"
-        );
+        assert_eq!(e, "softmax: mask `causal` is not supported (supported: none)");
     }
 }

@@ -27,12 +27,7 @@ impl OpContract for Residual {
     fn masks(&self) -> &'static [Mask] {
         &[Mask::None]
     }
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError> {
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         get_dim(self, shape, "N")?;
         check_i32(self, shape, &[])
@@ -43,13 +38,7 @@ impl OpContract for Residual {
             .map(|&n| shape_of(&[("N", n)]))
             .collect()
     }
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError> {
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         let mut shape = shape.clone();
         self.complete_shape(&mut shape, epilogue, mask)?;
         let n = shape["N"];
@@ -58,12 +47,7 @@ impl OpContract for Residual {
             TensorArg::input_f32("a", uniform(rng, n as usize, -1.0, 1.0)),
             TensorArg::input_f32("b", uniform(rng, n as usize, -1.0, 1.0)),
         ];
-        let args = vec![
-            Arg::Tensor(0),
-            Arg::Tensor(1),
-            Arg::Tensor(2),
-            Arg::I32(n as i32),
-        ];
+        let args = vec![Arg::Tensor(0), Arg::Tensor(1), Arg::Tensor(2), Arg::I32(n as i32)];
         Ok(Problem {
             op: self.name(),
             shape,
@@ -76,11 +60,7 @@ impl OpContract for Residual {
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let a = problem.f32s("a");
         let b = problem.f32s("b");
-        let out = a
-            .iter()
-            .zip(b)
-            .map(|(&x, &y)| x as f64 + y as f64)
-            .collect();
+        let out = a.iter().zip(b).map(|(&x, &y)| x as f64 + y as f64).collect();
         vec![(problem.tensor_index("out").unwrap(), out)]
     }
 }

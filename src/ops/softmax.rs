@@ -38,38 +38,19 @@ impl OpContract for Softmax {
     fn masks(&self) -> &'static [Mask] {
         &[Mask::None]
     }
-    fn complete_shape(
-        &self,
-        shape: &mut Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-    ) -> Result<(), OpError> {
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let n = get_dim(self, shape, "N")?;
         let c = get_dim(self, shape, "C")?;
         check_i32(self, shape, &[("inp [N,C]", n * c)])
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [
-            (1, 1),
-            (1, 37),
-            (3, 5),
-            (37, 100),
-            (5, 1001),
-            (64, 1024),
-            (2, 50257),
-        ]
-        .iter()
-        .map(|&(n, c)| shape_of(&[("N", n), ("C", c)]))
-        .collect()
+        [(1, 1), (1, 37), (3, 5), (37, 100), (5, 1001), (64, 1024), (2, 50257)]
+            .iter()
+            .map(|&(n, c)| shape_of(&[("N", n), ("C", c)]))
+            .collect()
     }
-    fn problem(
-        &self,
-        shape: &Shape,
-        epilogue: Epilogue,
-        mask: Mask,
-        rng: &mut StdRng,
-    ) -> Result<Problem, OpError> {
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         let mut shape = shape.clone();
         self.complete_shape(&mut shape, epilogue, mask)?;
         let (n, c) = (shape["N"] as usize, shape["C"] as usize);
@@ -78,16 +59,8 @@ impl OpContract for Softmax {
             let off = row_offset(r);
             row.iter_mut().for_each(|x| *x += off);
         }
-        let tensors = vec![
-            TensorArg::output_f32("out", n * c),
-            TensorArg::input_f32("inp", inp),
-        ];
-        let args = vec![
-            Arg::Tensor(0),
-            Arg::Tensor(1),
-            Arg::I32(n as i32),
-            Arg::I32(c as i32),
-        ];
+        let tensors = vec![TensorArg::output_f32("out", n * c), TensorArg::input_f32("inp", inp)];
+        let args = vec![Arg::Tensor(0), Arg::Tensor(1), Arg::I32(n as i32), Arg::I32(c as i32)];
         Ok(Problem {
             op: self.name(),
             shape,
@@ -119,12 +92,7 @@ mod tests {
     fn softmax_by_hand() {
         let shape = shape_of(&[("N", 2), ("C", 3)]);
         let mut p = Softmax
-            .problem(
-                &shape,
-                Epilogue::None,
-                Mask::None,
-                &mut StdRng::seed_from_u64(1),
-            )
+            .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(1))
             .unwrap();
         // Row 0: [0, ln 2, ln 5] -> [1, 2, 5] / 8. Row 1: the same shifted by +1000.
         let (l2, l5) = (2f32.ln(), 5f32.ln());
@@ -140,12 +108,7 @@ mod tests {
     fn large_offsets_in_rows() {
         let shape = shape_of(&[("N", 3), ("C", 37)]);
         let p = Softmax
-            .problem(
-                &shape,
-                Epilogue::None,
-                Mask::None,
-                &mut StdRng::seed_from_u64(3),
-            )
+            .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(3))
             .unwrap();
         let inp = p.f32s("inp");
         assert!(inp[..37].iter().all(|&x| x > 100.0));

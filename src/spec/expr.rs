@@ -18,11 +18,7 @@ pub enum ExprError {
         message: String,
     },
     #[error("`{text}`: unknown variable `{name}`{hint}")]
-    UnknownVariable {
-        text: String,
-        name: String,
-        hint: String,
-    },
+    UnknownVariable { text: String, name: String, hint: String },
     #[error("`{text}`: {message}")]
     Arithmetic { text: String, message: String },
 }
@@ -94,11 +90,7 @@ impl Expr {
     /// Parses `text`; the error names the column of the first problem.
     pub fn parse(text: &str) -> Result<Expr, ExprError> {
         let tokens = tokenize(text)?;
-        let mut parser = Parser {
-            text,
-            tokens,
-            pos: 0,
-        };
+        let mut parser = Parser { text, tokens, pos: 0 };
         let root = parser.expr(0)?;
         if let Some((column, token)) = parser.tokens.get(parser.pos) {
             return Err(parser.error(*column, format!("unexpected `{token}`")));
@@ -164,21 +156,15 @@ impl Expr {
             })?,
             Node::Neg(a) => self.eval_node(a, scope)?.checked_neg().ok_or_else(overflow)?,
             Node::Not(a) => (self.eval_node(a, scope)? == 0) as i64,
-            Node::Bin(BinOp::And, a, b) => {
-                (self.eval_node(a, scope)? != 0 && self.eval_node(b, scope)? != 0) as i64
-            }
-            Node::Bin(BinOp::Or, a, b) => {
-                (self.eval_node(a, scope)? != 0 || self.eval_node(b, scope)? != 0) as i64
-            }
+            Node::Bin(BinOp::And, a, b) => (self.eval_node(a, scope)? != 0 && self.eval_node(b, scope)? != 0) as i64,
+            Node::Bin(BinOp::Or, a, b) => (self.eval_node(a, scope)? != 0 || self.eval_node(b, scope)? != 0) as i64,
             Node::Bin(op, a, b) => {
                 let (x, y) = (self.eval_node(a, scope)?, self.eval_node(b, scope)?);
                 match op {
                     BinOp::Add => x.checked_add(y).ok_or_else(overflow)?,
                     BinOp::Sub => x.checked_sub(y).ok_or_else(overflow)?,
                     BinOp::Mul => x.checked_mul(y).ok_or_else(overflow)?,
-                    BinOp::Div | BinOp::Rem if y == 0 => {
-                        return Err(self.arithmetic("division by zero"))
-                    }
+                    BinOp::Div | BinOp::Rem if y == 0 => return Err(self.arithmetic("division by zero")),
                     BinOp::Div => x / y,
                     BinOp::Rem => x % y,
                     BinOp::Lt => (x < y) as i64,
@@ -195,9 +181,7 @@ impl Expr {
                 match func {
                     Func::Min => x.min(y),
                     Func::Max => x.max(y),
-                    Func::CeilDiv if y <= 0 => {
-                        return Err(self.arithmetic(format!("ceil_div by {y}")))
-                    }
+                    Func::CeilDiv if y <= 0 => return Err(self.arithmetic(format!("ceil_div by {y}"))),
                     Func::CeilDiv => x.checked_add(y - 1).ok_or_else(overflow)?.div_euclid(y),
                 }
             }
@@ -248,8 +232,7 @@ impl fmt::Display for Token {
 }
 
 const OPERATORS: [&str; 19] = [
-    "<=", ">=", "==", "!=", "&&", "||", "+", "-", "*", "/", "%", "<", ">", "!", "(", ")", ",",
-    "=", "&",
+    "<=", ">=", "==", "!=", "&&", "||", "+", "-", "*", "/", "%", "<", ">", "!", "(", ")", ",", "=", "&",
 ];
 
 fn tokenize(text: &str) -> Result<Vec<(usize, Token)>, ExprError> {
@@ -276,8 +259,7 @@ fn tokenize(text: &str) -> Result<Vec<(usize, Token)>, ExprError> {
             out.push((start, Token::Int(value)));
         } else if c.is_ascii_alphabetic() || c == '_' {
             let start = i;
-            while i < bytes.len() && ((bytes[i] as char).is_ascii_alphanumeric() || bytes[i] == b'_')
-            {
+            while i < bytes.len() && ((bytes[i] as char).is_ascii_alphanumeric() || bytes[i] == b'_') {
                 i += 1;
             }
             out.push((start, Token::Ident(text[start..i].to_string())));
@@ -329,9 +311,7 @@ impl Parser<'_> {
                 self.pos += 1;
                 Ok(())
             }
-            Some((column, token)) => {
-                Err(self.error(*column, format!("expected `{want}`, found `{token}`")))
-            }
+            Some((column, token)) => Err(self.error(*column, format!("expected `{want}`, found `{token}`"))),
             None => Err(self.error(self.end_column(), format!("expected `{want}` at the end"))),
         }
     }
@@ -386,10 +366,7 @@ impl Parser<'_> {
                     "max" => Func::Max,
                     "ceil_div" => Func::CeilDiv,
                     _ => {
-                        return Err(self.error(
-                            column,
-                            format!("unknown function `{name}` (known: min, max, ceil_div)"),
-                        ))
+                        return Err(self.error(column, format!("unknown function `{name}` (known: min, max, ceil_div)")))
                     }
                 };
                 self.pos += 1;
@@ -422,7 +399,13 @@ mod tests {
         assert_eq!(eval("10 - 4 - 3", &[]), Ok(3));
         assert_eq!(eval("17 / 5 * 5 + 17 % 5", &[]), Ok(17));
         assert_eq!(eval("-3 + 5", &[]), Ok(2));
-        assert_eq!(eval("(block_m / thread_m) * (block_n / thread_n)", &[("block_m", 128), ("thread_m", 8), ("block_n", 64), ("thread_n", 4)]), Ok(256));
+        assert_eq!(
+            eval(
+                "(block_m / thread_m) * (block_n / thread_n)",
+                &[("block_m", 128), ("thread_m", 8), ("block_n", 64), ("thread_n", 4)]
+            ),
+            Ok(256)
+        );
     }
 
     #[test]
@@ -442,7 +425,13 @@ mod tests {
         assert_eq!(eval("ceil_div(96, 32)", &[]), Ok(3));
         assert_eq!(eval("ceil_div(0, 32)", &[]), Ok(0));
         assert_eq!(eval("min(3, max(7, 5))", &[]), Ok(3));
-        assert_eq!(eval("min(ceil_div(N, 256), num_sms * 4)", &[("N", 1 << 20), ("num_sms", 132)]), Ok(528));
+        assert_eq!(
+            eval(
+                "min(ceil_div(N, 256), num_sms * 4)",
+                &[("N", 1 << 20), ("num_sms", 132)]
+            ),
+            Ok(528)
+        );
     }
 
     #[test]
@@ -464,7 +453,10 @@ mod tests {
         assert!(e.to_string().contains("unknown function `sqrt`"), "{e}");
         let e = Expr::parse("1 2").unwrap_err();
         assert_eq!(e.to_string(), "cannot parse `1 2` at column 3: unexpected `2`");
-        assert!(matches!(eval("9223372036854775807 + 1", &[]), Err(ExprError::Arithmetic { .. })));
+        assert!(matches!(
+            eval("9223372036854775807 + 1", &[]),
+            Err(ExprError::Arithmetic { .. })
+        ));
     }
 
     #[test]

@@ -85,10 +85,7 @@ pub const MAX_SPACE: usize = 1 << 20;
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
     #[error("{file}: cannot read: {source}")]
-    Io {
-        file: PathBuf,
-        source: std::io::Error,
-    },
+    Io { file: PathBuf, source: std::io::Error },
     #[error("{file}: {message}")]
     Toml { file: PathBuf, message: String },
     #[error("{file}: {field}: {message}")]
@@ -231,6 +228,9 @@ pub struct Family {
     pub default: IndexMap<String, i64>,
 }
 
+/// Parameter values and derived values of one point, each in spec order.
+type Point = (IndexMap<String, i64>, IndexMap<String, i64>);
+
 /// Variable scope for one evaluation: params, derived values, shape, device limits.
 #[derive(Debug, Clone, Default)]
 pub struct Vars(BTreeMap<String, i64>);
@@ -324,9 +324,16 @@ impl Family {
             ));
         }
         if f.dtypes.is_empty() {
-            return Err(field_err("family.dtypes", "empty list: name at least one dtype (f32)".into()));
+            return Err(field_err(
+                "family.dtypes",
+                "empty list: name at least one dtype (f32)".into(),
+            ));
         }
-        let epilogues = if f.epilogues.is_empty() { vec![Epilogue::None] } else { f.epilogues.clone() };
+        let epilogues = if f.epilogues.is_empty() {
+            vec![Epilogue::None]
+        } else {
+            f.epilogues.clone()
+        };
         for e in &epilogues {
             if !op.epilogues().contains(e) {
                 return Err(field_err(
@@ -340,7 +347,11 @@ impl Family {
                 ));
             }
         }
-        let masks = if f.masks.is_empty() { vec![Mask::None] } else { f.masks.clone() };
+        let masks = if f.masks.is_empty() {
+            vec![Mask::None]
+        } else {
+            f.masks.clone()
+        };
         for m in &masks {
             if !op.masks().contains(m) {
                 return Err(field_err(
@@ -356,7 +367,11 @@ impl Family {
         }
 
         // Names must not shadow each other, the device limits or the op's shape variables.
-        let test_shape = op.test_shapes(epilogues[0], masks[0]).into_iter().next().unwrap_or_default();
+        let test_shape = op
+            .test_shapes(epilogues[0], masks[0])
+            .into_iter()
+            .next()
+            .unwrap_or_default();
         let reserved = |name: &str| DEVICE_VARS.contains(&name) || test_shape.contains_key(name);
         let mut space: usize = 1;
         for (name, values) in &raw.params {
@@ -365,7 +380,10 @@ impl Family {
                 return Err(field_err(&field, "empty list: give at least one value".into()));
             }
             if reserved(name) {
-                return Err(field_err(&field, format!("`{name}` is a device limit or shape variable; rename the param")));
+                return Err(field_err(
+                    &field,
+                    format!("`{name}` is a device limit or shape variable; rename the param"),
+                ));
             }
             let mut sorted = values.clone();
             sorted.sort_unstable();
@@ -376,13 +394,19 @@ impl Family {
             space = space.saturating_mul(values.len());
         }
         if space > MAX_SPACE {
-            return Err(field_err("params", format!("the space has {space} points, more than {MAX_SPACE}")));
+            return Err(field_err(
+                "params",
+                format!("the space has {space} points, more than {MAX_SPACE}"),
+            ));
         }
         let mut derived = IndexMap::new();
         for (name, text) in &raw.derived {
             let field = format!("derived.{name}");
             if raw.params.contains_key(name) || reserved(name) {
-                return Err(field_err(&field, format!("`{name}` is already a param, device limit or shape variable")));
+                return Err(field_err(
+                    &field,
+                    format!("`{name}` is already a param, device limit or shape variable"),
+                ));
             }
             derived.insert(name.clone(), parse(field, text)?);
         }
@@ -401,12 +425,18 @@ impl Family {
             .map(|(i, t)| parse(format!("constraints.shape[{i}]"), t))
             .collect::<Result<Vec<_>, _>>()?;
         if raw.kernels.is_empty() {
-            return Err(field_err("kernels", "no [[kernels]] entry: every family launches at least one kernel".into()));
+            return Err(field_err(
+                "kernels",
+                "no [[kernels]] entry: every family launches at least one kernel".into(),
+            ));
         }
         let mut kernels = Vec::new();
         for (i, k) in raw.kernels.iter().enumerate() {
             if k.name.is_empty() || !k.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                return Err(field_err(&format!("kernels[{i}].name"), format!("`{}` is not a C identifier", k.name)));
+                return Err(field_err(
+                    &format!("kernels[{i}].name"),
+                    format!("`{}` is not a C identifier", k.name),
+                ));
             }
             let three = |what: &str, exprs: &[String; 3]| -> Result<[Expr; 3], SpecError> {
                 Ok([
@@ -422,7 +452,11 @@ impl Family {
                 smem: parse(format!("kernels[{i}].smem"), &k.smem)?,
             });
         }
-        let workspace = raw.workspace.as_ref().map(|w| parse("workspace.elems".into(), &w.elems)).transpose()?;
+        let workspace = raw
+            .workspace
+            .as_ref()
+            .map(|w| parse("workspace.elems".into(), &w.elems))
+            .transpose()?;
         let constants = raw
             .constants
             .iter()
@@ -431,7 +465,11 @@ impl Family {
                 Ok(ConstantSpec {
                     symbol: c.symbol.clone(),
                     tensor: c.tensor.clone(),
-                    when: c.when.as_ref().map(|w| parse(format!("constants[{i}].when"), w)).transpose()?,
+                    when: c
+                        .when
+                        .as_ref()
+                        .map(|w| parse(format!("constants[{i}].when"), w))
+                        .transpose()?,
                 })
             })
             .collect::<Result<Vec<_>, SpecError>>()?;
@@ -439,7 +477,10 @@ impl Family {
         // The default point: every param, nothing else, each value from its list.
         for (name, value) in &raw.default {
             let values = raw.params.get(name).ok_or_else(|| {
-                field_err(&format!("default.{name}"), format!("`{name}` is not a param of this family"))
+                field_err(
+                    &format!("default.{name}"),
+                    format!("`{name}` is not a param of this family"),
+                )
             })?;
             if !values.contains(value) {
                 return Err(field_err(
@@ -550,7 +591,10 @@ impl Family {
         for point in self.all_points() {
             let (params, derived) = self.evaluate_point(&point, limits)?;
             let vars = self.point_scope(&params, &derived, limits);
-            if !constraint.holds(&vars).map_err(|e| self.expr_error("constraints.require", e))? {
+            if !constraint
+                .holds(&vars)
+                .map_err(|e| self.expr_error("constraints.require", e))?
+            {
                 rejected += 1;
             }
         }
@@ -575,7 +619,12 @@ impl Family {
         points
     }
 
-    fn point_scope(&self, params: &IndexMap<String, i64>, derived: &IndexMap<String, i64>, limits: &DeviceLimits) -> Vars {
+    fn point_scope(
+        &self,
+        params: &IndexMap<String, i64>,
+        derived: &IndexMap<String, i64>,
+        limits: &DeviceLimits,
+    ) -> Vars {
         let mut vars = Vars::default();
         for (k, v) in limits.vars() {
             vars.set(k, v);
@@ -601,15 +650,13 @@ impl Family {
     }
 
     /// Evaluates the derived values of one point.
-    fn evaluate_point(
-        &self,
-        point: &IndexMap<String, i64>,
-        limits: &DeviceLimits,
-    ) -> Result<(IndexMap<String, i64>, IndexMap<String, i64>), SpecError> {
+    fn evaluate_point(&self, point: &IndexMap<String, i64>, limits: &DeviceLimits) -> Result<Point, SpecError> {
         let mut derived = IndexMap::new();
         for (name, e) in &self.derived {
             let vars = self.point_scope(point, &derived, limits);
-            let value = e.eval(&vars).map_err(|err| self.expr_error(format!("derived.{name}"), err))?;
+            let value = e
+                .eval(&vars)
+                .map_err(|err| self.expr_error(format!("derived.{name}"), err))?;
             derived.insert(name.clone(), value);
         }
         Ok((point.clone(), derived))
@@ -624,7 +671,10 @@ impl Family {
     ) -> Result<Option<&Expr>, SpecError> {
         let vars = self.point_scope(params, derived, limits);
         for (i, c) in self.require.iter().enumerate() {
-            if !c.holds(&vars).map_err(|e| self.expr_error(format!("constraints.require[{i}]"), e))? {
+            if !c
+                .holds(&vars)
+                .map_err(|e| self.expr_error(format!("constraints.require[{i}]"), e))?
+            {
                 return Ok(Some(c));
             }
         }
@@ -632,7 +682,7 @@ impl Family {
     }
 
     /// Valid points (params + derived) under `limits`.
-    fn points(&self, limits: &DeviceLimits) -> Result<Vec<(IndexMap<String, i64>, IndexMap<String, i64>)>, SpecError> {
+    fn points(&self, limits: &DeviceLimits) -> Result<Vec<Point>, SpecError> {
         let mut out = Vec::new();
         for point in self.all_points() {
             let (params, derived) = self.evaluate_point(&point, limits)?;
@@ -693,10 +743,18 @@ impl Catalog {
     }
 
     pub fn family(&self, name: &str) -> Result<&Arc<Family>, SpecError> {
-        self.families.iter().find(|f| f.name == name).ok_or_else(|| SpecError::UnknownFamily {
-            name: name.to_string(),
-            known: self.families.iter().map(|f| f.name.as_str()).collect::<Vec<_>>().join(", "),
-        })
+        self.families
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| SpecError::UnknownFamily {
+                name: name.to_string(),
+                known: self
+                    .families
+                    .iter()
+                    .map(|f| f.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
     }
 
     /// Families implementing `op`.
@@ -724,7 +782,11 @@ pub fn expand(family: &Arc<Family>, points: Points, limits: &DeviceLimits) -> Re
         Points::Sample { count, seed } => {
             use rand::seq::IndexedRandom;
             let default = family.evaluate_point(&family.default, limits)?;
-            let others: Vec<_> = family.points(limits)?.into_iter().filter(|(p, _)| *p != default.0).collect();
+            let others: Vec<_> = family
+                .points(limits)?
+                .into_iter()
+                .filter(|(p, _)| *p != default.0)
+                .collect();
             let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
             let mut picked: Vec<_> = others.choose_multiple(&mut rng, count).cloned().collect();
             picked.insert(0, default);
@@ -856,18 +918,33 @@ impl Variant {
             .map(|(i, k)| {
                 let dim = |what: &str, d: usize, e: &Expr| -> Result<u32, SpecError> {
                     let field = format!("kernels[{i}].{what}[{d}]");
-                    let v = e.eval(&vars).map_err(|err| self.family.expr_error(field.clone(), err))?;
+                    let v = e
+                        .eval(&vars)
+                        .map_err(|err| self.family.expr_error(field.clone(), err))?;
                     u32::try_from(v).ok().filter(|v| *v > 0).ok_or_else(|| {
-                        self.family.field_error(field, format!("`{e}` gives {v} for {}", shape_text(shape)))
+                        self.family
+                            .field_error(field, format!("`{e}` gives {v} for {}", shape_text(shape)))
                     })
                 };
-                let smem = k.smem.eval(&vars).map_err(|e| self.family.expr_error(format!("kernels[{i}].smem"), e))?;
+                let smem = k
+                    .smem
+                    .eval(&vars)
+                    .map_err(|e| self.family.expr_error(format!("kernels[{i}].smem"), e))?;
                 Ok(Launch {
                     function: format!("{prefix}_{}", k.name),
-                    grid: [dim("grid", 0, &k.grid[0])?, dim("grid", 1, &k.grid[1])?, dim("grid", 2, &k.grid[2])?],
-                    block: [dim("block", 0, &k.block[0])?, dim("block", 1, &k.block[1])?, dim("block", 2, &k.block[2])?],
+                    grid: [
+                        dim("grid", 0, &k.grid[0])?,
+                        dim("grid", 1, &k.grid[1])?,
+                        dim("grid", 2, &k.grid[2])?,
+                    ],
+                    block: [
+                        dim("block", 0, &k.block[0])?,
+                        dim("block", 1, &k.block[1])?,
+                        dim("block", 2, &k.block[2])?,
+                    ],
                     smem_bytes: u32::try_from(smem).map_err(|_| {
-                        self.family.field_error(format!("kernels[{i}].smem"), format!("`{}` gives {smem}", k.smem))
+                        self.family
+                            .field_error(format!("kernels[{i}].smem"), format!("`{}` gives {smem}", k.smem))
                     })?,
                 })
             })
@@ -877,18 +954,24 @@ impl Variant {
     /// f32 elements of scratch the kernels need for `shape` (0 without a `[workspace]`).
     pub fn workspace_elems(&self, shape: &Shape, limits: &DeviceLimits) -> Result<usize, SpecError> {
         let Some(e) = &self.family.workspace else { return Ok(0) };
-        let v = e.eval(&self.vars(shape, limits)).map_err(|err| self.family.expr_error("workspace.elems", err))?;
+        let v = e
+            .eval(&self.vars(shape, limits))
+            .map_err(|err| self.family.expr_error("workspace.elems", err))?;
         usize::try_from(v).map_err(|_| self.family.field_error("workspace.elems", format!("`{e}` gives {v}")))
     }
 
     /// `__constant__` symbols to fill before launch: (symbol, op tensor name).
     pub fn constants(&self) -> Result<Vec<(&str, &str)>, SpecError> {
-        let vars = self.family.point_scope(&self.params, &self.derived, &DeviceLimits::default());
+        let vars = self
+            .family
+            .point_scope(&self.params, &self.derived, &DeviceLimits::default());
         let mut out = Vec::new();
         for (i, c) in self.family.constants.iter().enumerate() {
             let active = match &c.when {
                 None => true,
-                Some(w) => w.holds(&vars).map_err(|e| self.family.expr_error(format!("constants[{i}].when"), e))?,
+                Some(w) => w
+                    .holds(&vars)
+                    .map_err(|e| self.family.expr_error(format!("constants[{i}].when"), e))?,
             };
             if active {
                 out.push((c.symbol.as_str(), c.tensor.as_str()));
@@ -900,5 +983,9 @@ impl Variant {
 
 /// `M=37 N=100 K=72`.
 pub fn shape_text(shape: &Shape) -> String {
-    shape.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+    shape
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }

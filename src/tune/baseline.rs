@@ -28,9 +28,15 @@ impl CublasBaseline {
     /// Creates the cuBLAS handle (default math mode: true FP32, no TF32) and compiles the
     /// epilogue kernels from `templates/baseline/epilogue.cu.tera`.
     pub fn new(gpu: &Gpu, compiler: &Compiler, renderer: &Renderer) -> Result<CublasBaseline, RunError> {
-        let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| launch_err("cuBLAS")(format!("cannot create a handle: {e:?}")))?;
+        let blas = CudaBlas::new(gpu.stream.clone())
+            .map_err(|e| launch_err("cuBLAS")(format!("cannot create a handle: {e:?}")))?;
         let mut epilogues = Vec::new();
-        for e in [Epilogue::Bias, Epilogue::BiasGelu, Epilogue::BiasResidual, Epilogue::Qkv] {
+        for e in [
+            Epilogue::Bias,
+            Epilogue::BiasGelu,
+            Epilogue::BiasResidual,
+            Epilogue::Qkv,
+        ] {
             let code = renderer
                 .render_template("baseline/epilogue.cu.tera", &[("epilogue", e.as_str())])
                 .map_err(|err| launch_err("baseline epilogue")(err.to_string()))?;
@@ -38,12 +44,16 @@ impl CublasBaseline {
                 kernel_name: format!("baseline_epilogue_{}", e.as_str()),
                 code,
             };
-            let compiled = compiler.compile(&source).map_err(|err| launch_err("baseline epilogue")(err.to_string()))?;
+            let compiled = compiler
+                .compile(&source)
+                .map_err(|err| launch_err("baseline epilogue")(err.to_string()))?;
             let module = gpu
                 .ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
                 .map_err(GpuError::cuda("loading the baseline epilogue"))?;
-            let f = module.load_function("baseline_epilogue").map_err(GpuError::cuda("finding baseline_epilogue"))?;
+            let f = module
+                .load_function("baseline_epilogue")
+                .map_err(GpuError::cuda("finding baseline_epilogue"))?;
             epilogues.push((e, f));
         }
         Ok(CublasBaseline { blas, epilogues })
@@ -63,13 +73,25 @@ impl CublasBaseline {
             let HostData::F32(v) = &tensor.data else {
                 return Err(launch_err("cuBLAS")(format!("`{name}` is not f32")));
             };
-            Ok(gpu.stream.clone_htod(v).map_err(GpuError::cuda(format!("uploading `{name}`")))?)
+            Ok(gpu
+                .stream
+                .clone_htod(v)
+                .map_err(GpuError::cuda(format!("uploading `{name}`")))?)
         };
         let (inp, weight, bias, residual) = (upload("inp")?, upload("weight")?, upload("bias")?, upload("residual")?);
-        let mut out = gpu.stream.alloc_zeros::<f32>((m as usize) * (n as usize)).map_err(GpuError::cuda("allocating"))?;
-        let mut scratch =
-            gpu.stream.alloc_zeros::<f32>((m as usize) * (n as usize)).map_err(GpuError::cuda("allocating"))?;
-        let epilogue = self.epilogues.iter().find(|(e, _)| *e == problem.epilogue).map(|(_, f)| f);
+        let mut out = gpu
+            .stream
+            .alloc_zeros::<f32>((m as usize) * (n as usize))
+            .map_err(GpuError::cuda("allocating"))?;
+        let mut scratch = gpu
+            .stream
+            .alloc_zeros::<f32>((m as usize) * (n as usize))
+            .map_err(GpuError::cuda("allocating"))?;
+        let epilogue = self
+            .epilogues
+            .iter()
+            .find(|(e, _)| *e == problem.epilogue)
+            .map(|(_, f)| f);
         // Row-major out[M,N] = inp[M,K] @ W[N,K]^T is column-major out^T[N,M] = W^T... i.e.
         // cuBLAS computes C(N x M) = op(W)(N x K) * inp(K x M) with W transposed (ld K).
         let config = GemmConfig {
@@ -113,8 +135,14 @@ impl CublasBaseline {
 /// practical peak memory-bound kernels are measured against.
 pub fn measure_copy_bandwidth(gpu: &Gpu) -> Result<f64, RunError> {
     let elems = 256usize << 20; // 1 GiB of f32
-    let src = gpu.stream.alloc_zeros::<f32>(elems).map_err(GpuError::cuda("allocating"))?;
-    let mut dst = gpu.stream.alloc_zeros::<f32>(elems).map_err(GpuError::cuda("allocating"))?;
+    let src = gpu
+        .stream
+        .alloc_zeros::<f32>(elems)
+        .map_err(GpuError::cuda("allocating"))?;
+    let mut dst = gpu
+        .stream
+        .alloc_zeros::<f32>(elems)
+        .map_err(GpuError::cuda("allocating"))?;
     let plan = TimingPlan {
         warmup: 2,
         min_runs: 10,
@@ -122,7 +150,9 @@ pub fn measure_copy_bandwidth(gpu: &Gpu) -> Result<f64, RunError> {
         target_ms: 0.0,
     };
     let t = time_with(gpu, 1, &plan, |_| {
-        gpu.stream.memcpy_dtod(&src, &mut dst).map_err(GpuError::cuda("copying"))?;
+        gpu.stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(GpuError::cuda("copying"))?;
         Ok(())
     })?;
     Ok(2.0 * (elems * 4) as f64 / (t.median_ms * 1e-3))
@@ -130,6 +160,9 @@ pub fn measure_copy_bandwidth(gpu: &Gpu) -> Result<f64, RunError> {
 
 /// FP32 FMA peak in FLOP/s: SMs × 128 FP32 lanes × 2 FLOP × boost clock (Volta and later).
 pub fn fp32_peak_flops(gpu: &Gpu) -> Result<f64, GpuError> {
-    let clock_khz = gpu.ctx.attribute(Attr::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).map_err(GpuError::cuda("reading the clock"))?;
+    let clock_khz = gpu
+        .ctx
+        .attribute(Attr::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+        .map_err(GpuError::cuda("reading the clock"))?;
     Ok(gpu.info.limits.num_sms as f64 * 128.0 * 2.0 * clock_khz as f64 * 1e3)
 }

@@ -23,7 +23,11 @@ pub enum DbError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path} holds tunings for {theirs}, not for this GPU ({ours}); pass another --db")]
-    OtherGpu { path: PathBuf, theirs: String, ours: String },
+    OtherGpu {
+        path: PathBuf,
+        theirs: String,
+        ours: String,
+    },
 }
 
 /// What the results were measured on. Entries only transfer between identical headers.
@@ -38,7 +42,10 @@ pub struct DbHeader {
 
 impl DbHeader {
     fn describe(&self) -> String {
-        format!("{} (sm_{}{})", self.gpu, self.compute_capability.0, self.compute_capability.1)
+        format!(
+            "{} (sm_{}{})",
+            self.gpu, self.compute_capability.0, self.compute_capability.1
+        )
     }
 }
 
@@ -55,7 +62,13 @@ pub struct TuneKey {
 impl TuneKey {
     /// `matmul|f32|bias_gelu|K=768 M=8192 N=3072 T=1024 n_head=12`.
     pub fn text(&self) -> String {
-        format!("{}|{}|{}|{}", self.op, self.dtype, self.variant_kind, crate::spec::shape_text(&self.shape))
+        format!(
+            "{}|{}|{}|{}",
+            self.op,
+            self.dtype,
+            self.variant_kind,
+            crate::spec::shape_text(&self.shape)
+        )
     }
 
     fn group(&self) -> String {
@@ -100,7 +113,13 @@ pub fn default_path(header: &DbHeader) -> PathBuf {
     let name: String = header
         .gpu
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
         .collect();
     let base = std::env::var_os("KERNELFORGE_CACHE")
         .map(PathBuf::from)
@@ -115,7 +134,10 @@ pub fn default_path(header: &DbHeader) -> PathBuf {
 }
 
 fn now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// Reads the file; `Ok(None)` when it does not exist, `Err(message)` when it does not parse.
@@ -203,7 +225,9 @@ impl TuningDb {
             .filter(|(k, _)| k.rsplit_once('|').is_some_and(|(g, _)| g == group))
             .filter(|(_, e)| {
                 e.shape.len() == key.shape.len()
-                    && e.shape.iter().all(|(name, v)| name == free_dim || key.shape.get(name) == Some(v))
+                    && e.shape
+                        .iter()
+                        .all(|(name, v)| name == free_dim || key.shape.get(name) == Some(v))
             })
             .min_by(|(_, a), (_, b)| {
                 let d = |e: &Entry| ((e.shape[free_dim] as f64).ln() - want.ln()).abs();
@@ -276,7 +300,10 @@ mod tests {
             op: "matmul".into(),
             dtype: "f32".into(),
             variant_kind: "bias".into(),
-            shape: [("M", m), ("N", 768), ("K", 768)].iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            shape: [("M", m), ("N", 768), ("K", 768)]
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
         }
     }
 
@@ -317,8 +344,15 @@ mod tests {
         let warning = db.warning.unwrap();
         assert!(warning.contains("not a valid tuning database"), "{warning}");
         assert!(!path.exists());
-        let aside: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
-        assert!(aside.iter().any(|n| n.to_string_lossy().contains("corrupt")), "{aside:?}");
+        let aside: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert!(
+            aside.iter().any(|n| n.to_string_lossy().contains("corrupt")),
+            "{aside:?}"
+        );
     }
 
     #[test]
@@ -330,7 +364,10 @@ mod tests {
         other.gpu = "NVIDIA A100".into();
         other.compute_capability = (8, 0);
         let e = TuningDb::open(&path, other).unwrap_err().to_string();
-        assert!(e.contains("NVIDIA H100 80GB HBM3 (sm_90)") && e.contains("pass another --db"), "{e}");
+        assert!(
+            e.contains("NVIDIA H100 80GB HBM3 (sm_90)") && e.contains("pass another --db"),
+            "{e}"
+        );
     }
 
     #[test]

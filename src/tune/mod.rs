@@ -5,5 +5,5 @@ pub mod baseline;
 pub mod db;
 pub mod registry;
 pub mod time;
-pub mod workloads;
 pub mod verify;
+pub mod workloads;

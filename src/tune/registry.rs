@@ -88,13 +88,19 @@ impl Registry {
                 shape: shape.clone(),
             };
             if let Some(entry) = db.nearest(&key, contract.dims()[0]) {
-                let choice = if entry.shape == *shape { Choice::Tuned } else { Choice::Nearest };
+                let choice = if entry.shape == *shape {
+                    Choice::Tuned
+                } else {
+                    Choice::Nearest
+                };
                 let overrides: Vec<_> = entry.params.iter().map(|(k, v)| (k.clone(), *v)).collect();
                 let found = self
                     .catalog
                     .family(&entry.family)
                     .map_err(|e| e.to_string())
-                    .and_then(|f| variant_with(f, &overrides, Dtype::F32, epilogue, mask, limits).map_err(|e| e.to_string()))
+                    .and_then(|f| {
+                        variant_with(f, &overrides, Dtype::F32, epilogue, mask, limits).map_err(|e| e.to_string())
+                    })
                     .and_then(|v| v.check_shape(shape, limits).map(|_| v));
                 match found {
                     Ok(variant) => return Ok(Selected { variant, choice }),
@@ -106,7 +112,11 @@ impl Registry {
                 }
             }
         }
-        let mut families: Vec<_> = self.catalog.for_op(op).filter(|f| f.epilogues.contains(&epilogue) && f.masks.contains(&mask)).collect();
+        let mut families: Vec<_> = self
+            .catalog
+            .for_op(op)
+            .filter(|f| f.epilogues.contains(&epilogue) && f.masks.contains(&mask))
+            .collect();
         families.sort_by_key(|f| (f.rank, f.name.clone()));
         let mut reasons = Vec::new();
         for f in families {
@@ -116,14 +126,23 @@ impl Registry {
                 .find(|v| v.epilogue == epilogue && v.mask == mask)
                 .expect("the family lists this epilogue and mask");
             match variant.check_shape(shape, limits) {
-                Ok(()) => return Ok(Selected { variant, choice: Choice::Default }),
+                Ok(()) => {
+                    return Ok(Selected {
+                        variant,
+                        choice: Choice::Default,
+                    })
+                }
                 Err(why) => reasons.push(format!("{} {why}", f.name)),
             }
         }
         Err(RegistryError::NoFamily {
             op: op.to_string(),
             shape: shape_text(shape),
-            why: if reasons.is_empty() { format!("none lists {}", variant_kind(epilogue, mask)) } else { reasons.join("; ") },
+            why: if reasons.is_empty() {
+                format!("none lists {}", variant_kind(epilogue, mask))
+            } else {
+                reasons.join("; ")
+            },
         })
     }
 
@@ -133,8 +152,14 @@ impl Registry {
         if let Some(k) = self.loaded.get(&name) {
             return Ok(k.clone());
         }
-        let source = self.renderer.render(variant).map_err(|e| RegistryError::Build(e.to_string()))?;
-        let compiled = self.compiler.compile(&source).map_err(|e| RegistryError::Build(e.to_string()))?;
+        let source = self
+            .renderer
+            .render(variant)
+            .map_err(|e| RegistryError::Build(e.to_string()))?;
+        let compiled = self
+            .compiler
+            .compile(&source)
+            .map_err(|e| RegistryError::Build(e.to_string()))?;
         let loaded = Arc::new(LoadedVariant::load(gpu, variant, &compiled)?);
         self.loaded.insert(name, loaded.clone());
         Ok(loaded)

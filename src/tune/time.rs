@@ -78,8 +78,17 @@ pub fn rotation_count(problem: &Problem) -> usize {
 }
 
 /// Times `body(i)` (which enqueues the work for copy `i % copies`) with CUDA events.
-pub fn time_with(gpu: &Gpu, copies: usize, plan: &TimingPlan, mut body: impl FnMut(usize) -> Result<(), RunError>) -> Result<Timing, RunError> {
-    let event = || gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(GpuError::cuda("creating an event"));
+pub fn time_with(
+    gpu: &Gpu,
+    copies: usize,
+    plan: &TimingPlan,
+    mut body: impl FnMut(usize) -> Result<(), RunError>,
+) -> Result<Timing, RunError> {
+    let event = || {
+        gpu.ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(GpuError::cuda("creating an event"))
+    };
     for i in 0..plan.warmup {
         body(i % copies)?;
     }
@@ -92,7 +101,9 @@ pub fn time_with(gpu: &Gpu, copies: usize, plan: &TimingPlan, mut body: impl FnM
         let mut events = Vec::with_capacity(batch);
         for _ in 0..batch {
             let (start, end) = (event()?, event()?);
-            start.record(&gpu.stream).map_err(GpuError::cuda("recording an event"))?;
+            start
+                .record(&gpu.stream)
+                .map_err(GpuError::cuda("recording an event"))?;
             body(samples.len() + events.len())?;
             end.record(&gpu.stream).map_err(GpuError::cuda("recording an event"))?;
             events.push((start, end));
@@ -116,7 +127,9 @@ pub fn time_variant(
     plan: &TimingPlan,
 ) -> Result<Timing, RunError> {
     loaded.fill_constants(gpu, problem)?;
-    time_with(gpu, copies.len(), plan, |i| loaded.launch(gpu, problem, &copies[i % copies.len()], launches))
+    time_with(gpu, copies.len(), plan, |i| {
+        loaded.launch(gpu, problem, &copies[i % copies.len()], launches)
+    })
 }
 
 #[cfg(test)]

@@ -76,7 +76,10 @@ pub fn verify(
     // Group variants by the problem they need so every group shares inputs and reference.
     let mut groups: BTreeMap<(&'static str, Epilogue, Mask), Vec<usize>> = BTreeMap::new();
     for (i, v) in variants.iter().enumerate() {
-        groups.entry((v.family.op.name(), v.epilogue, v.mask)).or_default().push(i);
+        groups
+            .entry((v.family.op.name(), v.epilogue, v.mask))
+            .or_default()
+            .push(i);
     }
     let mut loaded: HashMap<String, LoadedVariant> = HashMap::new();
     let mut faulted: Option<String> = None;
@@ -100,7 +103,9 @@ pub fn verify(
             }
         };
         for (shape_index, shape) in shape_list.iter().enumerate() {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ ((shape_index as u64) << 32) ^ epilogue as u64 ^ ((mask as u64) << 8));
+            let mut rng = rand::rngs::StdRng::seed_from_u64(
+                seed ^ ((shape_index as u64) << 32) ^ epilogue as u64 ^ ((mask as u64) << 8),
+            );
             let problem = op.problem(shape, epilogue, mask, &mut rng);
             let (problem, reference) = match problem {
                 Ok(p) => {
@@ -109,7 +114,12 @@ pub fn verify(
                 }
                 Err(e) => {
                     for &i in &members {
-                        let row = row_for(&variants[i], shape, None, Status::Fail(format!("cannot build the problem: {e}")));
+                        let row = row_for(
+                            &variants[i],
+                            shape,
+                            None,
+                            Status::Fail(format!("cannot build the problem: {e}")),
+                        );
                         progress(&row);
                         rows.push(row);
                     }
@@ -126,11 +136,23 @@ pub fn verify(
             for &i in &members {
                 let variant = &variants[i];
                 let status_error = if let Some(fault) = &faulted {
-                    (Status::Fail(format!("not run: an earlier kernel faulted the GPU context ({fault})")), None)
+                    (
+                        Status::Fail(format!("not run: an earlier kernel faulted the GPU context ({fault})")),
+                        None,
+                    )
                 } else if let Err(why) = variant.check_shape(shape, &gpu.info.limits) {
                     (Status::Skip(why), None)
                 } else {
-                    match run_one(gpu, variant, &sources[i], &compiled, &mut loaded, &problem, device.as_mut().expect("uploaded"), &reference) {
+                    match run_one(
+                        gpu,
+                        variant,
+                        &sources[i],
+                        &compiled,
+                        &mut loaded,
+                        &problem,
+                        device.as_mut().expect("uploaded"),
+                        &reference,
+                    ) {
                         Ok(error) if error < tolerance(variant.dtype) => (Status::Pass, Some(error)),
                         Ok(error) => (Status::Fail(format!("relative L2 error {error:.3e}")), Some(error)),
                         Err(RunFailure::Soft(message)) => (Status::Fail(message), None),
@@ -171,20 +193,33 @@ fn run_one(
     let source = source.as_ref().map_err(|e| soft(e))?;
     let name = &source.kernel_name;
     if !loaded.contains_key(name) {
-        let cubin = compiled.get(name).expect("compiled every rendered source").as_ref().map_err(|e| soft(e))?;
-        loaded.insert(name.clone(), LoadedVariant::load(gpu, variant, cubin).map_err(|e| soft(&e))?);
+        let cubin = compiled
+            .get(name)
+            .expect("compiled every rendered source")
+            .as_ref()
+            .map_err(|e| soft(e))?;
+        loaded.insert(
+            name.clone(),
+            LoadedVariant::load(gpu, variant, cubin).map_err(|e| soft(&e))?,
+        );
     }
     let module = &loaded[name];
     let launches = module.plan(gpu, &problem.shape).map_err(|e| soft(&e))?;
-    let elems = variant.workspace_elems(&problem.shape, &gpu.info.limits).map_err(|e| soft(&e))?;
+    let elems = variant
+        .workspace_elems(&problem.shape, &gpu.info.limits)
+        .map_err(|e| soft(&e))?;
     device.ensure_workspace(gpu, elems).map_err(|e| soft(&e))?;
     module.fill_constants(gpu, problem).map_err(|e| soft(&e))?;
     device.poison_outputs(gpu, problem).map_err(|e| soft(&e))?;
-    module.launch(gpu, problem, device, &launches).map_err(|e| RunFailure::Fault(e.to_string()))?;
+    module
+        .launch(gpu, problem, device, &launches)
+        .map_err(|e| RunFailure::Fault(e.to_string()))?;
     gpu.synchronize().map_err(|e| RunFailure::Fault(e.to_string()))?;
     let mut worst = 0.0f64;
     for (index, want) in reference {
-        let got = device.download(gpu, *index).map_err(|e| RunFailure::Fault(e.to_string()))?;
+        let got = device
+            .download(gpu, *index)
+            .map_err(|e| RunFailure::Fault(e.to_string()))?;
         worst = worst.max(ops::relative_l2_error(&got, want));
     }
     Ok(worst)

@@ -76,7 +76,14 @@ pub fn forward_workloads(dims: &ModelDims, batch: i64, seq: i64) -> Vec<Workload
             op: "encoder",
             epilogue: Epilogue::None,
             mask: Mask::None,
-            shape: shape(&[("B", batch), ("T", seq), ("C", c), ("pos_offset", 0), ("V", dims.vocab_size), ("max_T", dims.n_ctx)]),
+            shape: shape(&[
+                ("B", batch),
+                ("T", seq),
+                ("C", c),
+                ("pos_offset", 0),
+                ("V", dims.vocab_size),
+                ("max_T", dims.n_ctx),
+            ]),
             calls: 1,
         },
         Workload {
@@ -116,7 +123,10 @@ pub fn model_workloads(dims: &ModelDims, batches: &[i64], seqs: &[i64]) -> Vec<W
     for &b in batches {
         for &t in seqs.iter().chain(std::iter::once(&1)) {
             for w in forward_workloads(dims, b, t) {
-                if !out.iter().any(|o| o.op == w.op && o.epilogue == w.epilogue && o.mask == w.mask && o.shape == w.shape) {
+                if !out
+                    .iter()
+                    .any(|o| o.op == w.op && o.epilogue == w.epilogue && o.mask == w.mask && o.shape == w.shape)
+                {
                     out.push(w);
                 }
             }
@@ -134,7 +144,11 @@ mod tests {
         let dims = ModelDims::named("gpt2").unwrap();
         assert_eq!(dims.padded_vocab, 50304);
         let w = forward_workloads(&dims, 8, 1024);
-        let mm: Vec<_> = w.iter().filter(|w| w.op == "matmul").map(|w| (w.shape["N"], w.shape["K"], w.epilogue)).collect();
+        let mm: Vec<_> = w
+            .iter()
+            .filter(|w| w.op == "matmul")
+            .map(|w| (w.shape["N"], w.shape["K"], w.epilogue))
+            .collect();
         assert_eq!(
             mm,
             vec![
@@ -147,7 +161,10 @@ mod tests {
         );
         assert!(w.iter().filter(|w| w.op == "matmul").all(|w| w.shape["M"] == 8192));
         let att = w.iter().find(|w| w.op == "attention").unwrap();
-        assert_eq!((att.shape["B"], att.shape["NH"], att.shape["T"], att.shape["HS"]), (8, 12, 1024, 64));
+        assert_eq!(
+            (att.shape["B"], att.shape["NH"], att.shape["T"], att.shape["HS"]),
+            (8, 12, 1024, 64)
+        );
         assert_eq!(w.iter().find(|w| w.op == "layernorm").unwrap().calls, 25);
     }
 
@@ -158,7 +175,10 @@ mod tests {
         assert!(w.iter().all(|w| w.op != "attention"));
         assert!(w.iter().filter(|w| w.op == "matmul").all(|w| w.shape["M"] == 1));
         let all = model_workloads(&dims, &[1, 8], &[1024]);
-        assert_eq!(all.len(), 2 * (forward_workloads(&dims, 1, 1024).len() + forward_workloads(&dims, 1, 1).len()));
+        assert_eq!(
+            all.len(),
+            2 * (forward_workloads(&dims, 1, 1024).len() + forward_workloads(&dims, 1, 1).len())
+        );
         assert!(ModelDims::named("gpt3").is_none());
     }
 }
