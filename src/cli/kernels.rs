@@ -105,7 +105,7 @@ fn parse_param(text: &str) -> Result<(String, i64), String> {
     Ok((name.trim().to_string(), value))
 }
 
-fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
+pub(crate) fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
     [
         Epilogue::None,
         Epilogue::Bias,
@@ -118,7 +118,7 @@ fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
     .ok_or_else(|| format!("unknown epilogue `{text}` (none, bias, bias_gelu, bias_residual, qkv)"))
 }
 
-fn parse_mask(text: &str) -> Result<Mask, String> {
+pub(crate) fn parse_mask(text: &str) -> Result<Mask, String> {
     [Mask::Causal, Mask::Full, Mask::Window]
         .into_iter()
         .find(|m| m.as_str() == text)
@@ -347,7 +347,7 @@ fn verify_table(rows: &[Check]) -> String {
 }
 
 /// Left-aligned columns separated by two spaces; the first row is the header.
-pub fn render_table(rows: &[Vec<String>]) -> String {
+pub(crate) fn render_table(rows: &[Vec<String>]) -> String {
     let columns = rows.iter().map(|r| r.len()).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|c| {

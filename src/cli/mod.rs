@@ -2,6 +2,7 @@
 
 mod kernels;
 pub mod model;
+mod tune;
 
 use std::path::{Path, PathBuf};
 
@@ -31,6 +32,7 @@ pub enum Command {
     Gen(kernels::GenArgs),
     Inspect(kernels::InspectArgs),
     Verify(kernels::VerifyArgs),
+    Tune(tune::TuneArgs),
     Tokenize(model::TokenizeArgs),
     Forward(model::ForwardArgs),
     Generate(model::GenerateArgs),
@@ -44,6 +46,7 @@ pub fn main() -> Result<()> {
         Command::Gen(args) => kernels::gen(&root()?, args),
         Command::Inspect(args) => kernels::inspect(&root()?, args),
         Command::Verify(args) => kernels::verify(&root()?, args),
+        Command::Tune(args) => tune::run(&root()?, args),
         Command::Tokenize(args) => model::run_tokenize(&args),
         Command::Forward(args) => model::run_forward(&args),
         Command::Generate(args) => model::run_generate(&args),

@@ -5,5 +5,6 @@ pub mod baseline;
 pub mod db;
 pub mod registry;
 pub mod time;
+pub mod tuner;
 pub mod verify;
 pub mod workloads;

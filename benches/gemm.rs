@@ -1,0 +1,100 @@
+//! Tuned (or default) f32 GEMMs with their fused epilogues against cuBLAS SGEMM + a separate
+//! epilogue kernel, on the GPT-2 124M projection shapes at M = 1024 and 8192.
+//! Times are CUDA-event medians fed to criterion through `iter_custom`.
+//! Without a GPU the bench prints a note and measures nothing.
+
+use std::path::Path;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use kernelforge::gpu::{Compiler, DeviceProblem, Gpu};
+use kernelforge::ops::{self, Epilogue, Mask, Shape};
+use kernelforge::spec::Catalog;
+use kernelforge::tune::baseline::CublasBaseline;
+use kernelforge::tune::db::{default_path, DbHeader, TuningDb, FORMAT_VERSION};
+use kernelforge::tune::registry::Registry;
+use kernelforge::tune::time::{time_variant, TimingPlan};
+use rand::SeedableRng;
+
+fn plan(iters: u64) -> TimingPlan {
+    TimingPlan {
+        warmup: 2,
+        min_runs: iters as usize,
+        max_runs: iters as usize,
+        target_ms: 0.0,
+    }
+}
+
+fn gemm(c: &mut Criterion) {
+    let Ok(gpu) = Gpu::new(0) else {
+        eprintln!("no CUDA GPU: skipping the GEMM benchmarks");
+        return;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
+    let header = DbHeader {
+        gpu: gpu.info.name.clone(),
+        compute_capability: gpu.info.compute_capability,
+        driver_version: gpu.info.driver_version,
+        nvrtc_version: compiler.nvrtc_version,
+        format: FORMAT_VERSION,
+    };
+    let path = default_path(&header);
+    let db = path
+        .exists()
+        .then(|| TuningDb::open(&path, header).expect("tuning database"));
+    let renderer = kernelforge::codegen::Renderer::new(&catalog.templates_dir).expect("templates");
+    let cublas = CublasBaseline::new(&gpu, &compiler, &renderer).expect("cuBLAS");
+    let mut registry = Registry::new(catalog, db, compiler).expect("registry");
+    let op = ops::op_by_name("matmul").expect("matmul op");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    for m in [1024i64, 8192] {
+        for (k, n, epilogue) in [
+            (768i64, 2304i64, Epilogue::Qkv),
+            (768, 768, Epilogue::BiasResidual),
+            (768, 3072, Epilogue::BiasGelu),
+            (3072, 768, Epilogue::BiasResidual),
+        ] {
+            let mut shape: Shape = [("M", m), ("N", n), ("K", k), ("T", 1024.min(m)), ("n_head", 12)]
+                .iter()
+                .map(|(a, b)| (a.to_string(), *b))
+                .collect();
+            op.complete_shape(&mut shape, epilogue, Mask::None).expect("shape");
+            let problem = op.problem(&shape, epilogue, Mask::None, &mut rng).expect("problem");
+            let selected = registry
+                .select("matmul", epilogue, Mask::None, &shape, &gpu.info.limits)
+                .expect("variant");
+            let loaded = registry.load(&gpu, &selected.variant).expect("load");
+            let launches = loaded.plan(&gpu, &shape).expect("plan");
+            let mut device = DeviceProblem::upload(&gpu, &problem).expect("upload");
+            let ws = selected
+                .variant
+                .workspace_elems(&shape, &gpu.info.limits)
+                .expect("workspace");
+            device.ensure_workspace(&gpu, ws).expect("workspace");
+            let copies = [device];
+            let mut group = c.benchmark_group(format!("gemm_f32_{}/M{m}_N{n}_K{k}", epilogue.as_str()));
+            group.sample_size(10).measurement_time(Duration::from_secs(2));
+            group.bench_function(
+                format!("kernelforge ({:?} {})", selected.choice, selected.variant.family.name),
+                |b| {
+                    b.iter_custom(|iters| {
+                        let t = time_variant(&gpu, &loaded, &problem, &copies, &launches, &plan(iters)).expect("time");
+                        Duration::from_secs_f64(t.median_ms * 1e-3 * iters as f64)
+                    })
+                },
+            );
+            group.bench_function("cuBLAS + epilogue kernel", |b| {
+                b.iter_custom(|iters| {
+                    let t = cublas.time_matmul(&gpu, &problem, &plan(iters)).expect("cuBLAS");
+                    Duration::from_secs_f64(t.median_ms * 1e-3 * iters as f64)
+                })
+            });
+            group.finish();
+        }
+    }
+}
+
+criterion_group!(benches, gemm);
+criterion_main!(benches);

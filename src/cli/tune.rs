@@ -1,0 +1,380 @@
+//! `kernelforge tune`: tune every shape a model uses (or one op at one shape) on this GPU,
+//! against cuBLAS, into the tuning database; print a table, JSON or an HTML report.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use super::kernels::render_table;
+use crate::codegen::Renderer;
+use crate::gpu::{Compiler, Gpu};
+use crate::model::GPT2Config;
+use crate::ops::{self, Epilogue, Mask};
+use crate::spec::{shape_text, Catalog};
+use crate::tune::baseline::{fp32_peak_flops, measure_copy_bandwidth};
+use crate::tune::db::{default_path, DbHeader, TuningDb, FORMAT_VERSION};
+use crate::tune::tuner::{tune, Progress, TuneOptions, TuneResult};
+use crate::tune::workloads::{model_workloads, Workload};
+
+/// Tune the kernels a model needs on this GPU and store the winners.
+///
+/// Derives every op shape of the forward pass and the decode step (matmuls with their fused
+/// epilogues, attention, layernorm, embedding, LM head) for each --batch and --seq, verifies
+/// every candidate variant against the f64 CPU reference, times the survivors with CUDA events,
+/// measures cuBLAS on the same shapes, and saves the winners in the tuning database (one file
+/// per GPU). Shapes already tuned are read back in seconds; --force re-tunes them.
+///
+/// Examples:
+///   kernelforge tune --model gpt2 --batch 8 --seq 1024
+///   kernelforge tune --op matmul --shape 8192,3072,768 --epilogue bias_gelu
+#[derive(Debug, Args)]
+pub struct TuneArgs {
+    /// gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face folder with config.json.
+    #[arg(long, value_name = "NAME|DIR", required_unless_present = "op")]
+    pub model: Option<String>,
+    /// Batch sizes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    pub batch: Vec<i64>,
+    /// Sequence lengths of the prefill (comma-separated); the decode step (seq 1) is always added.
+    #[arg(long, value_delimiter = ',', default_value = "1024")]
+    pub seq: Vec<i64>,
+    /// Precision (only f32 has kernels so far).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Tune one op instead of a model (with --shape).
+    #[arg(long, requires = "shape", conflicts_with = "model")]
+    pub op: Option<String>,
+    /// The shape for --op: positional (8192,3072,768 for M,N,K) or named (M=8192,N=3072,...).
+    #[arg(long)]
+    pub shape: Option<String>,
+    /// Epilogue for --op matmul.
+    #[arg(long, value_parser = super::kernels::parse_epilogue)]
+    pub epilogue: Option<Epilogue>,
+    /// Mask for --op attention.
+    #[arg(long, value_parser = super::kernels::parse_mask)]
+    pub mask: Option<Mask>,
+    /// Time budget in seconds for the whole run (compiles included).
+    #[arg(long, default_value_t = 120.0)]
+    pub budget: f64,
+    /// Tuning database (default: the user cache folder, one file per GPU).
+    #[arg(long, value_name = "PATH")]
+    pub db: Option<PathBuf>,
+    /// Re-tune shapes the database already has.
+    #[arg(long)]
+    pub force: bool,
+    /// Do not measure cuBLAS.
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Seed for inputs and sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write an HTML report with a plot per workload of every variant's time.
+    #[arg(long, value_name = "FILE.html")]
+    pub report: Option<PathBuf>,
+}
+
+/// Model dimensions from a size name or a folder's config.json.
+fn model_config(spec: &str) -> Result<GPT2Config> {
+    if let Some(cfg) = GPT2Config::preset(spec) {
+        return Ok(cfg);
+    }
+    let path = Path::new(spec);
+    if path.is_dir() {
+        return Ok(GPT2Config::from_hf_json(&path.join("config.json"))?);
+    }
+    if path.is_file() {
+        return Ok(crate::model::load_model(path)?.config);
+    }
+    bail!("--model {spec}: not a size name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a folder with config.json, or an llm.c file")
+}
+
+struct Bars {
+    bar: indicatif::ProgressBar,
+}
+
+impl Progress for Bars {
+    fn stage(&self, message: &str, total: u64) {
+        self.bar.set_position(0);
+        self.bar.set_length(total);
+        self.bar.set_prefix(message.to_string());
+    }
+    fn advance(&self, message: &str) {
+        self.bar.set_message(message.to_string());
+        self.bar.inc(1);
+    }
+}
+
+pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
+    if args.dtype != "f32" {
+        bail!(
+            "--dtype {}: only f32 kernels exist so far (tensor-core dtypes are planned)",
+            args.dtype
+        );
+    }
+    if args.budget <= 0.0 {
+        bail!("--budget must be positive (seconds)");
+    }
+    let workloads: Vec<Workload> = match (&args.model, &args.op) {
+        (Some(model), _) => {
+            let cfg = model_config(model)?;
+            if let Some(bad) = args.batch.iter().chain(&args.seq).find(|v| **v < 1) {
+                bail!("--batch/--seq: {bad} is not a positive size");
+            }
+            if let Some(t) = args.seq.iter().find(|t| **t as usize > cfg.n_ctx) {
+                bail!("--seq {t}: longer than the model's context ({})", cfg.n_ctx);
+            }
+            model_workloads(&cfg, &args.batch, &args.seq)
+        }
+        (None, Some(op_name)) => {
+            let op = ops::op_by_name(op_name)
+                .with_context(|| format!("--op {op_name}: unknown op (known: {})", ops::op_names().join(", ")))?;
+            let epilogue = args.epilogue.unwrap_or(op.epilogues()[0]);
+            let mask = args.mask.unwrap_or(op.masks()[0]);
+            let mut shape = ops::parse_shape(op, args.shape.as_deref().unwrap_or_default())?;
+            op.complete_shape(&mut shape, epilogue, mask)?;
+            vec![Workload {
+                role: format!("{op_name} (--op)"),
+                op: op.name(),
+                epilogue,
+                mask,
+                shape,
+                calls: 1,
+            }]
+        }
+        (None, None) => bail!("give --model NAME|DIR or --op OP --shape SHAPE"),
+    };
+
+    let started = std::time::Instant::now();
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
+    let gpu = Gpu::new(0).context("tune measures kernels on the GPU")?;
+    let compiler = Compiler::new(&gpu.info.arch())?;
+    let renderer = Renderer::new(&catalog.templates_dir)?;
+    let header = DbHeader {
+        gpu: gpu.info.name.clone(),
+        compute_capability: gpu.info.compute_capability,
+        driver_version: gpu.info.driver_version,
+        nvrtc_version: compiler.nvrtc_version,
+        format: FORMAT_VERSION,
+    };
+    let db_path = args.db.clone().unwrap_or_else(|| default_path(&header));
+    let mut db = TuningDb::open(&db_path, header)?;
+    if let Some(w) = &db.warning {
+        eprintln!("warning: {w}");
+    }
+    eprintln!(
+        "tuning {} workloads on {} ({}), database {}",
+        workloads.len(),
+        gpu.info.name,
+        gpu.info.arch(),
+        db_path.display()
+    );
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("{prefix:.bold} [{bar:30}] {pos}/{len} {wide_msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let options = TuneOptions {
+        budget: std::time::Duration::from_secs_f64(args.budget),
+        seed: args.seed,
+        force: args.force,
+        baseline: !args.no_baseline,
+    };
+    let results = tune(
+        &gpu,
+        &compiler,
+        &renderer,
+        &catalog,
+        &mut db,
+        &workloads,
+        &options,
+        &Bars { bar: bar.clone() },
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
+    bar.finish_and_clear();
+    let peak_flops = fp32_peak_flops(&gpu)?;
+    let peak_bytes = measure_copy_bandwidth(&gpu)?;
+    let elapsed = started.elapsed().as_secs_f64();
+
+    if args.json {
+        let doc = serde_json::json!({
+            "device": gpu.info,
+            "database": db_path,
+            "seconds": elapsed,
+            "fp32_peak_tflops": peak_flops / 1e12,
+            "copy_bandwidth_gbs": peak_bytes / 1e9,
+            "results": results,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", results_table(&results, peak_flops, peak_bytes));
+    }
+    let cached = results.iter().filter(|r| r.from_db).count();
+    eprintln!(
+        "{} workloads ({} from the database) in {:.1} s; FP32 peak {:.1} TFLOP/s (clock x SMs), copy bandwidth {:.0} GB/s (measured)",
+        results.len(),
+        cached,
+        elapsed,
+        peak_flops / 1e12,
+        peak_bytes / 1e9
+    );
+    if let Some(path) = &args.report {
+        let html = report_html(&gpu.info.name, &results, peak_flops, peak_bytes);
+        if !crate::gpu::compile::write_atomic(path, html.as_bytes()) {
+            bail!("--report {}: cannot write the file", path.display());
+        }
+        eprintln!("report written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn short_params(params: &indexmap::IndexMap<String, i64>) -> String {
+    params
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Throughput and fraction of peak: TFLOP/s for compute-bound ops, GB/s for the rest.
+fn throughput(r: &TuneResult, ms: f64, peak_flops: f64, peak_bytes: f64) -> (String, String) {
+    if r.flops > 0.0 {
+        let f = r.flops / (ms * 1e-3);
+        (
+            format!("{:.1} TFLOP/s", f / 1e12),
+            format!("{:.0}%", 100.0 * f / peak_flops),
+        )
+    } else if r.bytes > 0.0 {
+        let b = r.bytes / (ms * 1e-3);
+        (
+            format!("{:.0} GB/s", b / 1e9),
+            format!("{:.0}%", 100.0 * b / peak_bytes),
+        )
+    } else {
+        ("-".into(), "-".into())
+    }
+}
+
+fn results_table(results: &[TuneResult], peak_flops: f64, peak_bytes: f64) -> String {
+    let mut rows = vec![[
+        "workload",
+        "shape",
+        "winner",
+        "time ms",
+        "±",
+        "throughput",
+        "% peak",
+        "cuBLAS ms",
+        "speed vs cuBLAS",
+        "tried",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect::<Vec<_>>()];
+    for r in results {
+        let Some(w) = &r.winner else {
+            rows.push(vec![r.role.clone(), shape_text(&r.shape), "NO VALID VARIANT".into()]);
+            continue;
+        };
+        let (tp, pct) = throughput(r, w.median_ms, peak_flops, peak_bytes);
+        rows.push(vec![
+            r.role.clone(),
+            shape_text(&r.shape),
+            format!("{} {}", w.family, short_params(&w.params)),
+            format!("{:.4}", w.median_ms),
+            format!("{:.4}", w.spread_ms),
+            tp,
+            pct,
+            w.baseline_ms.map(|b| format!("{b:.4}")).unwrap_or_else(|| "-".into()),
+            w.baseline_ms
+                .map(|b| format!("{:.2}x", b / w.median_ms))
+                .unwrap_or_else(|| "-".into()),
+            if r.from_db {
+                "(db)".into()
+            } else {
+                w.variants_tried.to_string()
+            },
+        ]);
+    }
+    render_table(&rows)
+}
+
+/// A self-contained HTML page: the table, then per workload a strip plot (log time axis) of
+/// every variant tried, the winner marked, cuBLAS as a vertical line.
+fn report_html(gpu: &str, results: &[TuneResult], peak_flops: f64, peak_bytes: f64) -> String {
+    let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+    let mut html = format!(
+        "<!doctype html><meta charset=utf-8><title>kernelforge tuning report</title>\
+         <style>body{{font:14px sans-serif;margin:2em}}pre{{font-size:12px}}svg{{background:#fafafa;border:1px solid #ddd}}</style>\
+         <h1>kernelforge tuning report: {}</h1><pre>{}</pre>",
+        esc(gpu),
+        esc(&results_table(results, peak_flops, peak_bytes))
+    );
+    let palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+    for r in results {
+        let times: Vec<(&str, f64)> = r
+            .tried
+            .iter()
+            .filter_map(|t| t.median_ms.map(|m| (t.family.as_str(), m)))
+            .collect();
+        if times.is_empty() {
+            continue;
+        }
+        let baseline = r.winner.as_ref().and_then(|w| w.baseline_ms);
+        let all: Vec<f64> = times.iter().map(|t| t.1).chain(baseline).collect();
+        let (lo, hi) = all
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
+        let (lo, hi) = ((lo * 0.9).ln(), (hi * 1.1).ln());
+        let x = |ms: f64| 40.0 + 720.0 * (ms.ln() - lo) / (hi - lo).max(1e-9);
+        let mut families: Vec<&str> = times.iter().map(|t| t.0).collect();
+        families.sort();
+        families.dedup();
+        let mut svg = String::from("<svg width=800 height=140 xmlns='http://www.w3.org/2000/svg'>");
+        for (i, (family, ms)) in times.iter().enumerate() {
+            let fi = families.iter().position(|f| f == family).unwrap_or(0);
+            let y = 20.0 + 15.0 * fi as f64 + (i % 5) as f64;
+            svg.push_str(&format!(
+                "<circle cx='{:.1}' cy='{y:.1}' r='3' fill='{}'><title>{} {ms:.4} ms</title></circle>",
+                x(*ms),
+                palette[fi % palette.len()],
+                esc(family)
+            ));
+        }
+        for (fi, f) in families.iter().enumerate() {
+            svg.push_str(&format!(
+                "<text x='765' y='{}' font-size='10' fill='{}'>{}</text>",
+                24 + 15 * fi,
+                palette[fi % palette.len()],
+                esc(f)
+            ));
+        }
+        if let Some(w) = &r.winner {
+            svg.push_str(&format!(
+                "<text x='{:.1}' y='132' font-size='11'>&#9650; winner {:.4} ms</text>",
+                x(w.median_ms) - 4.0,
+                w.median_ms
+            ));
+        }
+        if let Some(b) = baseline {
+            let bx = x(b);
+            svg.push_str(&format!(
+                "<line x1='{bx:.1}' y1='10' x2='{bx:.1}' y2='115' stroke='black' stroke-dasharray='4'/><text x='{:.1}' y='10' font-size='10'>cuBLAS {b:.4} ms</text>",
+                bx + 3.0
+            ));
+        }
+        svg.push_str("</svg>");
+        html.push_str(&format!(
+            "<h3>{} — {} [{}]</h3><p>{} variants tried, {} rejected (time axis logarithmic)</p>{svg}",
+            esc(&r.role),
+            esc(&shape_text(&r.shape)),
+            esc(&r.variant_kind),
+            r.tried.len(),
+            r.tried.iter().filter(|t| t.rejected.is_some()).count()
+        ));
+    }
+    html
+}

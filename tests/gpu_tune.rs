@@ -1,0 +1,144 @@
+//! The tuner end to end on the GPU, on small shapes: winners are verified, stored, read back
+//! without measuring, and drive the registry.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kernelforge::codegen::Renderer;
+use kernelforge::gpu::{Compiler, Gpu};
+use kernelforge::ops::{self, Epilogue, Mask, Shape};
+use kernelforge::spec::Catalog;
+use kernelforge::tune::db::{DbHeader, TuningDb, FORMAT_VERSION};
+use kernelforge::tune::registry::{Choice, Registry};
+use kernelforge::tune::tuner::{tune, Quiet, TuneOptions};
+use kernelforge::tune::workloads::Workload;
+
+fn workload(op: &str, epilogue: Epilogue, mask: Mask, pairs: &[(&str, i64)]) -> Workload {
+    let contract = ops::op_by_name(op).unwrap();
+    let mut shape: Shape = pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    contract.complete_shape(&mut shape, epilogue, mask).unwrap();
+    Workload {
+        role: op.to_string(),
+        op: contract.name(),
+        epilogue,
+        mask,
+        shape,
+        calls: 1,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_tune_store_reuse_and_registry() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+    let gpu = Gpu::new(0).unwrap();
+    let compiler = Compiler::new(&gpu.info.arch()).unwrap();
+    let renderer = Renderer::new(&catalog.templates_dir).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("db.json");
+    let header = DbHeader {
+        gpu: gpu.info.name.clone(),
+        compute_capability: gpu.info.compute_capability,
+        driver_version: gpu.info.driver_version,
+        nvrtc_version: compiler.nvrtc_version,
+        format: FORMAT_VERSION,
+    };
+    std::fs::write(&path, "not json at all").unwrap();
+    let mut db = TuningDb::open(&path, header.clone()).unwrap();
+    assert!(db
+        .warning
+        .as_deref()
+        .unwrap_or("")
+        .contains("not a valid tuning database"));
+    let workloads = vec![
+        workload(
+            "matmul",
+            Epilogue::BiasGelu,
+            Mask::None,
+            &[("M", 300), ("N", 384), ("K", 256)],
+        ),
+        workload("layernorm", Epilogue::None, Mask::None, &[("N", 300), ("C", 768)]),
+        workload(
+            "attention",
+            Epilogue::None,
+            Mask::Causal,
+            &[("B", 1), ("NH", 2), ("T", 200), ("HS", 64)],
+        ),
+    ];
+    let options = TuneOptions {
+        budget: Duration::from_secs(40),
+        seed: 3,
+        force: false,
+        baseline: true,
+    };
+    let t0 = std::time::Instant::now();
+    let results = tune(
+        &gpu, &compiler, &renderer, &catalog, &mut db, &workloads, &options, &Quiet,
+    )
+    .unwrap();
+    eprintln!("cold: {:.1} s", t0.elapsed().as_secs_f64());
+    for r in &results {
+        let w = r.winner.as_ref().expect("a winner");
+        eprintln!(
+            "{} {} -> {} {:?} {:.4} ms (cuBLAS {:?}), {} tried",
+            r.role,
+            r.variant_kind,
+            w.family,
+            w.params,
+            w.median_ms,
+            w.baseline_ms,
+            r.tried.len()
+        );
+        assert!(!r.from_db);
+        assert!(r.tried.iter().any(|t| t.median_ms.is_some()));
+        assert!(w.median_ms > 0.0 && w.spread_ms >= 0.0);
+    }
+    assert!(
+        results[0].winner.as_ref().unwrap().baseline_ms.is_some(),
+        "matmul carries cuBLAS"
+    );
+
+    // Warm: everything comes from the database, fast.
+    let mut again = TuningDb::open(&path, header).unwrap();
+    assert_eq!(again.len(), 3);
+    let t1 = std::time::Instant::now();
+    let warm = tune(
+        &gpu, &compiler, &renderer, &catalog, &mut again, &workloads, &options, &Quiet,
+    )
+    .unwrap();
+    assert!(warm.iter().all(|r| r.from_db));
+    assert!(t1.elapsed() < Duration::from_secs(5));
+
+    // The registry now answers with the tuned winners, and the nearest row count for others.
+    let mut registry = Registry::new(catalog, Some(again), compiler).unwrap();
+    let s = registry
+        .select(
+            "matmul",
+            Epilogue::BiasGelu,
+            Mask::None,
+            &workloads[0].shape,
+            &gpu.info.limits,
+        )
+        .unwrap();
+    assert_eq!(s.choice, Choice::Tuned);
+    assert_eq!(s.variant.family.name, results[0].winner.as_ref().unwrap().family);
+    let mut other = workloads[0].shape.clone();
+    other.insert("M".into(), 280);
+    other.insert("T".into(), 280);
+    let s = registry
+        .select("matmul", Epilogue::BiasGelu, Mask::None, &other, &gpu.info.limits)
+        .unwrap();
+    assert_eq!(s.choice, Choice::Nearest);
+    let s = registry
+        .select(
+            "matmul",
+            Epilogue::Bias,
+            Mask::None,
+            &workloads[0].shape,
+            &gpu.info.limits,
+        )
+        .unwrap();
+    assert_eq!(s.choice, Choice::Default);
+    assert_eq!(s.variant.family.name, "matmul_regtile");
+}
