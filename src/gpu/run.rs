@@ -227,12 +227,17 @@ impl LoadedVariant {
     pub fn plan(&self, gpu: &Gpu, shape: &Shape) -> Result<Vec<Launch>, RunError> {
         let limits = &gpu.info.limits;
         let launches = self.variant.launches(shape, limits)?;
-        for l in &launches {
+        for (l, function) in launches.iter().zip(&self.functions) {
             let threads: i64 = l.block.iter().map(|v| *v as i64).product();
-            let bad = if threads > limits.max_threads {
+            // After compilation the register count can lower the block size a kernel can run.
+            let compiled_max = function
+                .max_threads_per_block()
+                .map(i64::from)
+                .unwrap_or(limits.max_threads);
+            let bad = if threads > limits.max_threads.min(compiled_max) {
                 Some(format!(
-                    "{threads} threads per block, the device allows {}",
-                    limits.max_threads
+                    "{threads} threads per block, but the compiled kernel (registers) or the device allows {}",
+                    limits.max_threads.min(compiled_max)
                 ))
             } else if l.grid[1] > 65535 || l.grid[2] > 65535 {
                 Some(format!("grid {:?} exceeds 65535 in y or z", l.grid))

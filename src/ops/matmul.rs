@@ -61,6 +61,10 @@ impl OpContract for Matmul {
     fn dims(&self) -> &'static [&'static str] {
         &["M", "N", "K"]
     }
+    fn row_dims(&self) -> &'static [&'static str] {
+        // T defaults to M outside the qkv epilogue, so the two move together.
+        &["M", "T"]
+    }
     fn optional_vars(&self) -> &'static [&'static str] {
         &["T", "n_head"]
     }

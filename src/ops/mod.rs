@@ -242,6 +242,11 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn optional_vars(&self) -> &'static [&'static str] {
         &[]
     }
+    /// The row-count variables a tuned winner may be reused across (the first is the one
+    /// compared): the tuning database's nearest-shape rule keeps every other variable equal.
+    fn row_dims(&self) -> &'static [&'static str] {
+        &self.dims()[..1]
+    }
     /// The epilogues / masks it supports ([Epilogue::None] / [Mask::None] when not applicable).
     fn epilogues(&self) -> &'static [Epilogue];
     fn masks(&self) -> &'static [Mask];

@@ -212,12 +212,13 @@ impl TuningDb {
     }
 
     /// The entry for this key, else the nearest tuned shape of the same op, dtype and
-    /// epilogue/mask whose variables all match except `free_dim`, nearest in log scale
-    /// (M = 3000 uses the winner for M = 2048 rather than M = 8192).
-    pub fn nearest(&self, key: &TuneKey, free_dim: &str) -> Option<&Entry> {
+    /// epilogue/mask whose variables all match except the `free` ones, nearest in log scale of
+    /// the first (M = 3000 uses the winner for M = 2048 rather than M = 8192).
+    pub fn nearest(&self, key: &TuneKey, free: &[&str]) -> Option<&Entry> {
         if let Some(e) = self.get(key) {
             return Some(e);
         }
+        let free_dim = *free.first()?;
         let want = *key.shape.get(free_dim)? as f64;
         let group = key.group();
         self.entries
@@ -393,14 +394,14 @@ mod tests {
         let mut db = TuningDb::open(&dir.path().join("db.json"), header()).unwrap();
         db.insert(&key(1024), entry(1024, "small"));
         db.insert(&key(8192), entry(8192, "large"));
-        assert_eq!(db.nearest(&key(2000), "M").unwrap().family, "small");
-        assert_eq!(db.nearest(&key(5000), "M").unwrap().family, "large");
-        assert_eq!(db.nearest(&key(8192), "M").unwrap().family, "large");
+        assert_eq!(db.nearest(&key(2000), &["M"]).unwrap().family, "small");
+        assert_eq!(db.nearest(&key(5000), &["M"]).unwrap().family, "large");
+        assert_eq!(db.nearest(&key(8192), &["M"]).unwrap().family, "large");
         let mut other_n = key(1024);
         other_n.shape.insert("N".into(), 3072);
-        assert!(db.nearest(&other_n, "M").is_none(), "N must match exactly");
+        assert!(db.nearest(&other_n, &["M"]).is_none(), "N must match exactly");
         let mut other_epilogue = key(1024);
         other_epilogue.variant_kind = "none".into();
-        assert!(db.nearest(&other_epilogue, "M").is_none());
+        assert!(db.nearest(&other_epilogue, &["M"]).is_none());
     }
 }

@@ -87,7 +87,7 @@ impl Registry {
                 variant_kind: variant_kind(epilogue, mask).to_string(),
                 shape: shape.clone(),
             };
-            if let Some(entry) = db.nearest(&key, contract.dims()[0]) {
+            if let Some(entry) = db.nearest(&key, contract.row_dims()) {
                 let choice = if entry.shape == *shape {
                     Choice::Tuned
                 } else {

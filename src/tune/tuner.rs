@@ -86,6 +86,16 @@ pub fn workload_flops(w: &Workload) -> f64 {
     }
 }
 
+/// Bytes one call must move at least: the embedding reads only B·T rows of the token table;
+/// every other op reads its inputs and writes its outputs once.
+pub fn workload_bytes(w: &Workload, problem: &Problem) -> f64 {
+    let s = |k: &str| w.shape.get(k).copied().unwrap_or(0) as f64;
+    match w.op {
+        "encoder" => 4.0 * s("B") * s("T") * (3.0 * s("C") + 1.0),
+        _ => super::time::problem_bytes(problem) as f64,
+    }
+}
+
 /// The shape a candidate is verified on: the workload's own, with the row count capped so the
 /// f64 CPU reference stays cheap (timing always uses the real shape).
 pub fn verification_shape(w: &Workload) -> Shape {
@@ -375,7 +385,7 @@ pub fn tune(
         let problem = op
             .problem(&w.shape, w.epilogue, w.mask, &mut rng)
             .map_err(|e| e.to_string())?;
-        let bytes = super::time::problem_bytes(&problem) as f64;
+        let bytes = workload_bytes(w, &problem);
         let mut copies = (0..rotation_count(&problem))
             .map(|_| DeviceProblem::upload(gpu, &problem))
             .collect::<Result<Vec<_>, _>>()
