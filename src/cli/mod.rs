@@ -36,6 +36,7 @@ pub enum Command {
     Tokenize(model::TokenizeArgs),
     Forward(model::ForwardArgs),
     Generate(model::GenerateArgs),
+    Bench(model::BenchArgs),
 }
 
 /// Parses the command line and runs it.
@@ -48,8 +49,18 @@ pub fn main() -> Result<()> {
         Command::Verify(args) => kernels::verify(&root()?, args),
         Command::Tune(args) => tune::run(&root()?, args),
         Command::Tokenize(args) => model::run_tokenize(&args),
-        Command::Forward(args) => model::run_forward(&args),
-        Command::Generate(args) => model::run_generate(&args),
+        Command::Forward(mut args) => {
+            args.root = cli.root.clone();
+            model::run_forward(&args)
+        }
+        Command::Generate(mut args) => {
+            args.root = cli.root.clone();
+            model::run_generate(&args)
+        }
+        Command::Bench(mut args) => {
+            args.root = cli.root.clone();
+            model::run_bench(&args)
+        }
     }
 }
 

@@ -1,7 +1,7 @@
-//! `kernelforge tokenize`, `forward` and `generate`: thin commands over [`crate::model`],
-//! implementing the DESIGN.md command-line contract. Text goes to stdout (streamed token by
-//! token for `generate`), one stats line goes to stderr at the end, `--json` prints one JSON
-//! object instead. `--device cuda` is refused until the GPU forward exists.
+//! `kernelforge tokenize`, `forward`, `generate` and `bench`: thin commands over
+//! [`crate::model`], implementing the DESIGN.md command-line contract. Text goes to stdout
+//! (streamed token by token for `generate`), one stats line goes to stderr at the end, `--json`
+//! prints one JSON object instead. `--device` defaults to `cuda` when a GPU opens, else `cpu`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -14,6 +14,7 @@ use serde_json::json;
 use crate::model::config::{GPT2Config, PRESET_NAMES};
 use crate::model::cpu::CpuBackend;
 use crate::model::generate::{generate, Backend, GenerateOptions};
+use crate::model::gpu::{GpuBackend, ProfileRow};
 use crate::model::npy::write_npy_f32;
 use crate::model::sampling::SamplingParams;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
@@ -67,8 +68,12 @@ pub struct ForwardArgs {
     /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
     #[arg(long, value_name = "DIR|FILE|NAME")]
     pub model: String,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    pub device: Device,
+    /// Where to run (default: cuda when a GPU opens, else cpu).
+    #[arg(long, value_enum)]
+    pub device: Option<Device>,
+    /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
+    #[arg(long)]
+    pub unfused: bool,
     /// Input token ids, comma-separated (e.g. 15496,11,995).
     #[arg(
         long,
@@ -88,6 +93,9 @@ pub struct ForwardArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// The project folder (specs/, templates/) from the global --root.
+    #[arg(skip)]
+    pub root: Option<PathBuf>,
 }
 
 /// `kernelforge generate`: stream text from a prompt.
@@ -97,8 +105,12 @@ pub struct GenerateArgs {
     /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
     #[arg(long, value_name = "DIR|FILE|NAME")]
     pub model: String,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    pub device: Device,
+    /// Where to run (default: cuda when a GPU opens, else cpu).
+    #[arg(long, value_enum)]
+    pub device: Option<Device>,
+    /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
+    #[arg(long)]
+    pub unfused: bool,
     /// Prompt text.
     #[arg(long, value_name = "TEXT", required_unless_present = "ids", conflicts_with = "ids")]
     pub prompt: Option<String>,
@@ -136,6 +148,45 @@ pub struct GenerateArgs {
     /// Print one JSON object (ids, text, stats) at the end instead of streaming.
     #[arg(long)]
     pub json: bool,
+    /// The project folder (specs/, templates/) from the global --root.
+    #[arg(skip)]
+    pub root: Option<PathBuf>,
+}
+
+/// `kernelforge bench`: forward and generation throughput, and where the time goes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name found in the
+    /// Hugging Face cache.
+    #[arg(long, value_name = "DIR|FILE|NAME")]
+    pub model: String,
+    /// Where to run (default: cuda when a GPU opens, else cpu).
+    #[arg(long, value_enum)]
+    pub device: Option<Device>,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Tokens per sequence of the timed forward pass (random ids).
+    #[arg(long, default_value_t = 128)]
+    pub seq: usize,
+    /// Decode steps to time, after a prefill of --seq tokens (fewer if the steps would not fit
+    /// the context); 0: forward only.
+    #[arg(long, default_value_t = 32)]
+    pub generate: usize,
+    /// Timed forward passes (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
+    #[arg(long)]
+    pub unfused: bool,
+    #[arg(long, value_enum, default_value_t = DType::F32)]
+    pub dtype: DType,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// The project folder (specs/, templates/) from the global --root.
+    #[arg(skip)]
+    pub root: Option<PathBuf>,
 }
 
 /// Parse `15496,11,995` (commas and/or whitespace) into token ids.
@@ -223,12 +274,29 @@ pub fn resolve_model_in(spec: &str, cache: Option<PathBuf>) -> Result<PathBuf> {
     )
 }
 
-fn check_device(device: Device, dtype: DType) -> Result<()> {
+/// `--device` as given, or `cuda` when the driver is there and GPU 0 opens, else `cpu`.
+pub fn resolve_device(device: Option<Device>) -> Device {
     match device {
-        Device::Cuda => bail!("the GPU forward is not built yet; use --device cpu"),
+        Some(d) => d,
+        None if crate::gpu::device::driver_present() && crate::gpu::Gpu::new(0).is_ok() => Device::Cuda,
+        None => Device::Cpu,
+    }
+}
+
+fn check_device(device: Device, dtype: DType, unfused: bool) -> Result<()> {
+    match device {
+        Device::Cuda if dtype != DType::F32 => {
+            bail!("the GPU backend computes in f32 only so far; drop --dtype or pass --dtype f32")
+        }
+        Device::Cuda if !crate::gpu::device::driver_present() => bail!(
+            "--device cuda: no CUDA driver found (libcuda.so); this needs an NVIDIA GPU with its driver installed, \
+             or pass --device cpu"
+        ),
+        Device::Cuda => Ok(()),
         Device::Cpu if dtype != DType::F32 => {
             bail!("the CPU backend computes in f32 only; drop --dtype or pass --dtype f32")
         }
+        Device::Cpu if unfused => bail!("--unfused selects the GPU baseline kernels; it needs --device cuda"),
         Device::Cpu => Ok(()),
     }
 }
@@ -239,10 +307,39 @@ fn load(spec: &str) -> Result<Arc<GPT2Model>> {
     Ok(Arc::new(model))
 }
 
-/// Build the backend for `device` (the GPU one is wired here later).
-pub fn make_backend(device: Device, dtype: DType, model: Arc<GPT2Model>) -> Result<Box<dyn Backend>> {
-    check_device(device, dtype)?;
-    Ok(Box::new(CpuBackend::new(model)))
+/// How to build a backend beyond the device.
+#[derive(Clone, Debug, Default)]
+pub struct BackendOptions {
+    /// Sequences the GPU buffers are sized for up front (they grow if a larger batch comes).
+    pub max_batch: usize,
+    /// GPU: the unfused baseline kernels.
+    pub unfused: bool,
+    /// The project folder with specs/ and templates/ (default: [`super::project_root`]).
+    pub root: Option<PathBuf>,
+}
+
+/// Build the GPU backend: weights uploaded, buffers allocated for `opts.max_batch` sequences.
+pub fn make_gpu_backend(model: Arc<GPT2Model>, opts: &BackendOptions) -> Result<GpuBackend> {
+    let root = super::project_root(opts.root.as_deref())?;
+    let gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused)?;
+    for n in gpu.notes() {
+        eprintln!("note: {n}");
+    }
+    Ok(gpu)
+}
+
+/// Build the backend for `device`.
+pub fn make_backend(
+    device: Device,
+    dtype: DType,
+    model: Arc<GPT2Model>,
+    opts: &BackendOptions,
+) -> Result<Box<dyn Backend>> {
+    check_device(device, dtype, opts.unfused)?;
+    Ok(match device {
+        Device::Cpu => Box::new(CpuBackend::new(model)),
+        Device::Cuda => Box::new(make_gpu_backend(model, opts)?),
+    })
 }
 
 fn prompt_ids(tok: &Tokenizer, ids: &Option<String>, prompt: &Option<String>) -> Result<Vec<u32>> {
@@ -293,12 +390,18 @@ pub fn run_tokenize(args: &TokenizeArgs) -> Result<()> {
 
 /// `kernelforge forward`.
 pub fn run_forward(args: &ForwardArgs) -> Result<()> {
-    check_device(args.device, args.dtype)?;
+    let device = resolve_device(args.device);
+    check_device(device, args.dtype, args.unfused)?;
     let tok = Tokenizer::gpt2();
     let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
     let model = load(&args.model)?;
     let cfg: GPT2Config = model.config.clone();
-    let mut backend = make_backend(args.device, args.dtype, model)?;
+    let opts = BackendOptions {
+        max_batch: 1,
+        unfused: args.unfused,
+        root: args.root.clone(),
+    };
+    let mut backend = make_backend(device, args.dtype, model, &opts)?;
     let t0 = Instant::now();
     let logits = backend.prefill(std::slice::from_ref(&ids))?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -345,7 +448,8 @@ pub fn run_forward(args: &ForwardArgs) -> Result<()> {
 
 /// `kernelforge generate`.
 pub fn run_generate(args: &GenerateArgs) -> Result<()> {
-    check_device(args.device, args.dtype)?;
+    let device = resolve_device(args.device);
+    check_device(device, args.dtype, args.unfused)?;
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
@@ -362,7 +466,12 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     };
     sampling.validate()?;
     let model = load(&args.model)?;
-    let mut backend = make_backend(args.device, args.dtype, model)?;
+    let backend_opts = BackendOptions {
+        max_batch: args.batch,
+        unfused: args.unfused,
+        root: args.root.clone(),
+    };
+    let mut backend = make_backend(device, args.dtype, model, &backend_opts)?;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling,
@@ -404,6 +513,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
             "seed": args.seed,
             "stats": result.stats,
             "decode_tokens_per_s": result.stats.decode_tokens_per_s(),
+            "kernels": backend.stats_note(),
         });
         writeln!(stdout, "{j}")?;
     } else if args.print_ids {
@@ -420,7 +530,285 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     if let Some(m) = &result.message {
         eprintln!("note: {m}");
     }
-    eprintln!("{}", result.stats.summary());
+    match backend.stats_note() {
+        Some(note) => eprintln!("{}, {note}", result.stats.summary()),
+        None => eprintln!("{}", result.stats.summary()),
+    }
+    Ok(())
+}
+
+/// Deterministic pseudo-random token ids in `0..vocab` (the bench input).
+fn bench_tokens(batch: usize, seq: usize, vocab: usize) -> Vec<Vec<u32>> {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..batch)
+        .map(|_| {
+            (0..seq)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    ((state >> 33) % vocab as u64) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+fn profile_table(rows: &[ProfileRow]) -> String {
+    let mut table = vec![vec![
+        "role".to_string(),
+        "kernel".to_string(),
+        "calls".to_string(),
+        "total ms".to_string(),
+        "avg ms".to_string(),
+        "%".to_string(),
+    ]];
+    for r in rows {
+        table.push(vec![
+            r.role.clone(),
+            r.kernel.clone(),
+            r.calls.to_string(),
+            format!("{:.3}", r.total_ms),
+            format!("{:.4}", r.avg_ms),
+            format!("{:.1}", r.percent),
+        ]);
+    }
+    super::kernels::render_table(&table)
+}
+
+/// `kernelforge bench`: a warm-up, then the median of `--repeats` forward passes over
+/// `--batch` × `--seq` random tokens (LM head on every position; on the GPU the logits stay on
+/// the device), then `--generate` decode steps after a prefill (logits copied back and the
+/// argmax fed back each step, like greedy generation), then one profiled forward and decode run
+/// for the per-kernel table (GPU only).
+pub fn run_bench(args: &BenchArgs) -> Result<()> {
+    let device = resolve_device(args.device);
+    check_device(device, args.dtype, args.unfused)?;
+    if args.batch == 0 || args.seq == 0 {
+        bail!("--batch and --seq must be at least 1");
+    }
+    let model = load(&args.model)?;
+    let cfg = model.config.clone();
+    if args.seq > cfg.n_ctx {
+        bail!(
+            "--seq {} is longer than the model's context ({} tokens)",
+            args.seq,
+            cfg.n_ctx
+        );
+    }
+    let steps = args.generate.min(cfg.n_ctx - 1);
+    // The decode steps follow a prefill of up to --seq tokens that leaves room for them.
+    let decode_prefill = args.seq.min(cfg.n_ctx - steps);
+    let mut notes = Vec::new();
+    if steps < args.generate {
+        notes.push(format!(
+            "--generate {} cut to {steps}: the context holds {} tokens",
+            args.generate, cfg.n_ctx
+        ));
+    }
+    if decode_prefill < args.seq && steps > 0 {
+        notes.push(format!(
+            "the decode steps follow a prefill of {decode_prefill} tokens (not {}) so that {steps} more fit the context ({})",
+            args.seq, cfg.n_ctx
+        ));
+    }
+    let tokens = bench_tokens(args.batch, args.seq, cfg.vocab_size);
+    let decode_tokens: Vec<Vec<u32>> = tokens.iter().map(|t| t[..decode_prefill].to_vec()).collect();
+    let repeats = args.repeats.max(1);
+    let opts = BackendOptions {
+        max_batch: args.batch,
+        unfused: args.unfused,
+        root: args.root.clone(),
+    };
+    let mut gpu = match device {
+        Device::Cuda => Some(make_gpu_backend(model.clone(), &opts)?),
+        Device::Cpu => None,
+    };
+    let mut cpu = CpuBackend::new(model.clone());
+    let decode_ok = match &gpu {
+        Some(g) => match g.decode_unavailable() {
+            Some(why) => {
+                notes.push(format!("decode not timed: {why}"));
+                false
+            }
+            None => true,
+        },
+        None => true,
+    };
+    let steps = if decode_ok { steps } else { 0 };
+
+    // One forward pass: on the GPU without copying the logits back.
+    let forward = |gpu: &mut Option<GpuBackend>, cpu: &mut CpuBackend| -> Result<()> {
+        match gpu {
+            Some(g) => g.forward_on_device(&tokens)?,
+            None => {
+                cpu.prefill(&tokens)?;
+            }
+        }
+        Ok(())
+    };
+    // A prefill, then `steps` greedy decode steps; returns the decode wall time in ms.
+    let decode_run = |gpu: &mut Option<GpuBackend>, cpu: &mut CpuBackend, steps: usize| -> Result<f64> {
+        let backend: &mut dyn Backend = match gpu {
+            Some(g) => g,
+            None => cpu,
+        };
+        let mut logits = backend.prefill_last(&decode_tokens)?;
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            let next: Vec<u32> = (0..args.batch).map(|b| argmax(logits.last(b))).collect();
+            logits = backend.decode(&next)?;
+        }
+        Ok(t0.elapsed().as_secs_f64() * 1e3)
+    };
+
+    // Warm-up: compiles and loads every kernel, touches every buffer.
+    let t0 = Instant::now();
+    forward(&mut gpu, &mut cpu)?;
+    if steps > 0 {
+        decode_run(&mut gpu, &mut cpu, steps.min(2))?;
+    }
+    let warmup_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+    let mut runs = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let t = Instant::now();
+        forward(&mut gpu, &mut cpu)?;
+        runs.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let forward_ms = median(&mut runs.clone());
+    let forward_tps = (args.batch * args.seq) as f64 / (forward_ms / 1e3);
+    let decode_ms = if steps > 0 {
+        decode_run(&mut gpu, &mut cpu, steps)?
+    } else {
+        0.0
+    };
+    let decode_tps = if steps > 0 {
+        (args.batch * steps) as f64 / (decode_ms / 1e3)
+    } else {
+        0.0
+    };
+
+    // Per-kernel profile (GPU): one forward, then the decode steps.
+    let (mut prof_forward, mut prof_decode) = (Vec::new(), Vec::new());
+    if let Some(g) = gpu.as_mut() {
+        g.set_profiling(true);
+        g.forward_on_device(&tokens)?;
+        prof_forward = g.take_profile()?;
+        if steps > 0 {
+            let mut logits = g.prefill_last(&decode_tokens)?;
+            g.take_profile()?; // the prefill is not part of the decode profile
+            for _ in 0..steps {
+                let next: Vec<u32> = (0..args.batch).map(|b| argmax(logits.last(b))).collect();
+                logits = g.decode(&next)?;
+            }
+            prof_decode = g.take_profile()?;
+        }
+        g.set_profiling(false);
+    }
+
+    let (device_name, tuned, choices, backend_notes) = match &gpu {
+        Some(g) => (
+            format!(
+                "{} ({})",
+                g.gpu().info.name,
+                if g.unfused() { "unfused" } else { "fused" }
+            ),
+            Some(g.tuned_kernels()),
+            g.kernel_choices(),
+            g.notes(),
+        ),
+        None => ("cpu".to_string(), None, Vec::new(), Vec::new()),
+    };
+    notes.extend(backend_notes);
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let j = json!({
+            "device": device.as_str(),
+            "device_name": device_name,
+            "unfused": args.unfused,
+            "model": args.model,
+            "config": cfg,
+            "batch": args.batch,
+            "seq": args.seq,
+            "warmup_ms": warmup_ms,
+            "forward": {
+                "median_ms": forward_ms,
+                "runs_ms": runs,
+                "tokens": args.batch * args.seq,
+                "tokens_per_s": forward_tps,
+            },
+            "decode": {
+                "steps": steps,
+                "prefill_tokens": decode_prefill,
+                "total_ms": decode_ms,
+                "ms_per_step": if steps > 0 { decode_ms / steps as f64 } else { 0.0 },
+                "tokens_per_s": decode_tps,
+            },
+            "tuned_kernels": tuned.map(|(t, n)| json!({ "tuned": t, "total": n })),
+            "kernels": choices
+                .iter()
+                .map(|(role, kernel, choice, shape)| json!({ "role": role, "kernel": kernel, "choice": choice, "shape": shape }))
+                .collect::<Vec<_>>(),
+            "profile": { "forward": prof_forward, "decode": prof_decode },
+            "notes": notes,
+        });
+        writeln!(out, "{j}")?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{device_name}: {} (L={}, NH={}, C={}), batch {} x seq {}",
+        args.model, cfg.n_layer, cfg.n_head, cfg.n_embd, args.batch, args.seq
+    )?;
+    writeln!(out, "warm-up (compile + first runs): {warmup_ms:.1} ms")?;
+    writeln!(
+        out,
+        "forward: median {forward_ms:.2} ms of {repeats} ({forward_tps:.0} tokens/s)"
+    )?;
+    if steps > 0 {
+        writeln!(
+            out,
+            "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({:.3} ms/step, {decode_tps:.1} tokens/s)",
+            decode_ms / steps as f64
+        )?;
+    }
+    if let Some((t, n)) = tuned {
+        writeln!(out, "kernels: {t}/{n} tuned")?;
+    }
+    if !prof_forward.is_empty() {
+        writeln!(out, "\nforward pass, per kernel:\n{}", profile_table(&prof_forward))?;
+    }
+    if !prof_decode.is_empty() {
+        writeln!(
+            out,
+            "\n{steps} decode steps, per kernel:\n{}",
+            profile_table(&prof_decode)
+        )?;
+    }
+    drop(out);
+    for n in notes {
+        eprintln!("note: {n}");
+    }
     Ok(())
 }
 
@@ -477,12 +865,14 @@ mod tests {
             let out = dir.path().join(format!("{}.npy", outs.len()));
             run_forward(&ForwardArgs {
                 model: model.display().to_string(),
-                device: Device::Cpu,
+                device: Some(Device::Cpu),
+                unfused: false,
                 ids: Some("15496,11,995".into()),
                 prompt: None,
                 logits_out: Some(out.clone()),
                 dtype: DType::F32,
                 json: true,
+                root: None,
             })
             .unwrap();
             let (shape, data) = read_npy_f32(&out).unwrap();
@@ -492,7 +882,8 @@ mod tests {
         assert_eq!(outs[0], outs[1]);
         let gen = GenerateArgs {
             model: bin.display().to_string(),
-            device: Device::Cpu,
+            device: Some(Device::Cpu),
+            unfused: false,
             prompt: Some("Hello".into()),
             ids: None,
             max_new_tokens: 3,
@@ -506,14 +897,54 @@ mod tests {
             print_ids: true,
             ignore_eot: false,
             json: false,
+            root: None,
         };
         run_generate(&gen).unwrap();
-        let cuda = GenerateArgs {
-            device: Device::Cuda,
+        if !crate::gpu::device::driver_present() {
+            let cuda = GenerateArgs {
+                device: Some(Device::Cuda),
+                ..gen.clone()
+            };
+            let msg = run_generate(&cuda).unwrap_err().to_string();
+            assert!(msg.contains("no CUDA driver") && msg.contains("--device cpu"), "{msg}");
+        }
+        let unfused_cpu = GenerateArgs {
+            unfused: true,
             ..gen.clone()
         };
-        assert!(run_generate(&cuda).unwrap_err().to_string().contains("not built yet"));
+        assert!(run_generate(&unfused_cpu)
+            .unwrap_err()
+            .to_string()
+            .contains("--unfused"));
         let bad = GenerateArgs { batch: 0, ..gen };
         assert!(run_generate(&bad).is_err());
+    }
+
+    #[test]
+    fn bench_runs_on_the_cpu() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GPT2Config::new(1, 2, 32, 16, 100).unwrap();
+        let bin = dir.path().join("m.bin");
+        write_llmc(&bin, &cfg, &GPT2Weights::random(&cfg, 3), LlmcVersion::F32).unwrap();
+        let args = BenchArgs {
+            model: bin.display().to_string(),
+            device: Some(Device::Cpu),
+            batch: 2,
+            seq: 12,
+            generate: 8, // 12 + 8 > 16: the decode prefill shrinks to 8 tokens
+            repeats: 2,
+            unfused: false,
+            dtype: DType::F32,
+            json: true,
+            root: None,
+        };
+        run_bench(&args).unwrap();
+        run_bench(&BenchArgs {
+            json: false,
+            ..args.clone()
+        })
+        .unwrap();
+        let too_long = BenchArgs { seq: 17, ..args };
+        assert!(run_bench(&too_long).unwrap_err().to_string().contains("context"));
     }
 }

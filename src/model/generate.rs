@@ -87,6 +87,11 @@ pub trait Backend {
 
     /// Append one token to each of the B sequences and return their logits `[B, 1, V]`.
     fn decode(&mut self, last: &[u32]) -> Result<Logits>;
+
+    /// A short note for the stats line (the GPU backend: how many kernels were tuned).
+    fn stats_note(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Options of [`generate`].

@@ -10,6 +10,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod generate;
+pub mod gpu;
 pub mod npy;
 pub mod sampling;
 pub mod tokenizer;
@@ -19,6 +20,7 @@ pub use config::GPT2Config;
 pub use cpu::{CpuBackend, KvCache};
 pub use error::{ModelError, Result};
 pub use generate::{generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
+pub use gpu::GpuBackend;
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::{Tokenizer, EOT_TOKEN, GPT2_VOCAB_SIZE};
 pub use weights::{

@@ -1,0 +1,1175 @@
+//! GPT-2 on the GPU: the forward pass (prefill) and KV-cached decode steps, running the
+//! kernels the registry picks (the tuned winner for each shape when the tuning database has
+//! one, else each family's default), as a generation [`Backend`].
+//!
+//! Everything lives in device memory allocated once: the weights (uploaded at construction,
+//! `wte` padded with zero rows to `padded_vocab_size` for the tied LM head), the activations
+//! for `max_batch × n_ctx` tokens, the KV cache of every layer (`[max_batch, NH, n_ctx, HS]` for
+//! K and for V) and one scratch workspace. Buffers only grow, and only in a prefill (a larger
+//! batch than planned for); a decode step never allocates on the device.
+//!
+//! One layer, fused (the default):
+//! `layernorm → matmul[qkv] (writes head-major Q, K, V) → kv_append → attention (causal, prefill)
+//! or attention_decode (one query against the cache) → matmul[bias_residual] → layernorm →
+//! matmul[bias_gelu] → matmul[bias_residual]`; then the final layernorm and the LM head
+//! (`matmul[none]` against `wte`). The residual stream ping-pongs between two buffers, so a
+//! matmul never writes the buffer it reads its residual from.
+//!
+//! Unfused (`--unfused`, the seeds' baseline): matmuls with the `bias` epilogue followed by the
+//! standalone `gelu` and `residual` kernels, and the three-pass `attention_naive` family for
+//! prefill attention (decode keeps `attention_decode`: there is no unfused decode kernel).
+//!
+//! Profiling (off by default): a CUDA event pair around every launch, aggregated per kernel.
+//! Setting `KERNELFORGE_SYNC_EACH=1` synchronizes after every launch so a faulting kernel is
+//! named in the error (slow; for debugging).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result as AnyResult};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr};
+
+use super::config::GPT2Config;
+use super::error::{ModelError, Result};
+use super::generate::{Backend, Logits};
+use super::weights::GPT2Model;
+use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, LoadedVariant};
+use crate::ops::{self, Epilogue, Mask, Shape};
+use crate::spec::{expand, shape_text, Catalog, Launch, Points, Variant};
+use crate::tune::db::{default_path, DbHeader, TuningDb, FORMAT_VERSION};
+use crate::tune::registry::{variant_kind, Choice, Registry};
+
+/// The op (and kernel family) of the decode attention: one query per sequence against the cache.
+pub const ATTENTION_DECODE_OP: &str = "attention_decode";
+/// The op (and kernel family) that copies new K and V rows into the cache.
+pub const KV_APPEND_OP: &str = "kv_append";
+/// The family the unfused path forces for prefill attention.
+pub const UNFUSED_ATTENTION_FAMILY: &str = "attention_naive";
+
+const SYNC_HINT: &str =
+    "running the forward pass on the GPU (rerun with KERNELFORGE_SYNC_EACH=1 to name the failing kernel)";
+
+/// One selected, loaded kernel and where it is used.
+#[derive(Clone)]
+struct Kernel {
+    /// Where in the model: `qkv`, `attn_proj`, `lm_head`, ...
+    role: &'static str,
+    /// `matmul[bias_gelu] matmul_regtile`.
+    label: String,
+    loaded: Arc<LoadedVariant>,
+    choice: Choice,
+    /// The completed shape it was selected for; launches override a few entries of it.
+    shape: Shape,
+    /// Launch geometry for `shape`, planned once.
+    launches: Arc<Vec<Launch>>,
+}
+
+/// The kernels of one forward shape (a prefill of B×T or a decode step of B).
+struct Kernels {
+    encoder: Kernel,
+    layernorm: Kernel,
+    qkv: Kernel,
+    kv_append: Option<Kernel>,
+    attention: Kernel,
+    attn_proj: Kernel,
+    fc: Kernel,
+    fc_proj: Kernel,
+    /// Unfused only.
+    gelu: Option<Kernel>,
+    residual: Option<Kernel>,
+    lm_head: Kernel,
+}
+
+/// Device pointers of one layer's parameters.
+#[derive(Clone, Copy)]
+struct LayerPtrs {
+    ln1_w: u64,
+    ln1_b: u64,
+    qkv_w: u64,
+    qkv_b: u64,
+    attn_proj_w: u64,
+    attn_proj_b: u64,
+    ln2_w: u64,
+    ln2_b: u64,
+    fc_w: u64,
+    fc_b: u64,
+    fc_proj_w: u64,
+    fc_proj_b: u64,
+}
+
+/// Activation buffers for up to `rows` tokens.
+struct Activations {
+    rows: usize,
+    ids: CudaSlice<i32>,
+    x: [CudaSlice<f32>; 2],
+    ln: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    att: CudaSlice<f32>,
+    fc: CudaSlice<f32>,
+    /// Pre-GELU fc output (unfused only; empty otherwise).
+    fc_pre: CudaSlice<f32>,
+    /// The last position of each sequence, gathered for the LM head of `prefill_last`.
+    last: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+}
+
+/// One row of the per-kernel profile.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ProfileRow {
+    pub role: String,
+    pub kernel: String,
+    pub calls: usize,
+    pub total_ms: f64,
+    pub avg_ms: f64,
+    pub percent: f64,
+}
+
+#[derive(Default)]
+struct Profiler {
+    pending: Vec<(&'static str, String, CudaEvent, CudaEvent)>,
+    totals: BTreeMap<(String, String), (usize, f64)>,
+}
+
+/// What a prefill leaves behind.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HeadRows {
+    /// LM head on every position, logits copied back.
+    All,
+    /// LM head on the last position of each sequence only, logits copied back.
+    Last,
+    /// LM head on every position, nothing copied back (benchmarks).
+    AllOnDevice,
+}
+
+/// GPT-2 on one CUDA GPU. See the module docs.
+pub struct GpuBackend {
+    model: Arc<GPT2Model>,
+    name: String,
+    unfused: bool,
+    gpu: Gpu,
+    registry: Registry,
+    /// Why decode is unavailable (the decode ops are missing from the catalog), if it is.
+    decode_missing: Option<String>,
+    /// Keeps the uploaded parameters alive (the pointers below address them).
+    _weights: Vec<CudaSlice<f32>>,
+    wte: u64,
+    wpe: u64,
+    lnf_w: u64,
+    lnf_b: u64,
+    layers: Vec<LayerPtrs>,
+    act: Activations,
+    /// Per layer: (K cache, V cache), each `[kv_batch, NH, n_ctx, HS]`.
+    kv: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
+    kv_batch: usize,
+    workspace: Option<CudaSlice<f32>>,
+    /// Sequences in the current batch and tokens cached per sequence.
+    batch: usize,
+    len: usize,
+    selected: HashMap<String, Kernel>,
+    sets: HashMap<(usize, usize, bool, bool), Arc<Kernels>>,
+    profiler: Option<Profiler>,
+    sync_each: bool,
+    host_logits: Vec<f32>,
+    notes: Vec<String>,
+}
+
+fn shape(pairs: &[(&str, i64)]) -> Shape {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+fn with(base: &Shape, overrides: &[(&str, i64)]) -> Shape {
+    let mut s = base.clone();
+    for (k, v) in overrides {
+        s.insert(k.to_string(), *v);
+    }
+    s
+}
+
+fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(&gpu.stream).0
+}
+
+fn alloc(gpu: &Gpu, n: usize, what: &str) -> AnyResult<CudaSlice<f32>> {
+    gpu.stream
+        .alloc_zeros::<f32>(n.max(1))
+        .map_err(GpuError::cuda(format!(
+            "allocating {what} ({n} floats, {:.1} MiB)",
+            n as f64 * 4.0 / (1 << 20) as f64
+        )))
+        .map_err(Into::into)
+}
+
+fn i32_arg(v: usize, what: &str) -> AnyResult<ArgValue> {
+    i32::try_from(v)
+        .map(ArgValue::I32)
+        .map_err(|_| anyhow!("{what} = {v} does not fit a 32-bit kernel argument"))
+}
+
+impl GpuBackend {
+    /// Open GPU 0, load the kernel catalog from the project folder (see
+    /// [`crate::cli::project_root`]), upload the weights and allocate every buffer for
+    /// `max_batch` sequences of up to `n_ctx` tokens.
+    pub fn new(model: Arc<GPT2Model>, max_batch: usize, unfused: bool) -> AnyResult<GpuBackend> {
+        let root = crate::cli::project_root(None)?;
+        Self::with_root(&root, model, max_batch, unfused)
+    }
+
+    /// [`GpuBackend::new`] with specs/ and templates/ under `root`.
+    pub fn with_root(root: &Path, model: Arc<GPT2Model>, max_batch: usize, unfused: bool) -> AnyResult<GpuBackend> {
+        let cfg = model.config.clone();
+        let max_batch = max_batch.max(1);
+        let gpu = Gpu::new(0).context("the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")?;
+        let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
+        let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))
+            .with_context(|| format!("loading the kernel specs under {}", root.display()))?;
+        let mut notes = Vec::new();
+        let header = DbHeader {
+            gpu: gpu.info.name.clone(),
+            compute_capability: gpu.info.compute_capability,
+            driver_version: gpu.info.driver_version,
+            nvrtc_version: compiler.nvrtc_version,
+            format: FORMAT_VERSION,
+        };
+        let db_path = default_path(&header);
+        let db = if db_path.exists() {
+            match TuningDb::open(&db_path, header) {
+                Ok(db) => {
+                    if let Some(w) = &db.warning {
+                        notes.push(w.clone());
+                    }
+                    Some(db)
+                }
+                Err(e) => {
+                    notes.push(format!("not using the tuning database: {e}"));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let decode_missing = [ATTENTION_DECODE_OP, KV_APPEND_OP]
+            .iter()
+            .filter(|op| ops::op_by_name(op).is_none() || catalog.for_op(op).next().is_none())
+            .copied()
+            .collect::<Vec<_>>();
+        let decode_missing = (!decode_missing.is_empty()).then(|| {
+            format!(
+                "GPU decode needs the {} op(s) and kernel families, which this build does not have",
+                decode_missing.join(" and ")
+            )
+        });
+        let registry = Registry::new(catalog, db, compiler)?;
+
+        // Weights, once.
+        let w = &model.weights;
+        w.validate(&cfg)?;
+        let mut weights = Vec::new();
+        let mut up = |data: &[f32], what: String| -> AnyResult<u64> {
+            let s = gpu
+                .stream
+                .clone_htod(data)
+                .map_err(GpuError::cuda(format!("uploading {what} ({} floats)", data.len())))?;
+            let p = ptr(&gpu, &s);
+            weights.push(s);
+            Ok(p)
+        };
+        let wte = up(&w.wte_padded(&cfg), "wte (padded)".into())?;
+        let wpe = up(&w.wpe, "wpe".into())?;
+        let lnf_w = up(&w.lnf_w, "lnf_w".into())?;
+        let lnf_b = up(&w.lnf_b, "lnf_b".into())?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for (i, l) in w.layers.iter().enumerate() {
+            let mut u = |t: &[f32], name: &str| up(t, format!("h.{i}.{name}"));
+            layers.push(LayerPtrs {
+                ln1_w: u(&l.ln1_w, "ln1_w")?,
+                ln1_b: u(&l.ln1_b, "ln1_b")?,
+                qkv_w: u(&l.qkv_w, "qkv_w")?,
+                qkv_b: u(&l.qkv_b, "qkv_b")?,
+                attn_proj_w: u(&l.attn_proj_w, "attn_proj_w")?,
+                attn_proj_b: u(&l.attn_proj_b, "attn_proj_b")?,
+                ln2_w: u(&l.ln2_w, "ln2_w")?,
+                ln2_b: u(&l.ln2_b, "ln2_b")?,
+                fc_w: u(&l.fc_w, "fc_w")?,
+                fc_b: u(&l.fc_b, "fc_b")?,
+                fc_proj_w: u(&l.fc_proj_w, "fc_proj_w")?,
+                fc_proj_b: u(&l.fc_proj_b, "fc_proj_b")?,
+            });
+        }
+        let act = Self::alloc_activations(&gpu, &cfg, max_batch * cfg.n_ctx, max_batch, unfused)?;
+        let kv = Self::alloc_kv(&gpu, &cfg, max_batch)?;
+        gpu.synchronize()?;
+        let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
+        Ok(GpuBackend {
+            model,
+            name: if unfused {
+                "cuda:0 unfused".into()
+            } else {
+                "cuda:0".into()
+            },
+            unfused,
+            gpu,
+            registry,
+            decode_missing,
+            _weights: weights,
+            wte,
+            wpe,
+            lnf_w,
+            lnf_b,
+            layers,
+            act,
+            kv,
+            kv_batch: max_batch,
+            workspace: None,
+            batch: 0,
+            len: 0,
+            selected: HashMap::new(),
+            sets: HashMap::new(),
+            profiler: None,
+            sync_each,
+            host_logits: Vec::new(),
+            notes,
+        })
+    }
+
+    fn alloc_activations(
+        gpu: &Gpu,
+        cfg: &GPT2Config,
+        rows: usize,
+        max_batch: usize,
+        unfused: bool,
+    ) -> AnyResult<Activations> {
+        let c = cfg.n_embd;
+        Ok(Activations {
+            rows,
+            ids: gpu
+                .stream
+                .alloc_zeros::<i32>(rows.max(1))
+                .map_err(GpuError::cuda(format!("allocating the token ids ({rows})")))?,
+            x: [alloc(gpu, rows * c, "residual A")?, alloc(gpu, rows * c, "residual B")?],
+            ln: alloc(gpu, rows * c, "layernorm out")?,
+            qkv: alloc(gpu, rows * 3 * c, "qkv")?,
+            att: alloc(gpu, rows * c, "attention out")?,
+            fc: alloc(gpu, rows * 4 * c, "fc")?,
+            fc_pre: alloc(gpu, if unfused { rows * 4 * c } else { 0 }, "fc (pre-GELU)")?,
+            last: alloc(gpu, max_batch.max(rows / cfg.n_ctx) * c, "last rows")?,
+            logits: alloc(gpu, rows * cfg.padded_vocab_size, "logits")?,
+        })
+    }
+
+    fn alloc_kv(gpu: &Gpu, cfg: &GPT2Config, batch: usize) -> AnyResult<Vec<(CudaSlice<f32>, CudaSlice<f32>)>> {
+        let n = batch * cfg.n_ctx * cfg.n_embd; // [B, NH, n_ctx, HS]
+        (0..cfg.n_layer)
+            .map(|l| {
+                Ok((
+                    alloc(gpu, n, &format!("K cache of layer {l}"))?,
+                    alloc(gpu, n, &format!("V cache of layer {l}"))?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The model it runs.
+    pub fn model(&self) -> &GPT2Model {
+        &self.model
+    }
+
+    /// The GPU it runs on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Whether this is the unfused baseline.
+    pub fn unfused(&self) -> bool {
+        self.unfused
+    }
+
+    /// (tuned, total) over every kernel selected so far: tuned means the tuning database
+    /// chose it (for this exact shape or the nearest tuned row count).
+    pub fn tuned_kernels(&self) -> (usize, usize) {
+        let tuned = self.selected.values().filter(|k| k.choice != Choice::Default).count();
+        (tuned, self.selected.len())
+    }
+
+    /// Every kernel selected so far: (role, kernel label, where it came from, shape).
+    pub fn kernel_choices(&self) -> Vec<(String, String, Choice, String)> {
+        let mut v: Vec<_> = self
+            .selected
+            .values()
+            .map(|k| (k.role.to_string(), k.label.clone(), k.choice, shape_text(&k.shape)))
+            .collect();
+        v.sort_by(|a, b| (&a.0, &a.3).cmp(&(&b.0, &b.3)));
+        v
+    }
+
+    /// Messages worth showing once (tuning database warnings, ignored tuned entries, ...).
+    pub fn notes(&self) -> Vec<String> {
+        self.notes.iter().chain(&self.registry.notes).cloned().collect()
+    }
+
+    /// Why decode steps are unavailable in this build, if they are.
+    pub fn decode_unavailable(&self) -> Option<&str> {
+        self.decode_missing.as_deref()
+    }
+
+    /// Turn per-kernel timing on (clearing what was recorded) or off.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profiler = on.then(Profiler::default);
+    }
+
+    /// The per-kernel profile recorded since profiling was turned on (or since the last
+    /// call), largest total first; clears it.
+    pub fn take_profile(&mut self) -> AnyResult<Vec<ProfileRow>> {
+        self.flush_profile()?;
+        let Some(p) = &mut self.profiler else {
+            return Ok(Vec::new());
+        };
+        let totals = std::mem::take(&mut p.totals);
+        let sum: f64 = totals.values().map(|(_, ms)| ms).sum();
+        let mut rows: Vec<ProfileRow> = totals
+            .into_iter()
+            .map(|((role, kernel), (calls, total_ms))| ProfileRow {
+                role,
+                kernel,
+                calls,
+                total_ms,
+                avg_ms: total_ms / calls.max(1) as f64,
+                percent: if sum > 0.0 { 100.0 * total_ms / sum } else { 0.0 },
+            })
+            .collect();
+        rows.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+        Ok(rows)
+    }
+
+    fn flush_profile(&mut self) -> AnyResult<()> {
+        let Some(p) = &mut self.profiler else {
+            return Ok(());
+        };
+        for (role, label, start, end) in p.pending.drain(..) {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(GpuError::cuda(format!("reading the timing events of {label}")))?;
+            let e = p.totals.entry((role.to_string(), label)).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += ms as f64;
+        }
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Kernel selection
+
+    /// Select (tuned winner or default; or the default of `force_family`), load and remember
+    /// the kernel for (op, epilogue, mask, shape), and make the workspace big enough for it.
+    fn kernel(
+        &mut self,
+        role: &'static str,
+        op: &str,
+        epilogue: Epilogue,
+        mask: Mask,
+        mut shape: Shape,
+        force_family: Option<&str>,
+    ) -> AnyResult<Kernel> {
+        let contract = ops::op_by_name(op).ok_or_else(|| anyhow!("op `{op}` does not exist in this build"))?;
+        contract
+            .complete_shape(&mut shape, epilogue, mask)
+            .with_context(|| format!("{role}: shape {}", shape_text(&shape)))?;
+        let key = format!(
+            "{role}|{op}|{}|{}|{}|{}",
+            epilogue.as_str(),
+            mask.as_str(),
+            force_family.unwrap_or(""),
+            shape_text(&shape)
+        );
+        if let Some(k) = self.selected.get(&key) {
+            return Ok(k.clone());
+        }
+        let limits = self.gpu.info.limits;
+        let (mut variant, choice) = match force_family {
+            Some(name) => {
+                let family = self.registry.catalog.family(name)?.clone();
+                (default_variant(&family, epilogue, mask, &limits)?, Choice::Default)
+            }
+            None => {
+                let s = self
+                    .registry
+                    .select(op, epilogue, mask, &shape, &limits)
+                    .with_context(|| format!("choosing the {role} kernel"))?;
+                (s.variant, s.choice)
+            }
+        };
+        if !variant.constants()?.is_empty() {
+            // __constant__ parameters are per module, but every layer has its own gamma/beta:
+            // take the family default instead (which reads them through pointers).
+            let fallback = default_variant(&variant.family, epilogue, mask, &limits)?;
+            if !fallback.constants()?.is_empty() {
+                bail!(
+                    "{role}: {} reads its parameters from __constant__ memory, which the model \
+                     cannot refill per layer; give the family a default without constants",
+                    variant.family.name
+                );
+            }
+            self.notes.push(format!(
+                "{role}: using the {} default instead of the tuned point ({}): __constant__ \
+                 parameters cannot differ per layer",
+                variant.family.name,
+                variant.key()
+            ));
+            variant = fallback;
+        }
+        variant.check_shape(&shape, &limits).map_err(|why| {
+            anyhow!(
+                "{role}: {} cannot run {}: {why}",
+                variant.family.name,
+                shape_text(&shape)
+            )
+        })?;
+        let ws = variant.workspace_elems(&shape, &limits)?;
+        self.ensure_workspace(ws)?;
+        let loaded = self
+            .registry
+            .load(&self.gpu, &variant)
+            .with_context(|| format!("compiling the {role} kernel {}", variant.kernel_name()))?;
+        let launches = Arc::new(
+            loaded
+                .plan(&self.gpu, &shape)
+                .with_context(|| format!("{role}: planning {} for {}", variant.family.name, shape_text(&shape)))?,
+        );
+        let kind = variant_kind(epilogue, mask);
+        let label = if kind == "none" {
+            format!("{op} {}", variant.family.name)
+        } else {
+            format!("{op}[{kind}] {}", variant.family.name)
+        };
+        let k = Kernel {
+            role,
+            label,
+            loaded,
+            choice,
+            shape,
+            launches,
+        };
+        self.selected.insert(key, k.clone());
+        Ok(k)
+    }
+
+    fn ensure_workspace(&mut self, elems: usize) -> AnyResult<()> {
+        if elems > 0 && self.workspace.as_ref().is_none_or(|w| w.len() < elems) {
+            self.workspace = None; // free first
+            self.workspace = Some(alloc(&self.gpu, elems, "the kernel workspace")?);
+        }
+        Ok(())
+    }
+
+    /// The kernels of a prefill (`decode = false`, B sequences of T tokens) or of a decode step
+    /// (`decode = true`, T = 1), selected once per shape.
+    fn kernels(&mut self, b: usize, t: usize, decode: bool, last_only: bool) -> AnyResult<Arc<Kernels>> {
+        let set_key = (b, t, decode, last_only);
+        if let Some(k) = self.sets.get(&set_key) {
+            return Ok(k.clone());
+        }
+        let cfg = self.model.config.clone();
+        let (bi, ti) = (b as i64, t as i64);
+        let (c, nh, hs) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.head_dim() as i64);
+        let (n_ctx, vp) = (cfg.n_ctx as i64, cfg.padded_vocab_size as i64);
+        let m = bi * ti;
+        let mm =
+            |n: i64, k: i64, rows: i64, tt: i64| shape(&[("M", rows), ("N", n), ("K", k), ("T", tt), ("n_head", nh)]);
+        let unfused = self.unfused;
+        let (bias_res, bias_gelu) = if unfused {
+            (Epilogue::Bias, Epilogue::Bias)
+        } else {
+            (Epilogue::BiasResidual, Epilogue::BiasGelu)
+        };
+        let encoder = self.kernel(
+            "embedding",
+            "encoder",
+            Epilogue::None,
+            Mask::None,
+            shape(&[
+                ("B", bi),
+                ("T", ti),
+                ("C", c),
+                ("pos_offset", 0),
+                ("V", cfg.vocab_size as i64),
+                ("max_T", n_ctx),
+            ]),
+            None,
+        )?;
+        let layernorm = self.kernel(
+            "layernorm",
+            "layernorm",
+            Epilogue::None,
+            Mask::None,
+            shape(&[("N", m), ("C", c)]),
+            None,
+        )?;
+        let qkv = self.kernel("qkv", "matmul", Epilogue::Qkv, Mask::None, mm(3 * c, c, m, ti), None)?;
+        let kv_append = if self.decode_missing.is_none() {
+            Some(self.kernel(
+                "kv_append",
+                KV_APPEND_OP,
+                Epilogue::None,
+                Mask::None,
+                shape(&[
+                    ("B", bi),
+                    ("NH", nh),
+                    ("T", ti),
+                    ("HS", hs),
+                    ("max_T", n_ctx),
+                    ("pos", 0),
+                ]),
+                None,
+            )?)
+        } else {
+            None
+        };
+        let attention = if decode {
+            if let Some(why) = &self.decode_missing {
+                bail!("{why}");
+            }
+            // Selected once for the longest cache; launched with the current length.
+            self.kernel(
+                "attention",
+                ATTENTION_DECODE_OP,
+                Epilogue::None,
+                Mask::None,
+                shape(&[("B", bi), ("NH", nh), ("T", n_ctx), ("HS", hs), ("max_T", n_ctx)]),
+                None,
+            )?
+        } else {
+            self.kernel(
+                "attention",
+                "attention",
+                Epilogue::None,
+                Mask::Causal,
+                shape(&[("B", bi), ("NH", nh), ("T", ti), ("HS", hs), ("window", 0)]),
+                unfused.then_some(UNFUSED_ATTENTION_FAMILY),
+            )?
+        };
+        let attn_proj = self.kernel("attn_proj", "matmul", bias_res, Mask::None, mm(c, c, m, ti), None)?;
+        let fc = self.kernel("fc", "matmul", bias_gelu, Mask::None, mm(4 * c, c, m, ti), None)?;
+        let fc_proj = self.kernel("fc_proj", "matmul", bias_res, Mask::None, mm(c, 4 * c, m, ti), None)?;
+        let (gelu, residual) = if unfused {
+            (
+                Some(self.kernel(
+                    "gelu",
+                    "gelu",
+                    Epilogue::None,
+                    Mask::None,
+                    shape(&[("N", m * 4 * c)]),
+                    None,
+                )?),
+                Some(self.kernel(
+                    "residual",
+                    "residual",
+                    Epilogue::None,
+                    Mask::None,
+                    shape(&[("N", m * c)]),
+                    None,
+                )?),
+            )
+        } else {
+            (None, None)
+        };
+        let head_shape = if last_only && t > 1 {
+            mm(vp, c, bi, 1)
+        } else {
+            mm(vp, c, m, ti)
+        };
+        let lm_head = self.kernel("lm_head", "matmul", Epilogue::None, Mask::None, head_shape, None)?;
+        let set = Arc::new(Kernels {
+            encoder,
+            layernorm,
+            qkv,
+            kv_append,
+            attention,
+            attn_proj,
+            fc,
+            fc_proj,
+            gelu,
+            residual,
+            lm_head,
+        });
+        self.sets.insert(set_key, set.clone());
+        Ok(set)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Launching
+
+    /// The workspace pointer for `k` launched on `launch_shape` (`None`: its selection shape,
+    /// whose need was met when it was selected); 0 when nothing was ever needed.
+    fn ws_ptr(&mut self, k: &Kernel, launch_shape: Option<&Shape>) -> AnyResult<u64> {
+        if let Some(s) = launch_shape {
+            let need = k.loaded.variant.workspace_elems(s, &self.gpu.info.limits)?;
+            self.ensure_workspace(need)?;
+        }
+        Ok(self.workspace.as_ref().map_or(0, |w| ptr(&self.gpu, w)))
+    }
+
+    /// Launch geometry of `k` on `shape` (another position or cache length than it was
+    /// selected for).
+    fn plan(&self, k: &Kernel, shape: &Shape) -> AnyResult<Vec<Launch>> {
+        k.loaded
+            .plan(&self.gpu, shape)
+            .with_context(|| format!("{} ({}): planning {}", k.role, k.label, shape_text(shape)))
+    }
+
+    /// Launch `k` with `args` on the shape it was selected for (geometry planned once).
+    fn launch(&mut self, k: &Kernel, args: &[ArgValue]) -> AnyResult<()> {
+        let launches = k.launches.clone();
+        self.launch_with(k, &k.shape, &launches, args)
+    }
+
+    /// Launch `k` with `args` and the geometry `launches` planned for `shape`.
+    fn launch_with(&mut self, k: &Kernel, shape: &Shape, launches: &[Launch], args: &[ArgValue]) -> AnyResult<()> {
+        let events = match &self.profiler {
+            Some(_) => {
+                let ev = || {
+                    self.gpu
+                        .ctx
+                        .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                        .map_err(GpuError::cuda("creating a timing event"))
+                };
+                let (start, end) = (ev()?, ev()?);
+                start
+                    .record(&self.gpu.stream)
+                    .map_err(GpuError::cuda("recording a timing event"))?;
+                Some((start, end))
+            }
+            None => None,
+        };
+        k.loaded
+            .launch_args(&self.gpu, args, launches)
+            .with_context(|| format!("{} ({}) on {}", k.role, k.label, shape_text(shape)))?;
+        if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
+            end.record(&self.gpu.stream)
+                .map_err(GpuError::cuda("recording a timing event"))?;
+            p.pending.push((k.role, k.label.clone(), start, end));
+        }
+        if self.sync_each {
+            self.gpu
+                .synchronize()
+                .with_context(|| format!("{} ({}) on {} failed", k.role, k.label, shape_text(shape)))?;
+        }
+        Ok(())
+    }
+
+    fn matmul(&mut self, k: &Kernel, out: u64, inp: u64, weight: u64, bias: u64, residual: u64) -> AnyResult<()> {
+        let ws = self.ws_ptr(k, None)?;
+        let s = &k.shape;
+        let args = [
+            ArgValue::Ptr(out),
+            ArgValue::Ptr(inp),
+            ArgValue::Ptr(weight),
+            ArgValue::Ptr(bias),
+            ArgValue::Ptr(residual),
+            ArgValue::Ptr(ws),
+            i32_arg(s["M"] as usize, "M")?,
+            i32_arg(s["N"] as usize, "N")?,
+            i32_arg(s["K"] as usize, "K")?,
+            i32_arg(s["T"] as usize, "T")?,
+            i32_arg(s["n_head"] as usize, "n_head")?,
+        ];
+        self.launch(k, &args)
+    }
+
+    fn layernorm(&mut self, k: &Kernel, out: u64, inp: u64, gamma: u64, beta: u64) -> AnyResult<()> {
+        let s = &k.shape;
+        let args = [
+            ArgValue::Ptr(out),
+            ArgValue::Ptr(inp),
+            ArgValue::Ptr(gamma),
+            ArgValue::Ptr(beta),
+            i32_arg(s["N"] as usize, "N")?,
+            i32_arg(s["C"] as usize, "C")?,
+        ];
+        self.launch(k, &args)
+    }
+
+    /// Device-to-device copy of `floats` f32 values between raw pointers.
+    fn copy_d2d(&self, dst: u64, src: u64, floats: usize) -> AnyResult<()> {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(GpuError::cuda("binding the CUDA context"))?;
+        // SAFETY: both pointers address live f32 buffers of this backend with room for
+        // `floats` values (the caller computes them from the buffer shapes), on our stream.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, floats * 4, self.gpu.stream.cu_stream()) }
+            .map_err(GpuError::cuda(format!("copying {floats} floats on the device")))?;
+        Ok(())
+    }
+
+    /// Grow the activations / KV cache for a batch of `b` sequences of `t` tokens.
+    fn ensure_capacity(&mut self, b: usize, t: usize) -> AnyResult<()> {
+        let cfg = self.model.config.clone();
+        if b * t > self.act.rows || b > self.act.last.len() / cfg.n_embd {
+            let rows = (b * cfg.n_ctx).max(self.act.rows);
+            self.act = Self::alloc_activations(&self.gpu, &cfg, 0, 1, false)?; // free the old ones first
+            self.act = Self::alloc_activations(&self.gpu, &cfg, rows, b, self.unfused)?;
+        }
+        if b > self.kv_batch {
+            self.kv.clear();
+            self.kv = Self::alloc_kv(&self.gpu, &cfg, b)?;
+            self.kv_batch = b;
+        }
+        Ok(())
+    }
+
+    fn upload_ids(&mut self, tokens: &[Vec<u32>]) -> AnyResult<()> {
+        let v = self.model.config.vocab_size;
+        let mut ids = Vec::with_capacity(tokens.len() * tokens[0].len());
+        for s in tokens {
+            for (i, &tok) in s.iter().enumerate() {
+                if tok as usize >= v {
+                    return Err(ModelError::InvalidToken {
+                        token: tok,
+                        position: self.len + i,
+                        vocab_size: v,
+                    }
+                    .into());
+                }
+                ids.push(tok as i32);
+            }
+        }
+        let mut dst = self.act.ids.slice_mut(0..ids.len());
+        self.gpu
+            .stream
+            .memcpy_htod(&ids, &mut dst)
+            .map_err(GpuError::cuda(format!("uploading {} token ids", ids.len())))?;
+        Ok(())
+    }
+
+    /// Everything from the embedding to the LM head for B sequences of T new tokens at
+    /// positions `pos..pos+T` (the cache holds `pos` tokens). Returns how many logits rows
+    /// the LM head wrote.
+    fn run(&mut self, ks: &Kernels, b: usize, t: usize, pos: usize, decode: bool, head: HeadRows) -> AnyResult<usize> {
+        let cfg = self.model.config.clone();
+        let (c, nh, hs, n_ctx) = (cfg.n_embd, cfg.n_head, cfg.head_dim(), cfg.n_ctx);
+        let rows = b * t;
+        let g = &self.gpu;
+        let ids = ptr(g, &self.act.ids);
+        let mut x = ptr(g, &self.act.x[0]);
+        let mut y = ptr(g, &self.act.x[1]);
+        let ln = ptr(g, &self.act.ln);
+        let qkv = ptr(g, &self.act.qkv);
+        let att = ptr(g, &self.act.att);
+        let fc = ptr(g, &self.act.fc);
+        let fc_pre = ptr(g, &self.act.fc_pre);
+        let last = ptr(g, &self.act.last);
+        let logits = ptr(g, &self.act.logits);
+        let kv: Vec<(u64, u64)> = self.kv.iter().map(|(k, v)| (ptr(g, k), ptr(g, v))).collect();
+        let (k_new, v_new) = (qkv + (rows * c * 4) as u64, qkv + (2 * rows * c * 4) as u64);
+        let scale = 1.0 / (hs as f32).sqrt();
+
+        // Embedding.
+        let enc_shape = with(&ks.encoder.shape, &[("pos_offset", pos as i64)]);
+        let enc_launches = self.plan(&ks.encoder, &enc_shape)?;
+        let args = [
+            ArgValue::Ptr(x),
+            ArgValue::Ptr(ids),
+            ArgValue::Ptr(self.wte),
+            ArgValue::Ptr(self.wpe),
+            i32_arg(b, "B")?,
+            i32_arg(t, "T")?,
+            i32_arg(c, "C")?,
+            i32_arg(pos, "pos_offset")?,
+        ];
+        self.launch_with(&ks.encoder, &enc_shape, &enc_launches, &args)?;
+
+        // Shapes that differ from the selection ones (position, cache length): planned once per
+        // call, the same for every layer.
+        let kv_plan = match &ks.kv_append {
+            Some(k) => {
+                let s = with(&k.shape, &[("pos", pos as i64)]);
+                let l = self.plan(k, &s)?;
+                Some((s, l))
+            }
+            None => None,
+        };
+        let (att_shape, att_launches, att_ws) = if decode {
+            let k = &ks.attention;
+            let s = with(&k.shape, &[("T", (pos + t) as i64)]);
+            let l = self.plan(k, &s)?;
+            let ws = self.ws_ptr(k, Some(&s))?;
+            (s, l, ws)
+        } else {
+            let ws = self.ws_ptr(&ks.attention, None)?;
+            (ks.attention.shape.clone(), ks.attention.launches.to_vec(), ws)
+        };
+        for (l, &(kc, vc)) in kv.iter().enumerate() {
+            let lw = self.layers[l];
+            self.layernorm(&ks.layernorm, ln, x, lw.ln1_w, lw.ln1_b)?;
+            self.matmul(&ks.qkv, qkv, ln, lw.qkv_w, lw.qkv_b, 0)?;
+            if let (Some(k), Some((s, launches))) = (&ks.kv_append, &kv_plan) {
+                let args = [
+                    ArgValue::Ptr(kc),
+                    ArgValue::Ptr(vc),
+                    ArgValue::Ptr(k_new),
+                    ArgValue::Ptr(v_new),
+                    i32_arg(b, "B")?,
+                    i32_arg(nh, "NH")?,
+                    i32_arg(t, "T")?,
+                    i32_arg(n_ctx, "max_T")?,
+                    i32_arg(hs, "HS")?,
+                    i32_arg(pos, "pos")?,
+                ];
+                self.launch_with(k, s, launches, &args)?;
+            }
+            if decode {
+                let args = [
+                    ArgValue::Ptr(att),
+                    ArgValue::Ptr(qkv),
+                    ArgValue::Ptr(kc),
+                    ArgValue::Ptr(vc),
+                    ArgValue::Ptr(att_ws),
+                    i32_arg(b, "B")?,
+                    i32_arg(nh, "NH")?,
+                    i32_arg(pos + t, "T")?,
+                    i32_arg(n_ctx, "max_T")?,
+                    i32_arg(hs, "HS")?,
+                    ArgValue::F32(scale),
+                ];
+                self.launch_with(&ks.attention, &att_shape, &att_launches, &args)?;
+            } else {
+                let args = [
+                    ArgValue::Ptr(att),
+                    ArgValue::Ptr(qkv),
+                    ArgValue::Ptr(k_new),
+                    ArgValue::Ptr(v_new),
+                    ArgValue::Ptr(att_ws),
+                    i32_arg(b, "B")?,
+                    i32_arg(nh, "NH")?,
+                    i32_arg(t, "T")?,
+                    i32_arg(hs, "HS")?,
+                    ArgValue::I32(0),
+                    ArgValue::F32(scale),
+                ];
+                self.launch_with(&ks.attention, &att_shape, &att_launches, &args)?;
+            }
+            // Attention projection + residual: y = x + att @ W^T + b.
+            self.residual_matmul(ks, &ks.attn_proj, y, att, x, lw.attn_proj_w, lw.attn_proj_b, ln)?;
+            std::mem::swap(&mut x, &mut y);
+            self.layernorm(&ks.layernorm, ln, x, lw.ln2_w, lw.ln2_b)?;
+            match &ks.gelu {
+                None => self.matmul(&ks.fc, fc, ln, lw.fc_w, lw.fc_b, 0)?,
+                Some(gelu) => {
+                    self.matmul(&ks.fc, fc_pre, ln, lw.fc_w, lw.fc_b, 0)?;
+                    let args = [ArgValue::Ptr(fc), ArgValue::Ptr(fc_pre), i32_arg(rows * 4 * c, "N")?];
+                    self.launch(gelu, &args)?;
+                }
+            }
+            self.residual_matmul(ks, &ks.fc_proj, y, fc, x, lw.fc_proj_w, lw.fc_proj_b, ln)?;
+            std::mem::swap(&mut x, &mut y);
+        }
+
+        self.layernorm(&ks.layernorm, ln, x, self.lnf_w, self.lnf_b)?;
+        let (head_in, head_rows) = if head == HeadRows::Last && t > 1 {
+            for s in 0..b {
+                self.copy_d2d(last + (s * c * 4) as u64, ln + (((s + 1) * t - 1) * c * 4) as u64, c)?;
+            }
+            (last, b)
+        } else {
+            (ln, rows)
+        };
+        debug_assert_eq!(ks.lm_head.shape["M"] as usize, head_rows);
+        self.matmul(&ks.lm_head, logits, head_in, self.wte, 0, 0)?;
+        Ok(head_rows)
+    }
+
+    /// `out = residual + inp @ W^T + bias`: fused (`bias_residual`) or, unfused, a `bias`
+    /// matmul into `scratch` followed by the `residual` kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_matmul(
+        &mut self,
+        ks: &Kernels,
+        k: &Kernel,
+        out: u64,
+        inp: u64,
+        residual: u64,
+        weight: u64,
+        bias: u64,
+        scratch: u64,
+    ) -> AnyResult<()> {
+        match &ks.residual {
+            None => self.matmul(k, out, inp, weight, bias, residual),
+            Some(add) => {
+                self.matmul(k, scratch, inp, weight, bias, 0)?;
+                let n = add.shape["N"] as usize;
+                let args = [
+                    ArgValue::Ptr(out),
+                    ArgValue::Ptr(residual),
+                    ArgValue::Ptr(scratch),
+                    i32_arg(n, "N")?,
+                ];
+                self.launch(add, &args)
+            }
+        }
+    }
+
+    /// Copy `rows` logits rows back, keeping the real vocabulary, and finish the call.
+    fn read_logits(&mut self, b: usize, seq: usize, rows: usize) -> AnyResult<Logits> {
+        let cfg = &self.model.config;
+        let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
+        let n = rows * vp;
+        if self.host_logits.len() < n {
+            self.host_logits.resize(n, 0.0);
+        }
+        let src = self.act.logits.slice(0..n);
+        self.gpu
+            .stream
+            .memcpy_dtoh(&src, &mut self.host_logits[..n])
+            .map_err(GpuError::cuda(format!("copying {rows} x {vp} logits back")))?;
+        self.gpu.synchronize().context(SYNC_HINT)?;
+        self.flush_profile()?;
+        let mut data = Vec::with_capacity(rows * v);
+        for r in 0..rows {
+            data.extend_from_slice(&self.host_logits[r * vp..r * vp + v]);
+        }
+        Ok(Logits::new(b, seq, v, data)?)
+    }
+
+    fn prefill_impl(&mut self, tokens: &[Vec<u32>], head: HeadRows) -> AnyResult<Option<Logits>> {
+        let cfg = self.model.config.clone();
+        let b = tokens.len();
+        if b == 0 {
+            return Err(ModelError::Batch("no sequences given".into()).into());
+        }
+        let t = tokens[0].len();
+        if t == 0 {
+            return Err(ModelError::Batch("sequences must have at least one token".into()).into());
+        }
+        if let Some(i) = tokens.iter().position(|s| s.len() != t) {
+            return Err(ModelError::Batch(format!(
+                "sequence {i} has {} tokens but sequence 0 has {t}; a batch must be rectangular",
+                tokens[i].len()
+            ))
+            .into());
+        }
+        if t > cfg.n_ctx {
+            return Err(ModelError::ContextOverflow {
+                needed: t,
+                n_ctx: cfg.n_ctx,
+            }
+            .into());
+        }
+        self.batch = 0;
+        self.len = 0;
+        self.ensure_capacity(b, t)?;
+        self.upload_ids(tokens)?;
+        let ks = self.kernels(b, t, false, head == HeadRows::Last)?;
+        let rows = self.run(&ks, b, t, 0, false, head)?;
+        if ks.kv_append.is_some() {
+            self.batch = b;
+            self.len = t;
+        }
+        match head {
+            HeadRows::AllOnDevice => {
+                self.gpu.synchronize().context(SYNC_HINT)?;
+                self.flush_profile()?;
+                Ok(None)
+            }
+            HeadRows::Last => Ok(Some(self.read_logits(b, 1, rows)?)),
+            HeadRows::All => Ok(Some(self.read_logits(b, t, rows)?)),
+        }
+    }
+
+    fn decode_impl(&mut self, last: &[u32]) -> AnyResult<Logits> {
+        if let Some(why) = &self.decode_missing {
+            bail!("{why}");
+        }
+        let cfg = self.model.config.clone();
+        if self.len == 0 {
+            bail!("decode called before prefill");
+        }
+        let b = self.batch;
+        if last.len() != b {
+            return Err(
+                ModelError::Batch(format!("decode got {} tokens for a batch of {b} sequences", last.len())).into(),
+            );
+        }
+        if self.len + 1 > cfg.n_ctx {
+            return Err(ModelError::ContextOverflow {
+                needed: self.len + 1,
+                n_ctx: cfg.n_ctx,
+            }
+            .into());
+        }
+        let tokens: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
+        self.upload_ids(&tokens)?;
+        let ks = self.kernels(b, 1, true, false)?;
+        let pos = self.len;
+        let rows = self.run(&ks, b, 1, pos, true, HeadRows::All)?;
+        self.len += 1;
+        self.read_logits(b, 1, rows)
+    }
+
+    /// A full forward pass (LM head on every position) that leaves the logits on the device:
+    /// what `bench` times. Fills the KV cache like a prefill.
+    pub fn forward_on_device(&mut self, tokens: &[Vec<u32>]) -> Result<()> {
+        self.prefill_impl(tokens, HeadRows::AllOnDevice)
+            .map(|_| ())
+            .map_err(|e| self.model_error(e))
+    }
+
+    fn model_error(&self, e: anyhow::Error) -> ModelError {
+        match e.downcast::<ModelError>() {
+            Ok(m) => m,
+            Err(e) => ModelError::Backend {
+                backend: self.name.clone(),
+                message: format!("{e:#}"),
+            },
+        }
+    }
+}
+
+/// The default point of `family` for this epilogue and mask.
+fn default_variant(
+    family: &Arc<crate::spec::Family>,
+    epilogue: Epilogue,
+    mask: Mask,
+    limits: &crate::spec::DeviceLimits,
+) -> AnyResult<Variant> {
+    expand(family, Points::Default, limits)?
+        .into_iter()
+        .find(|v| v.epilogue == epilogue && v.mask == mask)
+        .ok_or_else(|| anyhow!("{} has no {} variant", family.name, variant_kind(epilogue, mask)))
+}
+
+impl Backend for GpuBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn config(&self) -> &GPT2Config {
+        &self.model.config
+    }
+
+    fn prefill(&mut self, tokens: &[Vec<u32>]) -> Result<Logits> {
+        match self.prefill_impl(tokens, HeadRows::All) {
+            Ok(l) => Ok(l.expect("prefill reads the logits back")),
+            Err(e) => Err(self.model_error(e)),
+        }
+    }
+
+    fn prefill_last(&mut self, tokens: &[Vec<u32>]) -> Result<Logits> {
+        match self.prefill_impl(tokens, HeadRows::Last) {
+            Ok(l) => Ok(l.expect("prefill reads the logits back")),
+            Err(e) => Err(self.model_error(e)),
+        }
+    }
+
+    fn decode(&mut self, last: &[u32]) -> Result<Logits> {
+        self.decode_impl(last).map_err(|e| self.model_error(e))
+    }
+
+    fn stats_note(&self) -> Option<String> {
+        let (tuned, total) = self.tuned_kernels();
+        let mut note = format!("{tuned}/{total} kernels tuned");
+        for n in &self.registry.notes {
+            note += &format!("; note: {n}");
+        }
+        Some(note)
+    }
+}

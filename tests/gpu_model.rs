@@ -1,0 +1,287 @@
+//! The GPU GPT-2 backend against the f32 CPU reference on a tiny random model (L=2, NH=2,
+//! C=128 so the head size is 64 as flash and decode attention need, V=300, n_ctx=128, every
+//! bias and layernorm parameter perturbed): prefill logits, KV-cached decode steps, greedy
+//! generation, a batch of three prompts, the unfused path, and both checkpoint formats.
+//!
+//! GPU tests are `#[ignore = "needs a CUDA GPU"]`; run them on a GPU machine from the project
+//! folder (they find specs/ and templates/ there) with `-- --ignored`. They take a lock so they
+//! never share the GPU. The last test runs everywhere: without a GPU, asking for one is a clear
+//! error, not a panic.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kernelforge::cli::model::{make_backend, BackendOptions, DType, Device};
+use kernelforge::gpu::device::driver_present;
+use kernelforge::model::config::GPT2Config;
+use kernelforge::model::cpu::CpuBackend;
+use kernelforge::model::generate::{generate, Backend, GenerateOptions, Logits};
+use kernelforge::model::gpu::GpuBackend;
+use kernelforge::model::sampling::{argmax, SamplingParams};
+use kernelforge::model::weights::{load_model, write_hf_folder, write_llmc, GPT2Model, GPT2Weights, LlmcVersion};
+
+const TOL: f64 = 1e-4;
+
+static GPU_LOCK: Mutex<()> = Mutex::new(());
+
+fn gpu_lock() -> MutexGuard<'static, ()> {
+    GPU_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn tiny_config() -> GPT2Config {
+    GPT2Config::new(2, 2, 128, 128, 300).unwrap()
+}
+
+fn tiny_model() -> Arc<GPT2Model> {
+    let config = tiny_config();
+    let weights = GPT2Weights::random(&config, 2024);
+    Arc::new(GPT2Model {
+        config,
+        weights,
+        source: "tiny random".into(),
+    })
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+    kernelforge::ops::relative_l2_error(got, &want)
+}
+
+fn check_logits(what: &str, got: &Logits, want: &Logits) {
+    assert_eq!(
+        (got.batch, got.seq_len, got.vocab),
+        (want.batch, want.seq_len, want.vocab),
+        "{what}: logits shape"
+    );
+    let e = rel_l2(&got.data, &want.data);
+    eprintln!("{what}: relative L2 {e:.3e}");
+    assert!(e < TOL, "{what}: relative L2 error {e:.3e} >= {TOL:e}");
+}
+
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 37 + seed * 101 + 11) % 300).collect()
+}
+
+fn gpu(model: &Arc<GPT2Model>, max_batch: usize, unfused: bool) -> GpuBackend {
+    let g = GpuBackend::new(model.clone(), max_batch, unfused).expect("opening the GPU backend");
+    for n in g.notes() {
+        eprintln!("note: {n}");
+    }
+    g
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_logits_match_the_cpu() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    let mut g = gpu(&model, 1, false);
+    for len in [1, 7, 37, 64, 128] {
+        let p = vec![prompt(len, 1)];
+        check_logits(
+            &format!("prefill T={len}"),
+            &g.prefill(&p).unwrap(),
+            &cpu.prefill(&p).unwrap(),
+        );
+        check_logits(
+            &format!("prefill_last T={len}"),
+            &g.prefill_last(&p).unwrap(),
+            &cpu.prefill_last(&p).unwrap(),
+        );
+    }
+    let (tuned, total) = g.tuned_kernels();
+    assert!(total > 0 && tuned <= total);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_steps_match_the_cpu() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    let mut g = gpu(&model, 1, false);
+    let p = vec![prompt(5, 2)];
+    let want = cpu.prefill_last(&p).unwrap();
+    check_logits("prefill_last", &g.prefill_last(&p).unwrap(), &want);
+    let mut next = argmax(want.last(0)).unwrap();
+    for step in 0..20 {
+        let want = cpu.decode(&[next]).unwrap();
+        let got = g.decode(&[next]).unwrap();
+        check_logits(&format!("decode step {step}"), &got, &want);
+        next = argmax(want.last(0)).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_after_a_long_prefill_reaches_the_context_end() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    let mut g = gpu(&model, 2, false);
+    let n_ctx = model.config.n_ctx;
+    let p = vec![prompt(n_ctx - 3, 3), prompt(n_ctx - 3, 4)];
+    check_logits("prefill", &g.prefill(&p).unwrap(), &cpu.prefill(&p).unwrap());
+    for step in 0..3 {
+        let next = [step as u32 + 5, 299 - step as u32];
+        check_logits(
+            &format!("decode at {}", n_ctx - 3 + step),
+            &g.decode(&next).unwrap(),
+            &cpu.decode(&next).unwrap(),
+        );
+    }
+    let err = g.decode(&[1, 2]).unwrap_err().to_string();
+    assert!(err.contains("context"), "{err}");
+}
+
+fn greedy(n: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: n,
+        sampling: SamplingParams::greedy(),
+        seed: 0,
+        stop_at_eot: false,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn greedy_generation_is_identical() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    let mut g = gpu(&model, 1, false);
+    let prompts = vec![prompt(6, 5)];
+    let want = generate(&mut cpu, &prompts, &greedy(20), &mut |_, _| Ok(())).unwrap();
+    let got = generate(&mut g, &prompts, &greedy(20), &mut |_, _| Ok(())).unwrap();
+    eprintln!("{}", got.stats.summary());
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.tokens[0].len(), 20);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_batch_of_three_prompts() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    // Sized for one sequence: the batch of three makes the buffers grow.
+    let mut g = gpu(&model, 1, false);
+    let rect = vec![prompt(9, 1), prompt(9, 2), prompt(9, 3)];
+    check_logits(
+        "batch prefill",
+        &g.prefill(&rect).unwrap(),
+        &cpu.prefill(&rect).unwrap(),
+    );
+    for step in 0..5 {
+        let next = [step as u32, 100 + step as u32, 200 + step as u32];
+        check_logits(
+            &format!("batch decode step {step}"),
+            &g.decode(&next).unwrap(),
+            &cpu.decode(&next).unwrap(),
+        );
+    }
+    let ragged = vec![prompt(3, 7), prompt(8, 8), prompt(5, 9)];
+    let want = generate(&mut cpu, &ragged, &greedy(20), &mut |_, _| Ok(())).unwrap();
+    let got = generate(&mut g, &ragged, &greedy(20), &mut |_, _| Ok(())).unwrap();
+    assert_eq!(got.tokens, want.tokens);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_unfused_path_matches_too() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    let mut g = gpu(&model, 2, true);
+    let p = vec![prompt(33, 1), prompt(33, 2)];
+    check_logits("unfused prefill", &g.prefill(&p).unwrap(), &cpu.prefill(&p).unwrap());
+    for step in 0..5 {
+        let next = [step as u32 + 1, step as u32 + 50];
+        check_logits(
+            &format!("unfused decode step {step}"),
+            &g.decode(&next).unwrap(),
+            &cpu.decode(&next).unwrap(),
+        );
+    }
+    let labels: Vec<String> = g.kernel_choices().into_iter().map(|c| c.1).collect();
+    assert!(labels.iter().any(|l| l.contains("attention_naive")), "{labels:?}");
+    assert!(labels.iter().any(|l| l.starts_with("gelu")), "{labels:?}");
+    assert!(labels.iter().any(|l| l.starts_with("residual")), "{labels:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn llmc_and_hf_checkpoints_give_the_same_gpu_logits() {
+    let _lock = gpu_lock();
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model();
+    let bin = dir.path().join("tiny.bin");
+    let hf = dir.path().join("hf");
+    write_llmc(&bin, &model.config, &model.weights, LlmcVersion::F32).unwrap();
+    write_hf_folder(&hf, &model.config, &model.weights).unwrap();
+    let p = vec![prompt(20, 4)];
+    let mut outs = Vec::new();
+    for path in [bin.as_path(), hf.as_path()] {
+        let m = Arc::new(load_model(Path::new(path)).unwrap());
+        let mut g = gpu(&m, 1, false);
+        outs.push(g.prefill(&p).unwrap());
+    }
+    let e = rel_l2(&outs[0].data, &outs[1].data);
+    assert!(e < 1e-6, "llm.c vs HF on the GPU: {e:.3e}");
+    let mut cpu = CpuBackend::new(model.clone());
+    check_logits("llm.c on the GPU vs CPU", &outs[0], &cpu.prefill(&p).unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn profiling_counts_every_launch() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut g = gpu(&model, 1, false);
+    let p = vec![prompt(16, 1)];
+    g.prefill_last(&p).unwrap();
+    g.set_profiling(true);
+    g.forward_on_device(&p).unwrap();
+    let rows = g.take_profile().unwrap();
+    for r in &rows {
+        eprintln!(
+            "{:>10} {:<45} {:>3} {:>8.4} ms {:>5.1}%",
+            r.role, r.kernel, r.calls, r.total_ms, r.percent
+        );
+    }
+    let calls = |role: &str| rows.iter().filter(|r| r.role == role).map(|r| r.calls).sum::<usize>();
+    let l = model.config.n_layer;
+    assert_eq!(calls("embedding"), 1);
+    assert_eq!(calls("layernorm"), 2 * l + 1);
+    assert_eq!(calls("qkv"), l);
+    assert_eq!(calls("attention"), l);
+    assert_eq!(calls("lm_head"), 1);
+    let total: f64 = rows.iter().map(|r| r.percent).sum();
+    assert!((total - 100.0).abs() < 1e-6, "{total}");
+    // forward_on_device filled the cache like a prefill: decoding goes on from there.
+    let next = g.decode(&[1]).unwrap();
+    assert_eq!((next.batch, next.seq_len, next.vocab), (1, 1, model.config.vocab_size));
+}
+
+#[test]
+fn asking_for_cuda_without_a_gpu_is_a_clear_error() {
+    if driver_present() {
+        return; // a GPU machine: the ignored tests above cover it
+    }
+    let model = tiny_model();
+    let opts = BackendOptions {
+        max_batch: 1,
+        ..Default::default()
+    };
+    let err = match make_backend(Device::Cuda, DType::F32, model.clone(), &opts) {
+        Ok(_) => panic!("a CUDA backend without a driver"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("CUDA") && err.contains("--device cpu"), "{err}");
+    let err = match GpuBackend::new(model, 1, false) {
+        Ok(_) => panic!("a CUDA backend without a driver"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("CUDA"), "{err}");
+}
