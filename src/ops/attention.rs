@@ -33,9 +33,6 @@ impl OpContract for Attention {
     fn optional_vars(&self) -> &'static [&'static str] {
         &["window"]
     }
-    fn epilogues(&self) -> &'static [Epilogue] {
-        &[Epilogue::None]
-    }
     fn masks(&self) -> &'static [Mask] {
         &[Mask::Causal, Mask::Full, Mask::Window]
     }

@@ -31,12 +31,6 @@ impl OpContract for Encoder {
     fn optional_vars(&self) -> &'static [&'static str] {
         &["pos_offset", "V", "max_T"]
     }
-    fn epilogues(&self) -> &'static [Epilogue] {
-        &[Epilogue::None]
-    }
-    fn masks(&self) -> &'static [Mask] {
-        &[Mask::None]
-    }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let b = get_dim(self, shape, "B")?;

@@ -21,12 +21,6 @@ impl OpContract for Gelu {
     fn dims(&self) -> &'static [&'static str] {
         &["N"]
     }
-    fn epilogues(&self) -> &'static [Epilogue] {
-        &[Epilogue::None]
-    }
-    fn masks(&self) -> &'static [Mask] {
-        &[Mask::None]
-    }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         get_dim(self, shape, "N")?;

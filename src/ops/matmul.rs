@@ -77,9 +77,6 @@ impl OpContract for Matmul {
             Epilogue::Qkv,
         ]
     }
-    fn masks(&self) -> &'static [Mask] {
-        &[Mask::None]
-    }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let m = get_dim(self, shape, "M")?;

@@ -248,8 +248,12 @@ pub trait OpContract: Sync + std::fmt::Debug {
         &self.dims()[..1]
     }
     /// The epilogues / masks it supports ([Epilogue::None] / [Mask::None] when not applicable).
-    fn epilogues(&self) -> &'static [Epilogue];
-    fn masks(&self) -> &'static [Mask];
+    fn epilogues(&self) -> &'static [Epilogue] {
+        &[Epilogue::None]
+    }
+    fn masks(&self) -> &'static [Mask] {
+        &[Mask::None]
+    }
     /// Fill in derived/optional shape variables and validate. Every variable a launch
     /// expression may use is present afterwards. Idempotent.
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError>;

@@ -32,12 +32,6 @@ impl OpContract for Softmax {
     fn dims(&self) -> &'static [&'static str] {
         &["N", "C"]
     }
-    fn epilogues(&self) -> &'static [Epilogue] {
-        &[Epilogue::None]
-    }
-    fn masks(&self) -> &'static [Mask] {
-        &[Mask::None]
-    }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         let n = get_dim(self, shape, "N")?;
