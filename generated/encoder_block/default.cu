@@ -32,7 +32,6 @@
 constexpr int BLOCK_SIZE = 128;  // threads per block (one block per token)
 constexpr int VECTOR_WIDTH = 4;  // floats per load/store (1 or 4)
 
-
 // 16-byte vector access. `ptr` must be 16-byte aligned (float offset a multiple of 4 from a
 // cudaMalloc'd base, or an __align__(16) shared array with a pitch that is a multiple of 4).
 __device__ __forceinline__ float4 load_float4(const float* ptr) {
@@ -54,7 +53,6 @@ __device__ __forceinline__ void store_float4(float* ptr, float4 value) {
 __device__ __forceinline__ float float4_at(const float4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
-
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 encoder_block_251b76cf_main(float* out, const int* tokens, const float* wte, const float* wpe,

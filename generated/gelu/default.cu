@@ -38,7 +38,6 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * (x + cube)));
 }
 
-
 // 16-byte vector access. `ptr` must be 16-byte aligned (float offset a multiple of 4 from a
 // cudaMalloc'd base, or an __align__(16) shared array with a pitch that is a multiple of 4).
 __device__ __forceinline__ float4 load_float4(const float* ptr) {
@@ -60,7 +59,6 @@ __device__ __forceinline__ void store_float4(float* ptr, float4 value) {
 __device__ __forceinline__ float float4_at(const float4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
-
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 gelu_97f4e41e_main(float* out, const float* inp, int N) {

@@ -39,8 +39,6 @@ constexpr int CONST_PARAMS = 0;  // 1: gamma/beta from __constant__ memory
 static_assert(CONST_PARAMS == 0 || CONST_PARAMS == 1, "const_params is a flag; the code below was rendered for it");
 constexpr float EPS = 1e-5f;
 
-
-
 // Butterfly reduction across the 32 lanes of a warp with register shuffles (no shared memory).
 // After log2(32) = 5 xor-steps *every* lane holds the result, so nobody has to broadcast it.
 __device__ __forceinline__ float warp_reduce_sum(float value) {

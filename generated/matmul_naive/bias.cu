@@ -28,7 +28,6 @@
 constexpr int BLOCK_X = 16;  // threads along N
 constexpr int BLOCK_Y = 4;  // threads along M
 
-
 // Epilogue `bias`: finish one output element and write it. Generated for exactly one
 // epilogue, so there is no run-time branching on the epilogue kind. Indices are computed in
 // 64 bits: M*N (and the split-K workspace) can approach 2^31 for large batches.

@@ -28,7 +28,6 @@
 constexpr int BLOCK_X = 16;  // threads along N
 constexpr int BLOCK_Y = 4;  // threads along M
 
-
 // GELU, tanh approximation (the one GPT-2 was trained with):
 //     gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 // Plain tanhf (no fast-math intrinsic): the result must match an f64 reference closely.

@@ -53,7 +53,6 @@ constexpr int VECS_PER_ROW = BLOCK_K / VEC;
 static_assert(THREAD_M % 4 == 0 && THREAD_N % 4 == 0, "threads own groups of 4 rows/columns");
 static_assert(BLOCK_K % VEC == 0, "a tile row is a whole number of vectors");
 
-
 // GELU, tanh approximation (the one GPT-2 was trained with):
 //     gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 // Plain tanhf (no fast-math intrinsic): the result must match an f64 reference closely.

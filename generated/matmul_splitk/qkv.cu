@@ -53,7 +53,6 @@ constexpr int VECS_PER_ROW = BLOCK_K / VEC;
 static_assert(THREAD_M % 4 == 0 && THREAD_N % 4 == 0, "threads own groups of 4 rows/columns");
 static_assert(BLOCK_K % VEC == 0, "a tile row is a whole number of vectors");
 
-
 // Epilogue `qkv`: finish one output element and write it. Generated for exactly one
 // epilogue, so there is no run-time branching on the epilogue kind. Indices are computed in
 // 64 bits: M*N (and the split-K workspace) can approach 2^31 for large batches.

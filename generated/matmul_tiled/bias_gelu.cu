@@ -33,7 +33,6 @@
 constexpr int TILE = 32;
 constexpr int PITCH = TILE + 1;  // padded row pitch of the shared tiles (see above)
 
-
 // GELU, tanh approximation (the one GPT-2 was trained with):
 //     gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 // Plain tanhf (no fast-math intrinsic): the result must match an f64 reference closely.

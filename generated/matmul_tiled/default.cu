@@ -33,7 +33,6 @@
 constexpr int TILE = 32;
 constexpr int PITCH = TILE + 1;  // padded row pitch of the shared tiles (see above)
 
-
 // Epilogue `none`: finish one output element and write it. Generated for exactly one
 // epilogue, so there is no run-time branching on the epilogue kind. Indices are computed in
 // 64 bits: M*N (and the split-K workspace) can approach 2^31 for large batches.

@@ -121,9 +121,24 @@ impl Renderer {
         );
         Ok(Source {
             kernel_name,
-            code: format!("{header}{}\n", body.trim()),
+            code: format!("{header}{}\n", collapse_blank_lines(body.trim())),
         })
     }
+}
+
+/// Template control lines leave runs of empty lines behind; keep at most one.
+fn collapse_blank_lines(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut blank_run = 0;
+    for line in text.lines() {
+        let line = line.trim_end();
+        blank_run = if line.is_empty() { blank_run + 1 } else { 0 };
+        if blank_run <= 1 {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.trim_end().to_string()
 }
 
 /// One file `gen` writes: its path relative to the output folder and its contents.
@@ -225,4 +240,15 @@ pub fn cuda_files(dir: &Path) -> Vec<PathBuf> {
     }
     out.sort();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blank_line_runs_collapse_to_one() {
+        assert_eq!(collapse_blank_lines("a  \n\n\n\nb\n\nc\n\n"), "a\n\nb\n\nc");
+        assert_eq!(collapse_blank_lines("x"), "x");
+    }
 }
