@@ -29,6 +29,8 @@ fn every_family_of_the_design_exists() {
         "softmax_row",
         "gelu",
         "residual",
+        "attention_decode",
+        "kv_append",
     ] {
         assert!(names.contains(want), "missing family {want}; have {names:?}");
     }

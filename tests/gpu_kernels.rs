@@ -113,6 +113,18 @@ fn gpu_residual() {
     check_op("residual");
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attention_decode() {
+    check_op("attention_decode");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_kv_append() {
+    check_op("kv_append");
+}
+
 /// The harness itself must catch broken kernels: one that skips the last element (caught by
 /// the NaN poison), one that is off by a little (caught by the tolerance), one that does not
 /// compile (reported, not a crash).

@@ -7,8 +7,10 @@ use std::collections::BTreeMap;
 use rand::rngs::StdRng;
 
 pub mod attention;
+pub mod attention_decode;
 pub mod encoder;
 pub mod gelu;
+pub mod kv_append;
 pub mod layernorm;
 pub mod matmul;
 pub mod residual;
@@ -266,7 +268,7 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)>;
 }
 
-static ALL_OPS: [&dyn OpContract; 7] = [
+static ALL_OPS: [&dyn OpContract; 9] = [
     &encoder::Encoder,
     &layernorm::LayerNorm,
     &matmul::Matmul,
@@ -274,6 +276,8 @@ static ALL_OPS: [&dyn OpContract; 7] = [
     &softmax::Softmax,
     &gelu::Gelu,
     &residual::Residual,
+    &attention_decode::AttentionDecode,
+    &kv_append::KvAppend,
 ];
 
 /// Every op contract.
@@ -489,6 +493,8 @@ mod tests {
         ("softmax", "float* out, const float* inp, int N, int C"),
         ("gelu", "float* out, const float* inp, int N"),
         ("residual", "float* out, const float* a, const float* b, int N"),
+        ("attention_decode", "float* out, const float* q, const float* k_cache, const float* v_cache, float* workspace, int B, int NH, int T, int max_T, int HS, float scale"),
+        ("kv_append", "float* k_cache, float* v_cache, const float* k, const float* v, int B, int NH, int T, int max_T, int HS, int pos"),
     ];
 
     fn variants(op: &dyn OpContract) -> Vec<(Epilogue, Mask)> {
@@ -509,7 +515,9 @@ mod tests {
                 "attention",
                 "softmax",
                 "gelu",
-                "residual"
+                "residual",
+                "attention_decode",
+                "kv_append"
             ]
         );
         for name in op_names() {
@@ -538,12 +546,11 @@ mod tests {
                             let t = &p.tensors[i];
                             assert_eq!(t.name, pname, "{name}");
                             assert!(!t.data.is_empty(), "{name}.{pname} empty");
-                            let want_role = if param.starts_with("const ") {
-                                Role::Input
+                            if param.starts_with("const ") {
+                                assert_eq!(t.role, Role::Input, "{name}.{pname}");
                             } else {
-                                Role::Output
-                            };
-                            assert_eq!(t.role, want_role, "{name}.{pname}");
+                                assert_ne!(t.role, Role::Input, "{name}.{pname}");
+                            }
                             match &t.data {
                                 HostData::F32(_) => {
                                     assert!(param.contains("float*"), "{name}.{pname}")

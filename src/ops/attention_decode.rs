@@ -1,0 +1,189 @@
+//! attention_decode: one new query per sequence against the KV cache (generation),
+//! `out[b, h*HS+d] = sum_{j<T} softmax_j(scale * q[b,h,:] . k_cache[b,h,j,:]) * v_cache[b,h,j,d]`.
+//!
+//! Kernel arguments: `float* out, const float* q, const float* k_cache, const float* v_cache,
+//! float* workspace, int B, int NH, int T, int max_T, int HS, float scale`.
+//! Shape: `B, NH, T, HS` (`T` = cache length including the new token); optional `max_T` (the
+//! cache capacity, default `T`, at least `T`). `scale` is `1/sqrt(HS)`.
+//! Tensors: `out [B, NH*HS]` (output), `q [B,NH,HS]`, `k_cache`, `v_cache [B,NH,max_T,HS]`.
+//! Cache rows at positions `>= T` hold huge values (1e4) in the test problems, so a kernel
+//! that reads past `T` fails verification. The query is the last position: no mask.
+
+use rand::rngs::StdRng;
+use rayon::prelude::*;
+
+use super::*;
+
+#[derive(Debug)]
+pub struct AttentionDecode;
+
+impl OpContract for AttentionDecode {
+    fn name(&self) -> &'static str {
+        "attention_decode"
+    }
+    fn summary(&self) -> &'static str {
+        "one query per sequence against the KV cache: q [B,NH,HS], caches [B,NH,max_T,HS] -> out [B,NH*HS]"
+    }
+    fn dims(&self) -> &'static [&'static str] {
+        &["B", "NH", "T", "HS"]
+    }
+    fn optional_vars(&self) -> &'static [&'static str] {
+        &["max_T"]
+    }
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
+        check_variant(self, epilogue, mask)?;
+        let (b, nh, t, hs) = (
+            get_dim(self, shape, "B")?,
+            get_dim(self, shape, "NH")?,
+            get_dim(self, shape, "T")?,
+            get_dim(self, shape, "HS")?,
+        );
+        let max_t = *shape.entry("max_T".into()).or_insert(t);
+        if max_t < t {
+            return Err(OpError::Shape {
+                op: self.name(),
+                msg: format!("the cache holds max_T={max_t} positions but T={t} are attended; give max_T >= T"),
+            });
+        }
+        check_i32(self, shape, &[("k_cache", b * nh * max_t * hs)])
+    }
+    fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
+        [(1, 2, 1), (3, 2, 5), (1, 3, 129), (2, 2, 1000)]
+            .iter()
+            .map(|&(b, nh, t)| shape_of(&[("B", b), ("NH", nh), ("T", t), ("HS", 64), ("max_T", t + 7)]))
+            .collect()
+    }
+    fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
+        let mut shape = shape.clone();
+        self.complete_shape(&mut shape, epilogue, mask)?;
+        let (b, nh, t, hs, max_t) = (shape["B"], shape["NH"], shape["T"], shape["HS"], shape["max_T"]);
+        let cache = |rng: &mut StdRng, lo: f32, hi: f32| {
+            let mut c = uniform(rng, (b * nh * max_t * hs) as usize, lo, hi);
+            // Positions past T are not part of the sequence: make reading them ruinous.
+            for row in 0..(b * nh) as usize {
+                let start = (row * max_t as usize + t as usize) * hs as usize;
+                let end = (row + 1) * (max_t * hs) as usize;
+                c[start..end].iter_mut().for_each(|x| *x = 1e4);
+            }
+            c
+        };
+        let tensors = vec![
+            TensorArg::output_f32("out", (b * nh * hs) as usize),
+            TensorArg::input_f32("q", uniform(rng, (b * nh * hs) as usize, -2.0, 2.0)),
+            TensorArg::input_f32("k_cache", cache(rng, -2.0, 2.0)),
+            TensorArg::input_f32("v_cache", cache(rng, -1.0, 1.0)),
+        ];
+        let args = vec![
+            Arg::Tensor(0),
+            Arg::Tensor(1),
+            Arg::Tensor(2),
+            Arg::Tensor(3),
+            Arg::Workspace,
+            Arg::I32(b as i32),
+            Arg::I32(nh as i32),
+            Arg::I32(t as i32),
+            Arg::I32(max_t as i32),
+            Arg::I32(hs as i32),
+            Arg::F32(1.0 / (hs as f32).sqrt()),
+        ];
+        Ok(Problem {
+            op: self.name(),
+            shape,
+            epilogue,
+            mask,
+            tensors,
+            args,
+        })
+    }
+    fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
+        let (nh, t, hs, max_t) = (
+            problem.dim("NH"),
+            problem.dim("T"),
+            problem.dim("HS"),
+            problem.dim("max_T"),
+        );
+        let (q, k, v) = (problem.f32s("q"), problem.f32s("k_cache"), problem.f32s("v_cache"));
+        let scale = 1.0 / (hs as f64).sqrt();
+        let out: Vec<f64> = (0..problem.dim("B") * nh)
+            .into_par_iter()
+            .flat_map_iter(|row| {
+                let q = &q[row * hs..(row + 1) * hs];
+                let base = row * max_t * hs;
+                let scores: Vec<f64> = (0..t)
+                    .map(|j| {
+                        let key = &k[base + j * hs..base + (j + 1) * hs];
+                        scale * q.iter().zip(key).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                (0..hs)
+                    .map(|d| (0..t).map(|j| weights[j] * v[base + j * hs + d] as f64).sum::<f64>() / total)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        vec![(problem.tensor_index("out").unwrap(), out)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn one_key_returns_its_value_and_two_keys_mix_by_softmax() {
+        let op = AttentionDecode;
+        let mut rng = StdRng::seed_from_u64(1);
+        let shape = shape_of(&[("B", 1), ("NH", 1), ("T", 1), ("HS", 2), ("max_T", 3)]);
+        let p = op.problem(&shape, Epilogue::None, Mask::None, &mut rng).unwrap();
+        let v = p.f32s("v_cache");
+        let out = &op.reference(&p)[0].1;
+        assert!((out[0] - v[0] as f64).abs() < 1e-12 && (out[1] - v[1] as f64).abs() < 1e-12);
+
+        // T = 2 by hand: q = (1, 0), keys (1, 0) and (0, 0), HS = 2 -> scores 1/sqrt2 and 0.
+        let mut p = op
+            .problem(
+                &shape_of(&[("B", 1), ("NH", 1), ("T", 2), ("HS", 2)]),
+                Epilogue::None,
+                Mask::None,
+                &mut rng,
+            )
+            .unwrap();
+        p.tensors[1].data = HostData::F32(vec![1.0, 0.0]);
+        p.tensors[2].data = HostData::F32(vec![1.0, 0.0, 0.0, 0.0]);
+        p.tensors[3].data = HostData::F32(vec![2.0, 4.0, 6.0, 8.0]);
+        let w0 = (1.0f64 / 2f64.sqrt()).exp();
+        let (a, b) = (w0 / (w0 + 1.0), 1.0 / (w0 + 1.0));
+        let out = &op.reference(&p)[0].1;
+        assert!((out[0] - (2.0 * a + 6.0 * b)).abs() < 1e-12);
+        assert!((out[1] - (4.0 * a + 8.0 * b)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn positions_past_t_are_poisoned_and_bad_shapes_refused() {
+        let op = AttentionDecode;
+        let mut rng = StdRng::seed_from_u64(2);
+        let p = op
+            .problem(
+                &op.test_shapes(Epilogue::None, Mask::None)[1],
+                Epilogue::None,
+                Mask::None,
+                &mut rng,
+            )
+            .unwrap();
+        let k = p.f32s("k_cache");
+        let (t, hs, max_t) = (p.dim("T"), p.dim("HS"), p.dim("max_T"));
+        assert_eq!(k[t * hs], 1e4);
+        assert!(k[(t - 1) * hs].abs() <= 2.0);
+        assert_eq!(k.len(), p.dim("B") * p.dim("NH") * max_t * hs);
+        assert!(op.reference(&p)[0].1.iter().all(|x| x.abs() <= 1.0));
+        let mut bad = shape_of(&[("B", 1), ("NH", 1), ("T", 9), ("HS", 64), ("max_T", 4)]);
+        let e = op
+            .complete_shape(&mut bad, Epilogue::None, Mask::None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("attention_decode") && e.contains("max_T >= T"), "{e}");
+    }
+}
