@@ -129,7 +129,7 @@ impl OpContract for Matmul {
         if epilogue == Epilogue::Qkv {
             // (M, N, K, T, n_head)
             [
-                (2, 6, 3, 1, 1),
+                (4, 12, 3, 1, 2),
                 (10, 48, 40, 5, 2),
                 (21, 108, 72, 7, 3),
                 (66, 192, 64, 33, 4),
@@ -139,8 +139,10 @@ impl OpContract for Matmul {
             .collect()
         } else {
             [
-                (1, 1, 1),
-                (5, 3, 7),
+                // Tiny edges, but with enough outputs that one element's rounding under
+                // cancellation cannot dominate the relative L2 error.
+                (1, 37, 1),
+                (5, 13, 7),
                 (37, 100, 72),
                 (1, 64, 40),
                 (130, 96, 33),

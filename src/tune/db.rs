@@ -228,7 +228,7 @@ impl TuningDb {
                 e.shape.len() == key.shape.len()
                     && e.shape
                         .iter()
-                        .all(|(name, v)| name == free_dim || key.shape.get(name) == Some(v))
+                        .all(|(name, v)| free.contains(&name.as_str()) || key.shape.get(name) == Some(v))
             })
             .min_by(|(_, a), (_, b)| {
                 let d = |e: &Entry| ((e.shape[free_dim] as f64).ln() - want.ln()).abs();
@@ -400,6 +400,17 @@ mod tests {
         let mut other_n = key(1024);
         other_n.shape.insert("N".into(), 3072);
         assert!(db.nearest(&other_n, &["M"]).is_none(), "N must match exactly");
+        // Row variables that move together (matmul's M and T) are all free.
+        let with_t = |m: i64| {
+            let mut k = key(m);
+            k.shape.insert("T".into(), m);
+            k
+        };
+        let mut coupled = entry(1024, "coupled");
+        coupled.shape = with_t(1024).shape;
+        db.insert(&with_t(1024), coupled);
+        assert_eq!(db.nearest(&with_t(900), &["M", "T"]).unwrap().family, "coupled");
+        assert!(db.nearest(&with_t(900), &["M"]).is_none(), "T differs and is not free");
         let mut other_epilogue = key(1024);
         other_epilogue.variant_kind = "none".into();
         assert!(db.nearest(&other_epilogue, &["M"]).is_none());
