@@ -24,6 +24,8 @@ fn every_family_of_the_design_exists() {
         "matmul_tiled",
         "matmul_regtile",
         "matmul_splitk",
+        "matmul_warptile",
+        "matmul_gemv",
         "attention_naive",
         "attention_flash",
         "softmax_row",

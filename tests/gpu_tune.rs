@@ -141,4 +141,15 @@ fn gpu_tune_store_reuse_and_registry() {
         .unwrap();
     assert_eq!(s.choice, Choice::Default);
     assert_eq!(s.variant.family.name, "matmul_regtile");
+    // A decode-step shape prefers the small-M family (its spec's prefer_when) over the ranks.
+    let mut decode = workloads[0].shape.clone();
+    decode.insert("M".into(), 1);
+    decode.insert("T".into(), 1);
+    let s = registry
+        .select("matmul", Epilogue::Bias, Mask::None, &decode, &gpu.info.limits)
+        .unwrap();
+    assert_eq!(
+        (s.choice, s.variant.family.name.as_str()),
+        (Choice::Default, "matmul_gemv")
+    );
 }

@@ -195,6 +195,16 @@ fn duplicate_values_and_reserved_names() {
 }
 
 #[test]
+fn prefer_when_is_checked_like_other_shape_expressions() {
+    let e = error_of(
+        &GOOD
+            .replace("rank = 0\n", "")
+            .replace("dtypes = [\"f32\"]", "prefer_when = \"M <= 8\"\ndtypes = [\"f32\"]"),
+    );
+    assert!(e.contains("family.prefer_when: `M <= 8`: unknown variable `M`"), "{e}");
+}
+
+#[test]
 fn no_kernels() {
     let text =
         GOOD.split("[[kernels]]").next().unwrap().to_string() + "[default]\nblock_size = 128\nvector_width = 4\n";

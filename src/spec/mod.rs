@@ -137,6 +137,9 @@ struct RawFamily {
     /// of the best-ranked family that supports the shape.
     #[serde(default = "default_rank")]
     rank: i64,
+    /// A shape condition under which this family goes before every other (whatever the
+    /// ranks) when nothing is tuned, e.g. `M <= 8` for a family built for the decode step.
+    prefer_when: Option<String>,
     dtypes: Vec<Dtype>,
     #[serde(default)]
     epilogues: Vec<Epilogue>,
@@ -213,6 +216,8 @@ pub struct Family {
     pub description: String,
     /// Fallback preference among the op's families (lower first).
     pub rank: i64,
+    /// Shapes for which this family is preferred over the ranks.
+    pub prefer_when: Option<Expr>,
     /// The spec file it came from.
     pub file: PathBuf,
     pub dtypes: Vec<Dtype>,
@@ -499,6 +504,11 @@ impl Family {
             template: f.template.clone(),
             description: f.description.clone(),
             rank: f.rank,
+            prefer_when: f
+                .prefer_when
+                .as_deref()
+                .map(|t| parse("family.prefer_when".into(), t))
+                .transpose()?,
             file: file.to_path_buf(),
             dtypes: f.dtypes.clone(),
             epilogues,
@@ -569,6 +579,9 @@ impl Family {
         }
         if let Some(w) = &self.workspace {
             all.push(("workspace.elems".into(), w));
+        }
+        if let Some(p) = &self.prefer_when {
+            all.push(("family.prefer_when".into(), p));
         }
         for (i, c) in self.constants.iter().enumerate() {
             if let Some(w) = &c.when {
@@ -958,6 +971,14 @@ impl Variant {
             .eval(&self.vars(shape, limits))
             .map_err(|err| self.family.expr_error("workspace.elems", err))?;
         usize::try_from(v).map_err(|_| self.family.field_error("workspace.elems", format!("`{e}` gives {v}")))
+    }
+
+    /// Whether the family's `prefer_when` holds for `shape` (false without one).
+    pub fn preferred_for(&self, shape: &Shape, limits: &DeviceLimits) -> bool {
+        self.family
+            .prefer_when
+            .as_ref()
+            .is_some_and(|p| p.holds(&self.vars(shape, limits)).unwrap_or(false))
     }
 
     /// `__constant__` symbols to fill before launch: (symbol, op tensor name).

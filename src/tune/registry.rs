@@ -112,19 +112,24 @@ impl Registry {
                 }
             }
         }
-        let mut families: Vec<_> = self
+        let mut defaults = Vec::new();
+        for f in self
             .catalog
             .for_op(op)
             .filter(|f| f.epilogues.contains(&epilogue) && f.masks.contains(&mask))
-            .collect();
-        families.sort_by_key(|f| (f.rank, f.name.clone()));
-        let mut reasons = Vec::new();
-        for f in families {
+        {
             let variant = expand(f, Points::Default, limits)
                 .map_err(|e| RegistryError::Build(e.to_string()))?
                 .into_iter()
                 .find(|v| v.epilogue == epilogue && v.mask == mask)
                 .expect("the family lists this epilogue and mask");
+            defaults.push(variant);
+        }
+        // Families whose `prefer_when` holds for this shape first, then by rank.
+        defaults.sort_by_key(|v| (!v.preferred_for(shape, limits), v.family.rank, v.family.name.clone()));
+        let mut reasons = Vec::new();
+        for variant in defaults {
+            let f = variant.family.clone();
             match variant.check_shape(shape, limits) {
                 Ok(()) => {
                     return Ok(Selected {
