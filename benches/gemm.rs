@@ -11,7 +11,7 @@ use kernelforge::gpu::{Compiler, DeviceProblem, Gpu};
 use kernelforge::ops::{self, Epilogue, Mask, Shape};
 use kernelforge::spec::Catalog;
 use kernelforge::tune::baseline::CublasBaseline;
-use kernelforge::tune::db::{default_path, DbHeader, TuningDb, FORMAT_VERSION};
+use kernelforge::tune::db::{default_path, DbHeader, TuningDb};
 use kernelforge::tune::registry::Registry;
 use kernelforge::tune::time::{time_variant, TimingPlan};
 use rand::SeedableRng;
@@ -33,13 +33,7 @@ fn gemm(c: &mut Criterion) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
     let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
-    let header = DbHeader {
-        gpu: gpu.info.name.clone(),
-        compute_capability: gpu.info.compute_capability,
-        driver_version: gpu.info.driver_version,
-        nvrtc_version: compiler.nvrtc_version,
-        format: FORMAT_VERSION,
-    };
+    let header = DbHeader::for_device(&gpu, &compiler);
     let path = default_path(&header);
     let db = path
         .exists()

@@ -8,7 +8,7 @@ use kernelforge::codegen::Renderer;
 use kernelforge::gpu::{Compiler, Gpu};
 use kernelforge::ops::{self, Epilogue, Mask, Shape};
 use kernelforge::spec::Catalog;
-use kernelforge::tune::db::{DbHeader, TuningDb, FORMAT_VERSION};
+use kernelforge::tune::db::{DbHeader, TuningDb};
 use kernelforge::tune::registry::{Choice, Registry};
 use kernelforge::tune::tuner::{tune, Quiet, TuneOptions};
 use kernelforge::tune::workloads::Workload;
@@ -37,13 +37,7 @@ fn gpu_tune_store_reuse_and_registry() {
     let renderer = Renderer::new(&catalog.templates_dir).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("db.json");
-    let header = DbHeader {
-        gpu: gpu.info.name.clone(),
-        compute_capability: gpu.info.compute_capability,
-        driver_version: gpu.info.driver_version,
-        nvrtc_version: compiler.nvrtc_version,
-        format: FORMAT_VERSION,
-    };
+    let header = DbHeader::for_device(&gpu, &compiler);
     std::fs::write(&path, "not json at all").unwrap();
     let mut db = TuningDb::open(&path, header.clone()).unwrap();
     assert!(db

@@ -13,7 +13,7 @@ use crate::model::GPT2Config;
 use crate::ops::{self, Epilogue, Mask};
 use crate::spec::{shape_text, Catalog};
 use crate::tune::baseline::{fp32_peak_flops, measure_copy_bandwidth};
-use crate::tune::db::{default_path, DbHeader, TuningDb, FORMAT_VERSION};
+use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::tuner::{tune, Progress, TuneOptions, TuneResult};
 use crate::tune::workloads::{model_workloads, Workload};
 
@@ -153,13 +153,7 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     let gpu = Gpu::new(0).context("tune measures kernels on the GPU")?;
     let compiler = Compiler::new(&gpu.info.arch())?;
     let renderer = Renderer::new(&catalog.templates_dir)?;
-    let header = DbHeader {
-        gpu: gpu.info.name.clone(),
-        compute_capability: gpu.info.compute_capability,
-        driver_version: gpu.info.driver_version,
-        nvrtc_version: compiler.nvrtc_version,
-        format: FORMAT_VERSION,
-    };
+    let header = DbHeader::for_device(&gpu, &compiler);
     let db_path = args.db.clone().unwrap_or_else(|| default_path(&header));
     let mut db = TuningDb::open(&db_path, header)?;
     if let Some(w) = &db.warning {

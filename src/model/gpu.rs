@@ -37,7 +37,7 @@ use super::weights::GPT2Model;
 use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Catalog, Launch, Points, Variant};
-use crate::tune::db::{default_path, DbHeader, TuningDb, FORMAT_VERSION};
+use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::registry::{variant_kind, Choice, Registry};
 
 /// The op (and kernel family) of the decode attention: one query per sequence against the cache.
@@ -224,13 +224,7 @@ impl GpuBackend {
         let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))
             .with_context(|| format!("loading the kernel specs under {}", root.display()))?;
         let mut notes = Vec::new();
-        let header = DbHeader {
-            gpu: gpu.info.name.clone(),
-            compute_capability: gpu.info.compute_capability,
-            driver_version: gpu.info.driver_version,
-            nvrtc_version: compiler.nvrtc_version,
-            format: FORMAT_VERSION,
-        };
+        let header = DbHeader::for_device(&gpu, &compiler);
         let db_path = default_path(&header);
         let db = if db_path.exists() {
             match TuningDb::open(&db_path, header) {

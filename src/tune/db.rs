@@ -41,6 +41,17 @@ pub struct DbHeader {
 }
 
 impl DbHeader {
+    /// The header for results measured on `gpu` with `compiler`'s NVRTC.
+    pub fn for_device(gpu: &crate::gpu::Gpu, compiler: &crate::gpu::Compiler) -> DbHeader {
+        DbHeader {
+            gpu: gpu.info.name.clone(),
+            compute_capability: gpu.info.compute_capability,
+            driver_version: gpu.info.driver_version,
+            nvrtc_version: compiler.nvrtc_version,
+            format: FORMAT_VERSION,
+        }
+    }
+
     fn describe(&self) -> String {
         format!(
             "{} (sm_{}{})",
