@@ -12,7 +12,7 @@ use super::baseline::CublasBaseline;
 use super::db::{Entry, TuneKey, TuningDb};
 use super::registry::variant_kind;
 use super::time::{rotation_count, time_variant, Timing, TimingPlan};
-use super::verify::tolerance;
+use super::verify::{run_and_compare, tolerance, RunFailure};
 use super::workloads::Workload;
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
@@ -222,25 +222,12 @@ impl Context<'_> {
     ) -> Result<(), String> {
         let gpu = self.gpu;
         let loaded = self.load(v)?;
-        let launches = loaded.plan(gpu, &problem.shape).map_err(|e| e.to_string())?;
-        let elems = v
-            .workspace_elems(&problem.shape, &gpu.info.limits)
-            .map_err(|e| e.to_string())?;
-        device.ensure_workspace(gpu, elems).map_err(|e| e.to_string())?;
-        loaded.fill_constants(gpu, problem).map_err(|e| e.to_string())?;
-        device.poison_outputs(gpu, problem).map_err(|e| e.to_string())?;
-        loaded
-            .launch(gpu, problem, device, &launches)
-            .map_err(|e| e.to_string())?;
-        gpu.synchronize().map_err(|e| format!("kernel fault: {e}"))?;
-        for (index, want) in reference {
-            let got = device.download(gpu, *index).map_err(|e| e.to_string())?;
-            let err = ops::relative_l2_error(&got, want);
-            if err.is_nan() || err >= tolerance(v.dtype) {
-                return Err(format!("wrong result: relative L2 error {err:.2e}"));
-            }
+        match run_and_compare(gpu, loaded, problem, device, reference) {
+            Ok(err) if err < tolerance(v.dtype) => Ok(()),
+            Ok(err) => Err(format!("wrong result: relative L2 error {err:.2e}")),
+            Err(RunFailure::Soft(why)) => Err(why),
+            Err(RunFailure::Fault(why)) => Err(format!("kernel fault: {why}")),
         }
-        Ok(())
     }
 
     fn time(

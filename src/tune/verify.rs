@@ -171,7 +171,9 @@ pub fn verify(
     rows
 }
 
-enum RunFailure {
+/// Why a variant did not produce a result.
+#[derive(Debug)]
+pub(crate) enum RunFailure {
     /// This variant is broken; others can still run.
     Soft(String),
     /// The GPU context is unusable from now on.
@@ -203,15 +205,29 @@ fn run_one(
             LoadedVariant::load(gpu, variant, cubin).map_err(|e| soft(&e))?,
         );
     }
-    let module = &loaded[name];
-    let launches = module.plan(gpu, &problem.shape).map_err(|e| soft(&e))?;
-    let elems = variant
+    run_and_compare(gpu, &loaded[name], problem, device, reference)
+}
+
+/// Runs a loaded variant once on `problem` (its workspace sized, `__constant__` data filled,
+/// outputs poisoned with NaN first) and returns the largest relative L2 error of its outputs
+/// against `reference`.
+pub(crate) fn run_and_compare(
+    gpu: &Gpu,
+    loaded: &LoadedVariant,
+    problem: &Problem,
+    device: &mut DeviceProblem,
+    reference: &[(usize, Vec<f64>)],
+) -> Result<f64, RunFailure> {
+    let soft = |e: &dyn std::fmt::Display| RunFailure::Soft(e.to_string());
+    let launches = loaded.plan(gpu, &problem.shape).map_err(|e| soft(&e))?;
+    let elems = loaded
+        .variant
         .workspace_elems(&problem.shape, &gpu.info.limits)
         .map_err(|e| soft(&e))?;
     device.ensure_workspace(gpu, elems).map_err(|e| soft(&e))?;
-    module.fill_constants(gpu, problem).map_err(|e| soft(&e))?;
+    loaded.fill_constants(gpu, problem).map_err(|e| soft(&e))?;
     device.poison_outputs(gpu, problem).map_err(|e| soft(&e))?;
-    module
+    loaded
         .launch(gpu, problem, device, &launches)
         .map_err(|e| RunFailure::Fault(e.to_string()))?;
     gpu.synchronize().map_err(|e| RunFailure::Fault(e.to_string()))?;
