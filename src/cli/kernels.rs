@@ -70,7 +70,8 @@ pub struct InspectArgs {
 /// variant fails.
 #[derive(Debug, Args)]
 pub struct VerifyArgs {
-    /// Only families of this op (encoder, layernorm, matmul, attention, softmax, gelu, residual).
+    /// Only families of this op (encoder, layernorm, matmul, attention, attention_decode, kv_append,
+    /// softmax, gelu, residual).
     #[arg(long)]
     pub op: Option<String>,
     /// Only this family.
