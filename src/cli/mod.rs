@@ -50,15 +50,15 @@ pub fn main() -> Result<()> {
         Command::Tune(args) => tune::run(&root()?, args),
         Command::Tokenize(args) => model::run_tokenize(&args),
         Command::Forward(mut args) => {
-            args.root = cli.root.clone();
+            args.target.root = cli.root.clone();
             model::run_forward(&args)
         }
         Command::Generate(mut args) => {
-            args.root = cli.root.clone();
+            args.target.root = cli.root.clone();
             model::run_generate(&args)
         }
         Command::Bench(mut args) => {
-            args.root = cli.root.clone();
+            args.target.root = cli.root.clone();
             model::run_bench(&args)
         }
     }

@@ -61,9 +61,9 @@ pub struct TokenizeArgs {
     pub json: bool,
 }
 
-/// `kernelforge forward`: logits for every position.
+/// What every model command shares: the checkpoint, where to run it, and which kernels.
 #[derive(clap::Args, Debug, Clone)]
-pub struct ForwardArgs {
+pub struct ModelArgs {
     /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name
     /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
     #[arg(long, value_name = "DIR|FILE|NAME")]
@@ -74,6 +74,37 @@ pub struct ForwardArgs {
     /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
     #[arg(long)]
     pub unfused: bool,
+    /// Precision (only f32 has kernels so far; the others are refused with a clear error).
+    #[arg(long, value_enum, default_value_t = DType::F32)]
+    pub dtype: DType,
+    /// The project folder (specs/, templates/) from the global --root.
+    #[arg(skip)]
+    pub root: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The device to run on, checked against --dtype and --unfused.
+    fn device(&self) -> Result<Device> {
+        let device = resolve_device(self.device);
+        check_device(device, self.dtype, self.unfused)?;
+        Ok(device)
+    }
+
+    /// Backend options for buffers sized to `max_batch` sequences.
+    fn backend_options(&self, max_batch: usize) -> BackendOptions {
+        BackendOptions {
+            max_batch,
+            unfused: self.unfused,
+            root: self.root.clone(),
+        }
+    }
+}
+
+/// `kernelforge forward`: logits for every position.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ForwardArgs {
+    #[command(flatten)]
+    pub target: ModelArgs,
     /// Input token ids, comma-separated (e.g. 15496,11,995).
     #[arg(
         long,
@@ -88,29 +119,16 @@ pub struct ForwardArgs {
     /// Write the logits, [T, vocab] float32, to this .npy file.
     #[arg(long, value_name = "PATH")]
     pub logits_out: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = DType::F32)]
-    pub dtype: DType,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// The project folder (specs/, templates/) from the global --root.
-    #[arg(skip)]
-    pub root: Option<PathBuf>,
 }
 
 /// `kernelforge generate`: stream text from a prompt.
 #[derive(clap::Args, Debug, Clone)]
 pub struct GenerateArgs {
-    /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name
-    /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
-    #[arg(long, value_name = "DIR|FILE|NAME")]
-    pub model: String,
-    /// Where to run (default: cuda when a GPU opens, else cpu).
-    #[arg(long, value_enum)]
-    pub device: Option<Device>,
-    /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
-    #[arg(long)]
-    pub unfused: bool,
+    #[command(flatten)]
+    pub target: ModelArgs,
     /// Prompt text.
     #[arg(long, value_name = "TEXT", required_unless_present = "ids", conflicts_with = "ids")]
     pub prompt: Option<String>,
@@ -137,8 +155,6 @@ pub struct GenerateArgs {
     /// Run B copies of the prompt as one batch.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    #[arg(long, value_enum, default_value_t = DType::F32)]
-    pub dtype: DType,
     /// Print the generated token ids (one comma-separated line per sequence) instead of text.
     #[arg(long)]
     pub print_ids: bool,
@@ -148,21 +164,13 @@ pub struct GenerateArgs {
     /// Print one JSON object (ids, text, stats) at the end instead of streaming.
     #[arg(long)]
     pub json: bool,
-    /// The project folder (specs/, templates/) from the global --root.
-    #[arg(skip)]
-    pub root: Option<PathBuf>,
 }
 
 /// `kernelforge bench`: forward and generation throughput, and where the time goes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name found in the
-    /// Hugging Face cache.
-    #[arg(long, value_name = "DIR|FILE|NAME")]
-    pub model: String,
-    /// Where to run (default: cuda when a GPU opens, else cpu).
-    #[arg(long, value_enum)]
-    pub device: Option<Device>,
+    #[command(flatten)]
+    pub target: ModelArgs,
     /// Sequences per batch.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -176,17 +184,9 @@ pub struct BenchArgs {
     /// Timed forward passes (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
-    /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
-    #[arg(long)]
-    pub unfused: bool,
-    #[arg(long, value_enum, default_value_t = DType::F32)]
-    pub dtype: DType,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
-    /// The project folder (specs/, templates/) from the global --root.
-    #[arg(skip)]
-    pub root: Option<PathBuf>,
 }
 
 /// Parse `15496,11,995` (commas and/or whitespace) into token ids.
@@ -390,18 +390,12 @@ pub fn run_tokenize(args: &TokenizeArgs) -> Result<()> {
 
 /// `kernelforge forward`.
 pub fn run_forward(args: &ForwardArgs) -> Result<()> {
-    let device = resolve_device(args.device);
-    check_device(device, args.dtype, args.unfused)?;
+    let device = args.target.device()?;
     let tok = Tokenizer::gpt2();
     let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
-    let model = load(&args.model)?;
+    let model = load(&args.target.model)?;
     let cfg: GPT2Config = model.config.clone();
-    let opts = BackendOptions {
-        max_batch: 1,
-        unfused: args.unfused,
-        root: args.root.clone(),
-    };
-    let mut backend = make_backend(device, args.dtype, model, &opts)?;
+    let mut backend = make_backend(device, args.target.dtype, model, &args.target.backend_options(1))?;
     let t0 = Instant::now();
     let logits = backend.prefill(std::slice::from_ref(&ids))?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -448,8 +442,7 @@ pub fn run_forward(args: &ForwardArgs) -> Result<()> {
 
 /// `kernelforge generate`.
 pub fn run_generate(args: &GenerateArgs) -> Result<()> {
-    let device = resolve_device(args.device);
-    check_device(device, args.dtype, args.unfused)?;
+    let device = args.target.device()?;
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
@@ -465,13 +458,13 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
         }
     };
     sampling.validate()?;
-    let model = load(&args.model)?;
-    let backend_opts = BackendOptions {
-        max_batch: args.batch,
-        unfused: args.unfused,
-        root: args.root.clone(),
-    };
-    let mut backend = make_backend(device, args.dtype, model, &backend_opts)?;
+    let model = load(&args.target.model)?;
+    let mut backend = make_backend(
+        device,
+        args.target.dtype,
+        model,
+        &args.target.backend_options(args.batch),
+    )?;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling,
@@ -601,12 +594,11 @@ fn profile_table(rows: &[ProfileRow]) -> String {
 /// argmax fed back each step, like greedy generation), then one profiled forward and decode run
 /// for the per-kernel table (GPU only).
 pub fn run_bench(args: &BenchArgs) -> Result<()> {
-    let device = resolve_device(args.device);
-    check_device(device, args.dtype, args.unfused)?;
+    let device = args.target.device()?;
     if args.batch == 0 || args.seq == 0 {
         bail!("--batch and --seq must be at least 1");
     }
-    let model = load(&args.model)?;
+    let model = load(&args.target.model)?;
     let cfg = model.config.clone();
     if args.seq > cfg.n_ctx {
         bail!(
@@ -634,11 +626,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let tokens = bench_tokens(args.batch, args.seq, cfg.vocab_size);
     let decode_tokens: Vec<Vec<u32>> = tokens.iter().map(|t| t[..decode_prefill].to_vec()).collect();
     let repeats = args.repeats.max(1);
-    let opts = BackendOptions {
-        max_batch: args.batch,
-        unfused: args.unfused,
-        root: args.root.clone(),
-    };
+    let opts = args.target.backend_options(args.batch);
     let mut gpu = match device {
         Device::Cuda => Some(make_gpu_backend(model.clone(), &opts)?),
         Device::Cpu => None,
@@ -745,8 +733,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         let j = json!({
             "device": device.as_str(),
             "device_name": device_name,
-            "unfused": args.unfused,
-            "model": args.model,
+            "unfused": args.target.unfused,
+            "model": args.target.model,
             "config": cfg,
             "batch": args.batch,
             "seq": args.seq,
@@ -778,7 +766,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     writeln!(
         out,
         "{device_name}: {} (L={}, NH={}, C={}), batch {} x seq {}",
-        args.model, cfg.n_layer, cfg.n_head, cfg.n_embd, args.batch, args.seq
+        args.target.model, cfg.n_layer, cfg.n_head, cfg.n_embd, args.batch, args.seq
     )?;
     writeln!(out, "warm-up (compile + first runs): {warmup_ms:.1} ms")?;
     writeln!(
@@ -851,6 +839,16 @@ mod tests {
         assert_eq!(resolve_model_in("gpt2-medium", Some(cache)).unwrap(), snap);
     }
 
+    fn cpu_target(model: &str) -> ModelArgs {
+        ModelArgs {
+            model: model.to_string(),
+            device: Some(Device::Cpu),
+            unfused: false,
+            dtype: DType::F32,
+            root: None,
+        }
+    }
+
     #[test]
     fn forward_and_generate_commands_on_a_tiny_model() {
         let dir = tempfile::tempdir().unwrap();
@@ -864,15 +862,11 @@ mod tests {
         for model in [&bin, &hf] {
             let out = dir.path().join(format!("{}.npy", outs.len()));
             run_forward(&ForwardArgs {
-                model: model.display().to_string(),
-                device: Some(Device::Cpu),
-                unfused: false,
+                target: cpu_target(&model.display().to_string()),
                 ids: Some("15496,11,995".into()),
                 prompt: None,
                 logits_out: Some(out.clone()),
-                dtype: DType::F32,
                 json: true,
-                root: None,
             })
             .unwrap();
             let (shape, data) = read_npy_f32(&out).unwrap();
@@ -881,9 +875,7 @@ mod tests {
         }
         assert_eq!(outs[0], outs[1]);
         let gen = GenerateArgs {
-            model: bin.display().to_string(),
-            device: Some(Device::Cpu),
-            unfused: false,
+            target: cpu_target(&bin.display().to_string()),
             prompt: Some("Hello".into()),
             ids: None,
             max_new_tokens: 3,
@@ -893,23 +885,27 @@ mod tests {
             top_p: 1.0,
             seed: 0,
             batch: 2,
-            dtype: DType::F32,
             print_ids: true,
             ignore_eot: false,
             json: false,
-            root: None,
         };
         run_generate(&gen).unwrap();
         if !crate::gpu::device::driver_present() {
             let cuda = GenerateArgs {
-                device: Some(Device::Cuda),
+                target: ModelArgs {
+                    device: Some(Device::Cuda),
+                    ..gen.target.clone()
+                },
                 ..gen.clone()
             };
             let msg = run_generate(&cuda).unwrap_err().to_string();
             assert!(msg.contains("no CUDA driver") && msg.contains("--device cpu"), "{msg}");
         }
         let unfused_cpu = GenerateArgs {
-            unfused: true,
+            target: ModelArgs {
+                unfused: true,
+                ..gen.target.clone()
+            },
             ..gen.clone()
         };
         assert!(run_generate(&unfused_cpu)
@@ -927,16 +923,12 @@ mod tests {
         let bin = dir.path().join("m.bin");
         write_llmc(&bin, &cfg, &GPT2Weights::random(&cfg, 3), LlmcVersion::F32).unwrap();
         let args = BenchArgs {
-            model: bin.display().to_string(),
-            device: Some(Device::Cpu),
+            target: cpu_target(&bin.display().to_string()),
             batch: 2,
             seq: 12,
             generate: 8, // 12 + 8 > 16: the decode prefill shrinks to 8 tokens
             repeats: 2,
-            unfused: false,
-            dtype: DType::F32,
             json: true,
-            root: None,
         };
         run_bench(&args).unwrap();
         run_bench(&BenchArgs {

@@ -83,16 +83,8 @@ impl OpContract for KvAppend {
         let cache_len = (b * nh * max_t * hs) as usize;
         let new_len = (b * nh * t * hs) as usize;
         let tensors = vec![
-            TensorArg {
-                name: "k_cache",
-                role: Role::InOut,
-                data: HostData::F32(uniform(rng, cache_len, -1.0, 1.0)),
-            },
-            TensorArg {
-                name: "v_cache",
-                role: Role::InOut,
-                data: HostData::F32(uniform(rng, cache_len, -1.0, 1.0)),
-            },
+            TensorArg::inout_f32("k_cache", uniform(rng, cache_len, -1.0, 1.0)),
+            TensorArg::inout_f32("v_cache", uniform(rng, cache_len, -1.0, 1.0)),
             TensorArg::input_f32("k", uniform(rng, new_len, 2.0, 3.0)),
             TensorArg::input_f32("v", uniform(rng, new_len, -3.0, -2.0)),
         ];

@@ -154,6 +154,14 @@ impl TensorArg {
         }
     }
     /// An output buffer of `len` f32 (filled with NaN; the runner poisons it anyway).
+    /// A tensor the kernel reads and partly overwrites (see [`Role::InOut`]).
+    pub fn inout_f32(name: &'static str, data: Vec<f32>) -> Self {
+        TensorArg {
+            name,
+            role: Role::InOut,
+            data: HostData::F32(data),
+        }
+    }
     pub fn output_f32(name: &'static str, len: usize) -> Self {
         TensorArg {
             name,
