@@ -113,6 +113,34 @@ fn decode_steps_match_the_cpu() {
     }
 }
 
+/// Decode steps replayed as a CUDA graph give exactly the logits of kernel-by-kernel launches,
+/// also when the batch size changes between generations (one graph per batch size) and after a
+/// new prefill (the graph is replayed with the new cache, not re-recorded).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_graphs_replay_exactly_what_direct_launches_compute() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut graphed = gpu(&model, 3, false);
+    let mut direct = gpu(&model, 3, false);
+    assert!(graphed.decode_graphs(), "decode graphs are on by default");
+    direct.set_decode_graphs(false);
+    for (round, batch) in [(0u32, 1usize), (1, 3), (2, 1)] {
+        let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(6 + round as usize, 7 + i as u32 + round)).collect();
+        let a = graphed.prefill_last(&prompts).unwrap();
+        let b = direct.prefill_last(&prompts).unwrap();
+        assert_eq!(a.data, b.data, "round {round}: prefill");
+        let mut next: Vec<u32> = (0..batch).map(|s| argmax(b.last(s)).unwrap()).collect();
+        for step in 0..9 {
+            let a = graphed.decode(&next).unwrap();
+            let b = direct.decode(&next).unwrap();
+            assert!(b.data.iter().all(|x| x.is_finite()), "round {round} step {step}: non-finite logits");
+            assert_eq!(a.data, b.data, "round {round} (batch {batch}) step {step}: graph != direct");
+            next = (0..batch).map(|s| argmax(b.last(s)).unwrap()).collect();
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_after_a_long_prefill_reaches_the_context_end() {

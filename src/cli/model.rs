@@ -184,6 +184,10 @@ pub struct BenchArgs {
     /// Timed forward passes (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
+    /// Time the decode steps kernel by kernel instead of replaying each step as a CUDA graph
+    /// (to see what the graphs save).
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -631,6 +635,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         Device::Cuda => Some(make_gpu_backend(model.clone(), &opts)?),
         Device::Cpu => None,
     };
+    if let Some(g) = gpu.as_mut() {
+        g.set_decode_graphs(!args.no_cuda_graphs);
+    }
     let mut cpu = CpuBackend::new(model.clone());
     let decode_ok = match &gpu {
         Some(g) => match g.decode_unavailable() {
@@ -714,6 +721,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         g.set_profiling(false);
     }
 
+    let decode_graphs = gpu.as_ref().is_some_and(|g| g.decode_graphs());
     let (device_name, tuned, choices, backend_notes) = match &gpu {
         Some(g) => (
             format!(
@@ -751,6 +759,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
                 "total_ms": decode_ms,
                 "ms_per_step": if steps > 0 { decode_ms / steps as f64 } else { 0.0 },
                 "tokens_per_s": decode_tps,
+                "cuda_graphs": decode_graphs,
             },
             "tuned_kernels": tuned.map(|(t, n)| json!({ "tuned": t, "total": n })),
             "kernels": choices
@@ -776,8 +785,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     if steps > 0 {
         writeln!(
             out,
-            "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({:.3} ms/step, {decode_tps:.1} tokens/s)",
-            decode_ms / steps as f64
+            "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({:.3} ms/step, {decode_tps:.1} tokens/s{})",
+            decode_ms / steps as f64,
+            if decode_graphs { ", CUDA graphs" } else { "" }
         )?;
     }
     if let Some((t, n)) = tuned {
@@ -928,6 +938,7 @@ mod tests {
             seq: 12,
             generate: 8, // 12 + 8 > 16: the decode prefill shrinks to 8 tokens
             repeats: 2,
+            no_cuda_graphs: false,
             json: true,
         };
         run_bench(&args).unwrap();

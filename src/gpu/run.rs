@@ -150,6 +150,11 @@ impl LoadedVariant {
         })
     }
 
+    /// The loaded `__global__` functions, in the spec's `[[kernels]]` order.
+    pub fn functions(&self) -> &[CudaFunction] {
+        &self.functions
+    }
+
     /// Registers, shared memory and local (spill) bytes of each kernel, as the driver reports them.
     pub fn resources(&self) -> Result<Vec<KernelResources>, GpuError> {
         self.variant
@@ -281,9 +286,9 @@ impl LoadedVariant {
         self.launch_args(gpu, &values, launches)
     }
 
-    /// Launches every kernel once with explicit arguments (device pointers and scalars in the
-    /// op's signature order): what the model uses on its own buffers.
-    pub fn launch_args(&self, gpu: &Gpu, values: &[ArgValue], launches: &[Launch]) -> Result<(), RunError> {
+    /// Raises the dynamic shared memory limit of the kernels that need more than the default
+    /// 48 KiB for `launches` (before launching them directly or in a graph).
+    pub fn allow_shared_memory(&self, launches: &[Launch]) -> Result<(), GpuError> {
         for (function, l) in self.functions.iter().zip(launches) {
             if l.smem_bytes > 48 * 1024 {
                 function
@@ -296,6 +301,15 @@ impl LoadedVariant {
                         l.smem_bytes
                     )))?;
             }
+        }
+        Ok(())
+    }
+
+    /// Launches every kernel once with explicit arguments (device pointers and scalars in the
+    /// op's signature order): what the model uses on its own buffers.
+    pub fn launch_args(&self, gpu: &Gpu, values: &[ArgValue], launches: &[Launch]) -> Result<(), RunError> {
+        self.allow_shared_memory(launches)?;
+        for (function, l) in self.functions.iter().zip(launches) {
             let mut builder = gpu.stream.launch_builder(function);
             for v in values {
                 match v {

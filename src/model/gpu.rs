@@ -19,6 +19,12 @@
 //! standalone `gelu` and `residual` kernels, and the three-pass `attention_naive` family for
 //! prefill attention (decode keeps `attention_decode`: there is no unfused decode kernel).
 //!
+//! Decode steps run as a CUDA graph: the first step of a batch size records its launches as a
+//! [`KernelGraph`]; later steps walk the same launches again, rewrite only the nodes whose
+//! arguments changed (the position, the cache length) and replay the graph with one launch.
+//! Profiling, `KERNELFORGE_SYNC_EACH` and [`GpuBackend::set_decode_graphs`]`(false)` launch
+//! kernel by kernel instead.
+//!
 //! Profiling (off by default): a CUDA event pair around every launch, aggregated per kernel.
 //! Setting `KERNELFORGE_SYNC_EACH=1` synchronizes after every launch so a faulting kernel is
 //! named in the error (slow; for debugging).
@@ -34,7 +40,7 @@ use super::config::GPT2Config;
 use super::error::{ModelError, Result};
 use super::generate::{Backend, Logits};
 use super::weights::GPT2Model;
-use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, LoadedVariant};
+use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, GraphUpdateError, KernelGraph, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Catalog, Launch, Points, Variant};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
@@ -131,6 +137,17 @@ struct Profiler {
     totals: BTreeMap<(String, String), (usize, f64)>,
 }
 
+/// Where launches go.
+enum LaunchMode {
+    /// Straight to the stream.
+    Direct,
+    /// Appended to a graph being built (nothing runs until it is launched).
+    Record(KernelGraph),
+    /// Replayed into a recorded graph: launch `next` rewrites node `next` if it changed.
+    /// `stale` is set when a launch does not match its node (the graph must be recorded again).
+    Update { graph: KernelGraph, next: usize, stale: bool },
+}
+
 /// What a prefill leaves behind.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum HeadRows {
@@ -170,6 +187,11 @@ pub struct GpuBackend {
     sets: HashMap<(usize, usize, bool, bool), Arc<Kernels>>,
     profiler: Option<Profiler>,
     sync_each: bool,
+    launch_mode: LaunchMode,
+    /// Whether decode steps run as CUDA graphs (see the module docs).
+    decode_graphs_on: bool,
+    /// The recorded decode-step graph of each batch size.
+    decode_graphs: HashMap<usize, KernelGraph>,
     host_logits: Vec<f32>,
     notes: Vec<String>,
 }
@@ -321,6 +343,9 @@ impl GpuBackend {
             sets: HashMap::new(),
             profiler: None,
             sync_each,
+            launch_mode: LaunchMode::Direct,
+            decode_graphs_on: true,
+            decode_graphs: HashMap::new(),
             host_logits: Vec::new(),
             notes,
         })
@@ -404,6 +429,19 @@ impl GpuBackend {
     /// Why decode steps are unavailable in this build, if they are.
     pub fn decode_unavailable(&self) -> Option<&str> {
         self.decode_missing.as_deref()
+    }
+
+    /// Run decode steps as CUDA graphs (the default) or kernel by kernel.
+    pub fn set_decode_graphs(&mut self, on: bool) {
+        self.decode_graphs_on = on;
+        if !on {
+            self.decode_graphs.clear();
+        }
+    }
+
+    /// Whether the next decode step runs as a CUDA graph.
+    pub fn decode_graphs(&self) -> bool {
+        self.decode_graphs_on && self.profiler.is_none() && !self.sync_each
     }
 
     /// Turn per-kernel timing on (clearing what was recorded) or off.
@@ -734,9 +772,29 @@ impl GpuBackend {
             }
             None => None,
         };
-        k.loaded
-            .launch_args(&self.gpu, args, launches)
-            .with_context(|| format!("{} ({}) on {}", k.role, k.label, shape_text(shape)))?;
+        let what = || format!("{} ({}) on {}", k.role, k.label, shape_text(shape));
+        match &mut self.launch_mode {
+            LaunchMode::Direct => k.loaded.launch_args(&self.gpu, args, launches).with_context(what)?,
+            LaunchMode::Record(graph) => {
+                k.loaded.allow_shared_memory(launches).with_context(what)?;
+                for (function, l) in k.loaded.functions().iter().zip(launches) {
+                    graph.add(function, l, args).with_context(what)?;
+                }
+            }
+            LaunchMode::Update { graph, next, stale } => {
+                k.loaded.allow_shared_memory(launches).with_context(what)?;
+                for (function, l) in k.loaded.functions().iter().zip(launches) {
+                    if *stale {
+                        break;
+                    }
+                    match graph.update(*next, function, l, args) {
+                        Ok(_) => *next += 1,
+                        Err(GraphUpdateError::Mismatch(_)) => *stale = true,
+                        Err(GraphUpdateError::Gpu(e)) => return Err(anyhow::Error::new(e).context(what())),
+                    }
+                }
+            }
+        }
         if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
             end.record(&self.gpu.stream)
                 .map_err(GpuError::cuda("recording a timing event"))?;
@@ -1094,9 +1152,51 @@ impl GpuBackend {
         self.upload_ids(&tokens)?;
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
-        let rows = self.run(&ks, b, 1, pos, true, HeadRows::All)?;
+        let rows = if self.decode_graphs() {
+            self.run_decode_graph(&ks, b, pos)?
+        } else {
+            self.run(&ks, b, 1, pos, true, HeadRows::All)?
+        };
         self.len += 1;
         self.read_logits(b, 1, rows)
+    }
+
+    /// One decode step as a CUDA graph: replay the batch size's recorded graph with the
+    /// arguments of this step, or record it first (again, if the launches no longer match it).
+    fn run_decode_graph(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<usize> {
+        // The cache-length-dependent workspace is sized for the longest cache up front, so
+        // that no step reallocates it under the graph's pointers.
+        let longest = with(&ks.attention.shape, &[("T", self.model.config.n_ctx as i64)]);
+        self.ws_ptr(&ks.attention, Some(&longest))?;
+        if let Some(graph) = self.decode_graphs.remove(&b) {
+            self.launch_mode = LaunchMode::Update {
+                graph,
+                next: 0,
+                stale: false,
+            };
+            let rows = self.run(ks, b, 1, pos, true, HeadRows::All);
+            let LaunchMode::Update { graph, next, stale } = std::mem::replace(&mut self.launch_mode, LaunchMode::Direct)
+            else {
+                unreachable!("the launch mode is only changed here")
+            };
+            let rows = rows?;
+            if !stale && next == graph.len() {
+                graph.launch(&self.gpu.stream)?;
+                self.decode_graphs.insert(b, graph);
+                return Ok(rows);
+            }
+            // The kernels changed under the graph (a reselection): record it again.
+        }
+        self.launch_mode = LaunchMode::Record(KernelGraph::new(&self.gpu.ctx)?);
+        let rows = self.run(ks, b, 1, pos, true, HeadRows::All);
+        let LaunchMode::Record(mut graph) = std::mem::replace(&mut self.launch_mode, LaunchMode::Direct) else {
+            unreachable!("the launch mode is only changed here")
+        };
+        let rows = rows?;
+        graph.instantiate()?;
+        graph.launch(&self.gpu.stream)?;
+        self.decode_graphs.insert(b, graph);
+        Ok(rows)
     }
 
     /// A full forward pass (LM head on every position) that leaves the logits on the device:

@@ -1,0 +1,227 @@
+//! A fixed sequence of kernel launches replayed as one CUDA graph.
+//!
+//! A decode step launches about a hundred small kernels, each of which runs for only a few
+//! microseconds: issued one by one, the CPU-side launch cost and the gaps between kernels are a
+//! large part of the step. A [`KernelGraph`] is built once from the same launches (each kernel
+//! node depends on the one before, so the order is the stream order), instantiated, and then
+//! replayed with a single `cuGraphLaunch`. Between replays only a few arguments change (the
+//! position and the cache length), so a replay walks the same launches again and rewrites just
+//! the nodes whose arguments or geometry differ (`cuGraphExecKernelNodeSetParams`), which costs
+//! far less than launching.
+
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUgraphInstantiate_flags};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
+
+use super::{ArgValue, GpuError};
+use crate::spec::Launch;
+
+/// One kernel node and what it was last set to.
+struct Node {
+    handle: sys::CUgraphNode,
+    function: sys::CUfunction,
+    launch: Launch,
+    args: Vec<ArgValue>,
+}
+
+/// A chain of kernel nodes, built with [`KernelGraph::add`], then instantiated and replayed.
+pub struct KernelGraph {
+    ctx: Arc<CudaContext>,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    nodes: Vec<Node>,
+}
+
+/// The same launch can be replayed as node `index` only if it is the same kernel.
+#[derive(Debug, thiserror::Error)]
+#[error("launch {index} ({launch}) does not match the recorded graph node ({recorded})")]
+pub struct GraphMismatch {
+    pub index: usize,
+    pub launch: String,
+    pub recorded: String,
+}
+
+/// Kernel arguments laid out as `cuLaunchKernel` wants them: one pointer per argument to a
+/// value of the argument's own size. The pointers are only valid while `self` lives.
+struct ArgBuffer {
+    values: Vec<[u8; 8]>,
+}
+
+impl ArgBuffer {
+    fn new(args: &[ArgValue]) -> ArgBuffer {
+        let values = args
+            .iter()
+            .map(|a| {
+                let mut bytes = [0u8; 8];
+                match a {
+                    ArgValue::Ptr(p) => bytes.copy_from_slice(&p.to_ne_bytes()),
+                    ArgValue::I32(v) => bytes[..4].copy_from_slice(&v.to_ne_bytes()),
+                    ArgValue::F32(v) => bytes[..4].copy_from_slice(&v.to_ne_bytes()),
+                }
+                bytes
+            })
+            .collect();
+        ArgBuffer { values }
+    }
+
+    fn pointers(&mut self) -> Vec<*mut std::ffi::c_void> {
+        self.values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect()
+    }
+}
+
+fn node_params(
+    function: sys::CUfunction,
+    launch: &Launch,
+    kernel_params: *mut *mut std::ffi::c_void,
+) -> sys::CUDA_KERNEL_NODE_PARAMS {
+    sys::CUDA_KERNEL_NODE_PARAMS {
+        func: function,
+        gridDimX: launch.grid[0],
+        gridDimY: launch.grid[1],
+        gridDimZ: launch.grid[2],
+        blockDimX: launch.block[0],
+        blockDimY: launch.block[1],
+        blockDimZ: launch.block[2],
+        sharedMemBytes: launch.smem_bytes,
+        kernelParams: kernel_params,
+        extra: ptr::null_mut(),
+        kern: ptr::null_mut(),
+        ctx: ptr::null_mut(),
+    }
+}
+
+impl KernelGraph {
+    /// An empty graph on `ctx`.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<KernelGraph, GpuError> {
+        ctx.bind_to_thread().map_err(GpuError::cuda("binding the CUDA context"))?;
+        let mut graph = ptr::null_mut();
+        // SAFETY: cuGraphCreate writes a new graph handle; flags must be 0.
+        unsafe { sys::cuGraphCreate(&mut graph, 0).result() }.map_err(GpuError::cuda("creating a CUDA graph"))?;
+        Ok(KernelGraph {
+            ctx: ctx.clone(),
+            graph,
+            exec: ptr::null_mut(),
+            nodes: Vec::new(),
+        })
+    }
+
+    /// Number of kernel nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether no node was added.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Appends a launch of `function` after the last node. Only before [`Self::instantiate`].
+    pub fn add(&mut self, function: &CudaFunction, launch: &Launch, args: &[ArgValue]) -> Result<(), GpuError> {
+        assert!(self.exec.is_null(), "KernelGraph::add after instantiate");
+        let mut buffer = ArgBuffer::new(args);
+        let mut pointers = buffer.pointers();
+        let params = node_params(function.cu_function(), launch, pointers.as_mut_ptr());
+        let previous = self.nodes.last().map(|n| n.handle);
+        let (deps, n_deps) = match &previous {
+            Some(h) => (h as *const sys::CUgraphNode, 1),
+            None => (ptr::null(), 0),
+        };
+        let mut handle = ptr::null_mut();
+        // SAFETY: the graph is live; `params` points at a function of this context and at
+        // argument values that outlive the call (the driver copies them).
+        unsafe { sys::cuGraphAddKernelNode_v2(&mut handle, self.graph, deps, n_deps, &params).result() }
+            .map_err(GpuError::cuda(format!("adding {} to the CUDA graph", launch.function)))?;
+        self.nodes.push(Node {
+            handle,
+            function: function.cu_function(),
+            launch: launch.clone(),
+            args: args.to_vec(),
+        });
+        Ok(())
+    }
+
+    /// Makes the graph launchable. Nodes can still change their arguments afterwards.
+    pub fn instantiate(&mut self) -> Result<(), GpuError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(GpuError::cuda("binding the CUDA context"))?;
+        // SAFETY: the graph is live and holds only kernel nodes of this context.
+        self.exec = unsafe { cudarc::driver::result::graph::instantiate(self.graph, CUgraphInstantiate_flags(0)) }
+            .map_err(GpuError::cuda(format!("instantiating a CUDA graph of {} kernels", self.len())))?;
+        Ok(())
+    }
+
+    /// Sets node `index` to launch `function` with `launch` and `args`, rewriting the
+    /// instantiated node only when something differs. Returns whether it rewrote it.
+    pub fn update(
+        &mut self,
+        index: usize,
+        function: &CudaFunction,
+        launch: &Launch,
+        args: &[ArgValue],
+    ) -> Result<bool, GraphUpdateError> {
+        let node = self.nodes.get_mut(index).ok_or_else(|| GraphMismatch {
+            index,
+            launch: launch.function.clone(),
+            recorded: "nothing: the graph is shorter".into(),
+        })?;
+        if node.function != function.cu_function() || node.launch.function != launch.function {
+            return Err(GraphMismatch {
+                index,
+                launch: launch.function.clone(),
+                recorded: node.launch.function.clone(),
+            }
+            .into());
+        }
+        if node.launch == *launch && node.args == args {
+            return Ok(false);
+        }
+        let mut buffer = ArgBuffer::new(args);
+        let mut pointers = buffer.pointers();
+        let params = node_params(node.function, launch, pointers.as_mut_ptr());
+        // SAFETY: the executable graph is live and `node.handle` is one of its kernel nodes;
+        // the driver copies the argument values before returning.
+        unsafe { sys::cuGraphExecKernelNodeSetParams_v2(self.exec, node.handle, &params).result() }.map_err(
+            GpuError::cuda(format!("updating {} in the CUDA graph", launch.function)),
+        )?;
+        node.launch = launch.clone();
+        node.args = args.to_vec();
+        Ok(true)
+    }
+
+    /// Launches the whole graph on `stream` (asynchronously).
+    pub fn launch(&self, stream: &CudaStream) -> Result<(), GpuError> {
+        assert!(!self.exec.is_null(), "KernelGraph::launch before instantiate");
+        self.ctx
+            .bind_to_thread()
+            .map_err(GpuError::cuda("binding the CUDA context"))?;
+        // SAFETY: the executable graph and the stream are live and of the same context.
+        unsafe { cudarc::driver::result::graph::launch(self.exec, stream.cu_stream()) }
+            .map_err(GpuError::cuda(format!("launching a CUDA graph of {} kernels", self.len())))
+    }
+}
+
+impl Drop for KernelGraph {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the handles were created by this graph and are destroyed once.
+        unsafe {
+            if !self.exec.is_null() {
+                let _: Result<(), DriverError> = cudarc::driver::result::graph::exec_destroy(self.exec);
+            }
+            let _: Result<(), DriverError> = cudarc::driver::result::graph::destroy(self.graph);
+        }
+    }
+}
+
+/// Replaying a launch into a graph failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GraphUpdateError {
+    /// The launches no longer match the recorded nodes: record the graph again.
+    #[error(transparent)]
+    Mismatch(#[from] GraphMismatch),
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
