@@ -66,7 +66,8 @@ pub struct TokenizeArgs {
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name
-    /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
+    /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl): taken from the Hugging Face cache, else
+    /// downloaded from the hub into it (not with HF_HUB_OFFLINE=1).
     #[arg(long, value_name = "DIR|FILE|NAME")]
     pub model: String,
     /// Where to run (default: cuda when a GPU opens, else cpu).

@@ -17,8 +17,8 @@
 //! body has been read in full (ureq reports a body shorter than its Content-Length as an error),
 //! and only then links `snapshots/REV/FILE` and writes `refs/main`. An interrupted download
 //! leaves just the `.part`, which the next run resumes with a `Range` request. On top of that,
-//! [`download`] checks the finished blob's size against the size the hub announced and deletes
-//! blob and link when they differ, and [`cached_snapshot`] only accepts a snapshot folder that
+//! each finished file's size is checked against the size the hub announced (blob and link are
+//! deleted when they differ), and [`cached_snapshot`] only accepts a snapshot folder that
 //! has both `config.json` and the weights.
 //!
 //! `hf-hub` 0.5's blocking API sets no network timeout (nor lets one be set), so each file is
@@ -43,10 +43,6 @@ pub const HUB_ORG: &str = "openai-community";
 
 /// The default hub address when `HF_ENDPOINT` is not set.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
-
-/// The files a GPT-2 checkpoint folder needs, in download order (the small one first, so a
-/// wrong endpoint or a missing model fails before the large download starts).
-pub const MODEL_FILES: [&str; 2] = ["config.json", "model.safetensors"];
 
 /// Where to look and whether and how to download. [`HubSettings::from_env`] reads the
 /// environment; tests build one explicitly so they never race on environment variables.
@@ -125,37 +121,34 @@ pub enum HubError {
     )]
     Offline { name: String, cache: PathBuf },
     #[error(
-        "model `{name}`: could not reach the Hugging Face hub at {endpoint} to download {repo} ({reason}); \
+        "model `{name}`: could not reach the Hugging Face hub at {endpoint} to download {HUB_ORG}/{name} ({reason}); \
          check the network or HF_ENDPOINT, or pass --model PATH (a local folder with config.json + \
          model.safetensors, or an llm.c checkpoint)"
     )]
     Unreachable {
         name: String,
-        repo: String,
         endpoint: String,
         reason: String,
     },
     #[error(
-        "model `{name}`: the Hugging Face hub at {endpoint} made no progress on {repo}/{file} for {}s; \
+        "model `{name}`: the Hugging Face hub at {endpoint} made no progress on {HUB_ORG}/{name}/{file} for {}s; \
          check the network or HF_ENDPOINT, or pass --model PATH (a local folder with config.json + \
          model.safetensors, or an llm.c checkpoint)",
         timeout.as_secs_f32()
     )]
     Stalled {
         name: String,
-        repo: String,
         file: String,
         endpoint: String,
         timeout: Duration,
     },
     #[error(
-        "model `{name}`: downloading {repo}/{file} from {endpoint} into {} failed: {reason}; \
+        "model `{name}`: downloading {HUB_ORG}/{name}/{file} from {endpoint} into {} failed: {reason}; \
          pass --model PATH (a local folder with config.json + model.safetensors, or an llm.c checkpoint)",
         cache.display()
     )]
     Download {
         name: String,
-        repo: String,
         file: String,
         endpoint: String,
         cache: PathBuf,
@@ -223,8 +216,11 @@ fn snapshot_in(repo: &Path) -> Option<PathBuf> {
 }
 
 /// Download `config.json` and `model.safetensors` of `openai-community/NAME` into hub cache
-/// `cache` (files already there are reused) and return the snapshot folder. Checks that
-/// `config.json` describes a GPT-2 of that size before the weights are fetched.
+/// `cache` and return the snapshot folder that holds both.
+///
+/// `config.json` (a few hundred bytes) is always fetched: it pins the hub's current revision
+/// (`refs/main`) and is checked to describe a GPT-2 of that size before the weights are
+/// fetched. The weights are reused when that revision's snapshot already has them.
 pub fn download(name: &str, cache: &Path, settings: &HubSettings) -> Result<PathBuf, HubError> {
     let repo_id = format!("{HUB_ORG}/{name}");
     // hf-hub links snapshot files to blobs by relative path, computed from absolute paths.
@@ -241,21 +237,28 @@ pub fn download(name: &str, cache: &Path, settings: &HubSettings) -> Result<Path
         // A body that breaks off mid-way is resumed from where it stopped, twice at most.
         .with_retries(2)
         .build()
-        .map_err(|e| ctx.error("config.json", e))?;
-    let cached = Cache::new(cache.clone()).repo(Repo::new(repo_id.clone(), RepoType::Model));
-    let mut snapshot = None;
-    for file in MODEL_FILES {
-        let path = match cached.get(file) {
-            Some(p) => p,
-            None => fetch(&ctx, &api, file)?,
-        };
-        if file == "config.json" {
-            check_config(&ctx, &path)?;
-        }
-        snapshot = path.parent().map(Path::to_path_buf);
+        .map_err(|e| ctx.error(CONFIG, e))?;
+    let config = fetch(&ctx, &api, CONFIG)?;
+    check_config(&ctx, &config)?;
+    let snapshot = parent(&config);
+    if snapshot.join(WEIGHTS).is_file() {
+        return Ok(snapshot);
     }
-    let snapshot = snapshot.expect("MODEL_FILES is not empty");
+    let weights = fetch(&ctx, &api, WEIGHTS)?;
+    let snapshot = parent(&weights);
+    // The hub moved to a new revision between the two files: link config.json there too.
+    if !snapshot.join(CONFIG).is_file() {
+        fetch(&ctx, &api, CONFIG)?;
+    }
     Ok(snapshot)
+}
+
+const CONFIG: &str = "config.json";
+const WEIGHTS: &str = "model.safetensors";
+
+/// The snapshot folder of a file hf-hub returned (`.../snapshots/REV/FILE`).
+fn parent(path: &Path) -> PathBuf {
+    path.parent().map_or_else(|| path.to_path_buf(), Path::to_path_buf)
 }
 
 /// What one download is about, for error messages.
@@ -270,7 +273,6 @@ impl Ctx<'_> {
     fn download_error(&self, file: &str, reason: String) -> HubError {
         HubError::Download {
             name: self.name.to_string(),
-            repo: self.repo.to_string(),
             file: file.to_string(),
             endpoint: self.settings.endpoint.clone(),
             cache: self.cache.to_path_buf(),
@@ -294,7 +296,6 @@ impl Ctx<'_> {
                 ureq::Error::StatusCode(code) => self.download_error(file, format!("the hub answered HTTP {code}")),
                 other => HubError::Unreachable {
                     name: self.name.to_string(),
-                    repo: self.repo.to_string(),
                     endpoint: self.settings.endpoint.clone(),
                     reason: other.to_string(),
                 },
@@ -406,7 +407,6 @@ fn fetch(ctx: &Ctx, api: &hf_hub::api::sync::Api, file: &str) -> Result<PathBuf,
                     }
                     return Err(HubError::Stalled {
                         name: ctx.name.to_string(),
-                        repo: ctx.repo.to_string(),
                         file: file.to_string(),
                         endpoint: ctx.settings.endpoint.clone(),
                         timeout: ctx.settings.stall_timeout,
