@@ -620,6 +620,8 @@ mod tests {
     struct FakeHub {
         url: String,
         stop: Arc<AtomicBool>,
+        /// `FILE bytes=A-B` of every request answered.
+        requests: Arc<Mutex<Vec<String>>>,
     }
 
     impl Drop for FakeHub {
@@ -638,21 +640,23 @@ mod tests {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let log = requests.clone();
         std::thread::spawn(move || {
             let end = Instant::now() + Duration::from_secs(30);
             let mut held = Vec::new();
             while !stop2.load(Ordering::SeqCst) && Instant::now() < end {
                 match listener.accept() {
                     Ok((stream, _)) if mode == Mode::Hang => held.push(stream),
-                    Ok((stream, _)) => serve(stream, &files, mode),
+                    Ok((stream, _)) => serve(stream, &files, mode, &log),
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
         });
-        FakeHub { url, stop }
+        FakeHub { url, stop, requests }
     }
 
-    fn serve(mut stream: TcpStream, files: &HashMap<&'static str, Vec<u8>>, mode: Mode) {
+    fn serve(mut stream: TcpStream, files: &HashMap<&'static str, Vec<u8>>, mode: Mode, log: &Mutex<Vec<String>>) {
         stream.set_nonblocking(false).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut req = Vec::new();
@@ -674,6 +678,7 @@ mod tests {
             .lines()
             .find_map(|l| l.to_ascii_lowercase().strip_prefix("range: bytes=").map(str::to_string))
             .unwrap_or_else(|| "0-".to_string());
+        log.lock().unwrap().push(format!("{file} bytes={}", range.trim()));
         let (a, b) = range.trim().split_once('-').unwrap();
         let start: usize = a.parse().unwrap();
         let end: usize = if b.is_empty() {
@@ -756,6 +761,13 @@ mod tests {
         let snap = resolve_model("gpt2", &settings(dir.path(), &hub.url)).unwrap();
         assert_eq!(&std::fs::read(snap.join("model.safetensors")).unwrap(), weights);
         assert!(!part.exists());
+        // Resumed: only the missing tail was asked for.
+        let resumed = format!("model.safetensors bytes={part_len}-");
+        assert!(
+            hub.requests.lock().unwrap().contains(&resumed),
+            "{:?}",
+            hub.requests.lock().unwrap()
+        );
     }
 
     #[test]
