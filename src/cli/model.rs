@@ -4,17 +4,18 @@
 //! prints one JSON object instead. `--device` defaults to `cuda` when a GPU opens, else `cpu`.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 
-use crate::model::config::{GPT2Config, PRESET_NAMES};
+use crate::model::config::GPT2Config;
 use crate::model::cpu::CpuBackend;
 use crate::model::generate::{generate, Backend, GenerateOptions};
 use crate::model::gpu::{GpuBackend, ProfileRow};
+use crate::model::hub::HubSettings;
 use crate::model::npy::write_npy_f32;
 use crate::model::sampling::SamplingParams;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
@@ -65,7 +66,8 @@ pub struct TokenizeArgs {
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Model: a Hugging Face folder, an llm.c .bin checkpoint, or a size name
-    /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the Hugging Face cache.
+    /// (gpt2, gpt2-medium, gpt2-large, gpt2-xl): taken from the Hugging Face cache, else
+    /// downloaded from the hub into it (not with HF_HUB_OFFLINE=1).
     #[arg(long, value_name = "DIR|FILE|NAME")]
     pub model: String,
     /// Where to run (default: cuda when a GPU opens, else cpu).
@@ -213,69 +215,11 @@ fn join_ids(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
-/// The Hugging Face hub cache folder (`$HF_HUB_CACHE`, `$HF_HOME/hub`, or
-/// `~/.cache/huggingface/hub`).
-pub fn hf_hub_cache() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
-        return Some(PathBuf::from(p));
-    }
-    if let Some(p) = std::env::var_os("HF_HOME") {
-        return Some(PathBuf::from(p).join("hub"));
-    }
-    dirs::home_dir().map(|h| h.join(".cache").join("huggingface").join("hub"))
-}
-
-fn snapshot_in(repo: &Path) -> Option<PathBuf> {
-    let snaps = repo.join("snapshots");
-    let has_model = |d: &Path| {
-        d.join("config.json").is_file()
-            && (d.join("model.safetensors").exists() || d.join("model.safetensors.index.json").exists())
-    };
-    if let Ok(main) = std::fs::read_to_string(repo.join("refs").join("main")) {
-        let d = snaps.join(main.trim());
-        if has_model(&d) {
-            return Some(d);
-        }
-    }
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&snaps)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect();
-    dirs.sort();
-    dirs.into_iter().find(|d| has_model(d))
-}
-
 /// Turn `--model` into a path: an existing path as is; a size name (gpt2, gpt2-medium,
-/// gpt2-large, gpt2-xl) looked up in the Hugging Face cache. Nothing is downloaded.
+/// gpt2-large, gpt2-xl) from the Hugging Face cache, else downloaded from the hub when online
+/// (see [`crate::model::hub`]).
 pub fn resolve_model(spec: &str) -> Result<PathBuf> {
-    resolve_model_in(spec, hf_hub_cache())
-}
-
-/// [`resolve_model`] with an explicit Hugging Face hub cache folder.
-pub fn resolve_model_in(spec: &str, cache: Option<PathBuf>) -> Result<PathBuf> {
-    let p = PathBuf::from(spec);
-    if p.exists() {
-        return Ok(p);
-    }
-    let name = spec.strip_prefix("openai-community/").unwrap_or(spec);
-    if !PRESET_NAMES.contains(&name) {
-        bail!(
-            "model `{spec}` not found: pass a Hugging Face folder, an llm.c .bin file, or one of {}",
-            PRESET_NAMES.join(", ")
-        );
-    }
-    if let Some(cache) = &cache {
-        for repo in [format!("models--{name}"), format!("models--openai-community--{name}")] {
-            if let Some(d) = snapshot_in(&cache.join(repo)) {
-                return Ok(d);
-            }
-        }
-    }
-    bail!(
-        "model `{name}` is not in the Hugging Face cache ({}) and downloads are not available offline; \
-         pass --model PATH (a folder with config.json + model.safetensors, or an llm.c checkpoint)",
-        cache.map_or_else(|| "no home folder".to_string(), |c| c.display().to_string())
-    )
+    Ok(crate::model::hub::resolve_model(spec, &HubSettings::from_env())?)
 }
 
 /// `--device` as given, or `cuda` when the driver is there and GPU 0 opens, else `cpu`.
@@ -822,31 +766,6 @@ mod tests {
         assert_eq!(parse_ids("1 2\t3").unwrap(), vec![1, 2, 3]);
         assert!(parse_ids("1,x").unwrap_err().to_string().contains("`x`"));
         assert!(parse_ids(" , ").is_err());
-    }
-
-    #[test]
-    fn model_names_resolve_in_the_hf_cache_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let cache = dir.path().to_path_buf();
-        let msg = resolve_model_in("gpt2-medium", Some(cache.clone()))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            msg.contains("not available offline") && msg.contains("--model PATH"),
-            "{msg}"
-        );
-        assert!(resolve_model_in("gpt5", Some(cache.clone()))
-            .unwrap_err()
-            .to_string()
-            .contains("not found"));
-        let repo = cache.join("models--openai-community--gpt2-medium");
-        let snap = repo.join("snapshots").join("abc123");
-        std::fs::create_dir_all(&snap).unwrap();
-        std::fs::write(snap.join("config.json"), "{}").unwrap();
-        std::fs::write(snap.join("model.safetensors"), "").unwrap();
-        std::fs::create_dir_all(repo.join("refs")).unwrap();
-        std::fs::write(repo.join("refs").join("main"), "abc123\n").unwrap();
-        assert_eq!(resolve_model_in("gpt2-medium", Some(cache)).unwrap(), snap);
     }
 
     fn cpu_target(model: &str) -> ModelArgs {

@@ -1,16 +1,19 @@
 //! GPT-2: configuration, checkpoint loading and writing (Hugging Face safetensors folders and
 //! llm.c `.bin` checkpoints), the GPT-2 BPE tokenizer, the f32 CPU reference forward with a KV
-//! cache, sampling, and the generation loop over a [`generate::Backend`].
+//! cache, sampling, and the generation loop over a [`generate::Backend`]; [`hub`] turns a size
+//! name into a checkpoint folder (the Hugging Face cache, else a download).
 //!
 //! Everything here is the CPU side: the oracle GPU tests compare with, and the parts (weights,
 //! tokenizer, sampling, generation loop) a GPU backend reuses. All fallible functions return
-//! [`ModelError`], whose messages name the file, tensor or shape at fault.
+//! [`ModelError`], whose messages name the file, tensor or shape at fault ([`hub`] returns
+//! [`HubError`], which names the model, the hub address and the cache folder).
 
 pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod generate;
 pub mod gpu;
+pub mod hub;
 pub mod npy;
 pub mod sampling;
 pub mod tokenizer;
@@ -21,6 +24,7 @@ pub use cpu::{CpuBackend, KvCache};
 pub use error::{ModelError, Result};
 pub use generate::{generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
 pub use gpu::GpuBackend;
+pub use hub::{HubError, HubSettings};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::{Tokenizer, EOT_TOKEN, GPT2_VOCAB_SIZE};
 pub use weights::{
