@@ -126,7 +126,9 @@ fn decode_graphs_replay_exactly_what_direct_launches_compute() {
     assert!(graphed.decode_graphs(), "decode graphs are on by default");
     direct.set_decode_graphs(false);
     for (round, batch) in [(0u32, 1usize), (1, 3), (2, 1)] {
-        let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(6 + round as usize, 7 + i as u32 + round)).collect();
+        let prompts: Vec<Vec<u32>> = (0..batch)
+            .map(|i| prompt(6 + round as usize, 7 + i as u32 + round))
+            .collect();
         let a = graphed.prefill_last(&prompts).unwrap();
         let b = direct.prefill_last(&prompts).unwrap();
         assert_eq!(a.data, b.data, "round {round}: prefill");
@@ -134,8 +136,14 @@ fn decode_graphs_replay_exactly_what_direct_launches_compute() {
         for step in 0..9 {
             let a = graphed.decode(&next).unwrap();
             let b = direct.decode(&next).unwrap();
-            assert!(b.data.iter().all(|x| x.is_finite()), "round {round} step {step}: non-finite logits");
-            assert_eq!(a.data, b.data, "round {round} (batch {batch}) step {step}: graph != direct");
+            assert!(
+                b.data.iter().all(|x| x.is_finite()),
+                "round {round} step {step}: non-finite logits"
+            );
+            assert_eq!(
+                a.data, b.data,
+                "round {round} (batch {batch}) step {step}: graph != direct"
+            );
             next = (0..batch).map(|s| argmax(b.last(s)).unwrap()).collect();
         }
     }

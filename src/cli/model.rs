@@ -636,11 +636,19 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     }
     let forward_ms = median(&mut runs.clone());
     let forward_tps = (args.batch * args.seq) as f64 / (forward_ms / 1e3);
+    if let Some(g) = gpu.as_mut() {
+        g.take_decode_gpu_time(); // forget the warm-up's steps
+    }
     let decode_ms = if steps > 0 {
         decode_run(&mut gpu, &mut cpu, steps)?
     } else {
         0.0
     };
+    // GPU time of a decode step (first kernel to last): the rest of ms_per_step is the host's.
+    let decode_gpu_ms_per_step = gpu.as_mut().and_then(|g| {
+        let (ms, n) = g.take_decode_gpu_time();
+        (n > 0).then(|| ms / n as f64)
+    });
     let decode_tps = if steps > 0 {
         (args.batch * steps) as f64 / (decode_ms / 1e3)
     } else {
@@ -704,6 +712,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
                 "ms_per_step": if steps > 0 { decode_ms / steps as f64 } else { 0.0 },
                 "tokens_per_s": decode_tps,
                 "cuda_graphs": decode_graphs,
+                "gpu_ms_per_step": decode_gpu_ms_per_step,
             },
             "tuned_kernels": tuned.map(|(t, n)| json!({ "tuned": t, "total": n })),
             "kernels": choices
@@ -729,8 +738,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     if steps > 0 {
         writeln!(
             out,
-            "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({:.3} ms/step, {decode_tps:.1} tokens/s{})",
+            "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({:.3} ms/step{}, {decode_tps:.1} tokens/s{})",
             decode_ms / steps as f64,
+            decode_gpu_ms_per_step.map_or(String::new(), |g| format!(" of which {g:.3} ms on the GPU")),
             if decode_graphs { ", CUDA graphs" } else { "" }
         )?;
     }

@@ -95,7 +95,8 @@ fn node_params(
 impl KernelGraph {
     /// An empty graph on `ctx`.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<KernelGraph, GpuError> {
-        ctx.bind_to_thread().map_err(GpuError::cuda("binding the CUDA context"))?;
+        ctx.bind_to_thread()
+            .map_err(GpuError::cuda("binding the CUDA context"))?;
         let mut graph = ptr::null_mut();
         // SAFETY: cuGraphCreate writes a new graph handle; flags must be 0.
         unsafe { sys::cuGraphCreate(&mut graph, 0).result() }.map_err(GpuError::cuda("creating a CUDA graph"))?;
@@ -148,8 +149,10 @@ impl KernelGraph {
             .bind_to_thread()
             .map_err(GpuError::cuda("binding the CUDA context"))?;
         // SAFETY: the graph is live and holds only kernel nodes of this context.
-        self.exec = unsafe { cudarc::driver::result::graph::instantiate(self.graph, CUgraphInstantiate_flags(0)) }
-            .map_err(GpuError::cuda(format!("instantiating a CUDA graph of {} kernels", self.len())))?;
+        self.exec =
+            unsafe { cudarc::driver::result::graph::instantiate(self.graph, CUgraphInstantiate_flags(0)) }.map_err(
+                GpuError::cuda(format!("instantiating a CUDA graph of {} kernels", self.len())),
+            )?;
         Ok(())
     }
 
@@ -198,8 +201,9 @@ impl KernelGraph {
             .bind_to_thread()
             .map_err(GpuError::cuda("binding the CUDA context"))?;
         // SAFETY: the executable graph and the stream are live and of the same context.
-        unsafe { cudarc::driver::result::graph::launch(self.exec, stream.cu_stream()) }
-            .map_err(GpuError::cuda(format!("launching a CUDA graph of {} kernels", self.len())))
+        unsafe { cudarc::driver::result::graph::launch(self.exec, stream.cu_stream()) }.map_err(GpuError::cuda(
+            format!("launching a CUDA graph of {} kernels", self.len()),
+        ))
     }
 }
 

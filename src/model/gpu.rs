@@ -34,7 +34,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result as AnyResult};
-use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 
 use super::config::GPT2Config;
 use super::error::{ModelError, Result};
@@ -52,6 +52,9 @@ pub const ATTENTION_DECODE_OP: &str = "attention_decode";
 pub const KV_APPEND_OP: &str = "kv_append";
 /// The family the unfused path forces for prefill attention.
 pub const UNFUSED_ATTENTION_FAMILY: &str = "attention_naive";
+
+/// Logits rows that a decode step reads back through pinned memory (at least the batch).
+const PINNED_LOGITS_ROWS: usize = 8;
 
 const SYNC_HINT: &str =
     "running the forward pass on the GPU (rerun with KERNELFORGE_SYNC_EACH=1 to name the failing kernel)";
@@ -145,7 +148,11 @@ enum LaunchMode {
     Record(KernelGraph),
     /// Replayed into a recorded graph: launch `next` rewrites node `next` if it changed.
     /// `stale` is set when a launch does not match its node (the graph must be recorded again).
-    Update { graph: KernelGraph, next: usize, stale: bool },
+    Update {
+        graph: KernelGraph,
+        next: usize,
+        stale: bool,
+    },
 }
 
 /// What a prefill leaves behind.
@@ -192,7 +199,17 @@ pub struct GpuBackend {
     decode_graphs_on: bool,
     /// The recorded decode-step graph of each batch size.
     decode_graphs: HashMap<usize, KernelGraph>,
+    /// (batch, position, buffers generation) the graph of that batch size is set up for.
+    prepared: Option<(usize, usize, u64)>,
+    /// Bumped whenever a buffer the kernels address is reallocated.
+    buffers_generation: u64,
     host_logits: Vec<f32>,
+    /// Page-locked staging for the few logits rows of a decode step: a copy into pageable
+    /// memory goes through a driver bounce buffer at a fraction of the speed.
+    pinned_logits: Option<PinnedHostSlice<f32>>,
+    /// CUDA events around the last decode step's kernels, and the GPU time of the steps so far.
+    step_events: Option<(CudaEvent, CudaEvent)>,
+    decode_gpu_ms: (f64, usize),
     notes: Vec<String>,
 }
 
@@ -346,7 +363,12 @@ impl GpuBackend {
             launch_mode: LaunchMode::Direct,
             decode_graphs_on: true,
             decode_graphs: HashMap::new(),
+            prepared: None,
+            buffers_generation: 0,
             host_logits: Vec::new(),
+            pinned_logits: None,
+            step_events: None,
+            decode_gpu_ms: (0.0, 0),
             notes,
         })
     }
@@ -436,6 +458,7 @@ impl GpuBackend {
         self.decode_graphs_on = on;
         if !on {
             self.decode_graphs.clear();
+            self.prepared = None;
         }
     }
 
@@ -589,6 +612,7 @@ impl GpuBackend {
         if elems > 0 && self.workspace.as_ref().is_none_or(|w| w.len() < elems) {
             self.workspace = None; // free first
             self.workspace = Some(alloc(&self.gpu, elems, "the kernel workspace")?);
+            self.buffers_generation += 1;
         }
         Ok(())
     }
@@ -860,11 +884,13 @@ impl GpuBackend {
             let rows = (b * cfg.n_ctx).max(self.act.rows);
             self.act = Self::alloc_activations(&self.gpu, &cfg, 0, 1, false)?; // free the old ones first
             self.act = Self::alloc_activations(&self.gpu, &cfg, rows, b, self.unfused)?;
+            self.buffers_generation += 1;
         }
         if b > self.kv_batch {
             self.kv.clear();
             self.kv = Self::alloc_kv(&self.gpu, &cfg, b)?;
             self.kv_batch = b;
+            self.buffers_generation += 1;
         }
         Ok(())
     }
@@ -1065,21 +1091,57 @@ impl GpuBackend {
         let cfg = &self.model.config;
         let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
         let n = rows * vp;
-        if self.host_logits.len() < n {
-            self.host_logits.resize(n, 0.0);
-        }
         let src = self.act.logits.slice(0..n);
-        self.gpu
-            .stream
-            .memcpy_dtoh(&src, &mut self.host_logits[..n])
-            .map_err(GpuError::cuda(format!("copying {rows} x {vp} logits back")))?;
-        self.gpu.synchronize().context(SYNC_HINT)?;
-        self.flush_profile()?;
+        let copy_err = || GpuError::cuda(format!("copying {rows} x {vp} logits back"));
+        // A decode step's few rows go through pinned memory; a prefill's many rows (up to GBs)
+        // through an ordinary buffer.
+        let pinned = rows <= PINNED_LOGITS_ROWS.max(self.kv_batch);
+        if pinned && self.pinned_logits.as_ref().is_none_or(|p| p.len() < n) {
+            let len = PINNED_LOGITS_ROWS.max(self.kv_batch) * vp;
+            // SAFETY: the buffer is only read after a device copy has filled the part read.
+            // Flags 0: cached host memory (write-combined memory is slow for the CPU to read).
+            self.pinned_logits = Some(
+                unsafe { self.gpu.ctx.alloc_pinned_with_flags::<f32>(len, 0) }
+                    .map_err(GpuError::cuda(format!("allocating {len} floats of pinned host memory")))?,
+            );
+        }
+        let host: &[f32] = match (pinned, self.pinned_logits.as_mut()) {
+            (true, Some(p)) => {
+                self.gpu.stream.memcpy_dtoh(&src, p).map_err(copy_err())?;
+                self.gpu.synchronize().context(SYNC_HINT)?;
+                p.as_slice().map_err(copy_err())?
+            }
+            _ => {
+                if self.host_logits.len() < n {
+                    self.host_logits.resize(n, 0.0);
+                }
+                self.gpu
+                    .stream
+                    .memcpy_dtoh(&src, &mut self.host_logits[..n])
+                    .map_err(copy_err())?;
+                self.gpu.synchronize().context(SYNC_HINT)?;
+                &self.host_logits
+            }
+        };
         let mut data = Vec::with_capacity(rows * v);
         for r in 0..rows {
-            data.extend_from_slice(&self.host_logits[r * vp..r * vp + v]);
+            data.extend_from_slice(&host[r * vp..r * vp + v]);
         }
+        if let Some((start, end)) = self.step_events.take() {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(GpuError::cuda("reading the decode step events"))?;
+            self.decode_gpu_ms.0 += ms as f64;
+            self.decode_gpu_ms.1 += 1;
+        }
+        self.flush_profile()?;
         Ok(Logits::new(b, seq, v, data)?)
+    }
+
+    /// (total GPU ms, steps) of the decode steps since the last call: the time from the first
+    /// kernel of a step to its last, without the host's share (copies, sampling); clears it.
+    pub fn take_decode_gpu_time(&mut self) -> (f64, usize) {
+        std::mem::take(&mut self.decode_gpu_ms)
     }
 
     fn prefill_impl(&mut self, tokens: &[Vec<u32>], head: HeadRows) -> AnyResult<Option<Logits>> {
@@ -1152,18 +1214,44 @@ impl GpuBackend {
         self.upload_ids(&tokens)?;
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
-        let rows = if self.decode_graphs() {
-            self.run_decode_graph(&ks, b, pos)?
-        } else {
-            self.run(&ks, b, 1, pos, true, HeadRows::All)?
+        let event = || {
+            self.gpu
+                .ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(GpuError::cuda("creating a timing event"))
         };
+        let (start, end) = (event()?, event()?);
+        let stream = self.gpu.stream.clone();
+        let record = |e: &CudaEvent| e.record(&stream).map_err(GpuError::cuda("recording a timing event"));
+        if self.decode_graphs() {
+            if self.prepared != Some((b, pos, self.buffers_generation)) {
+                self.prepare_decode_graph(&ks, b, pos)?;
+            }
+            let graph = &self.decode_graphs[&b];
+            record(&start)?;
+            graph.launch(&self.gpu.stream)?;
+            record(&end)?;
+            // While the GPU runs this step, set the graph up for the next one (only the
+            // position and the cache length change): updates do not touch a launched graph.
+            self.prepared = None;
+            if pos + 1 < cfg.n_ctx {
+                self.prepare_decode_graph(&ks, b, pos + 1)?;
+            }
+        } else {
+            record(&start)?;
+            self.run(&ks, b, 1, pos, true, HeadRows::All)?;
+            record(&end)?;
+        }
+        let rows = b;
+        self.step_events = Some((start, end));
         self.len += 1;
         self.read_logits(b, 1, rows)
     }
 
-    /// One decode step as a CUDA graph: replay the batch size's recorded graph with the
-    /// arguments of this step, or record it first (again, if the launches no longer match it).
-    fn run_decode_graph(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<usize> {
+    /// Points the graph of batch size `b` at the decode step at position `pos`: replays the
+    /// step's launches into it, rewriting the nodes whose arguments changed, or records it
+    /// (again) when there is none or the launches no longer match it.
+    fn prepare_decode_graph(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<()> {
         // The cache-length-dependent workspace is sized for the longest cache up front, so
         // that no step reallocates it under the graph's pointers.
         let longest = with(&ks.attention.shape, &[("T", self.model.config.n_ctx as i64)]);
@@ -1174,29 +1262,30 @@ impl GpuBackend {
                 next: 0,
                 stale: false,
             };
-            let rows = self.run(ks, b, 1, pos, true, HeadRows::All);
-            let LaunchMode::Update { graph, next, stale } = std::mem::replace(&mut self.launch_mode, LaunchMode::Direct)
+            let walked = self.run(ks, b, 1, pos, true, HeadRows::All);
+            let LaunchMode::Update { graph, next, stale } =
+                std::mem::replace(&mut self.launch_mode, LaunchMode::Direct)
             else {
                 unreachable!("the launch mode is only changed here")
             };
-            let rows = rows?;
+            walked?;
             if !stale && next == graph.len() {
-                graph.launch(&self.gpu.stream)?;
                 self.decode_graphs.insert(b, graph);
-                return Ok(rows);
+                self.prepared = Some((b, pos, self.buffers_generation));
+                return Ok(());
             }
             // The kernels changed under the graph (a reselection): record it again.
         }
         self.launch_mode = LaunchMode::Record(KernelGraph::new(&self.gpu.ctx)?);
-        let rows = self.run(ks, b, 1, pos, true, HeadRows::All);
+        let walked = self.run(ks, b, 1, pos, true, HeadRows::All);
         let LaunchMode::Record(mut graph) = std::mem::replace(&mut self.launch_mode, LaunchMode::Direct) else {
             unreachable!("the launch mode is only changed here")
         };
-        let rows = rows?;
+        walked?;
         graph.instantiate()?;
-        graph.launch(&self.gpu.stream)?;
         self.decode_graphs.insert(b, graph);
-        Ok(rows)
+        self.prepared = Some((b, pos, self.buffers_generation));
+        Ok(())
     }
 
     /// A full forward pass (LM head on every position) that leaves the logits on the device:
