@@ -26,6 +26,7 @@ fn every_family_of_the_design_exists() {
         "matmul_splitk",
         "matmul_warptile",
         "matmul_gemv",
+        "matmul_simt",
         "attention_naive",
         "attention_flash",
         "softmax_row",
