@@ -37,7 +37,7 @@ constexpr int VECTOR_WIDTH = 4;  // elements per thread (1 or 4)
 // error stays a few ulp for every x. exp(-2u) overflowing to inf for x < ~-10 gives -0, the
 // right answer to f32 precision. Plain expf (no fast-math intrinsic): the result must match an
 // f64 reference closely.
-__device__ __forceinline__ float gelu_tanh(float x) {
+__device__ __forceinline__ float gelu_precise(float x) {
     const float sqrt_2_over_pi = 0.7978845608028654f;
     const float u = sqrt_2_over_pi * (x + 0.044715f * x * x * x);
     return x / (1.0f + expf(-2.0f * u));
@@ -73,11 +73,11 @@ gelu_97f4e41e_main(float* out, const float* inp, int N) {
     if (i + 3 < N) {
         // Full group: one 16-byte load, four GELUs, one 16-byte store.
         const float4 v = load_float4(inp + i);
-        store_float4(out + i, make_float4(gelu_tanh(v.x), gelu_tanh(v.y),
-                                          gelu_tanh(v.z), gelu_tanh(v.w)));
+        store_float4(out + i, make_float4(gelu_precise(v.x), gelu_precise(v.y),
+                                          gelu_precise(v.z), gelu_precise(v.w)));
     } else {
         // Tail (only the last thread, when N % 4 != 0): scalar, in bounds.
         for (long long j = i; j < N; ++j)
-            out[j] = gelu_tanh(inp[j]);
+            out[j] = gelu_precise(inp[j]);
     }
 }

@@ -61,7 +61,7 @@ static_assert(BLOCK_K % VEC == 0, "a tile row is a whole number of vectors");
 // error stays a few ulp for every x. exp(-2u) overflowing to inf for x < ~-10 gives -0, the
 // right answer to f32 precision. Plain expf (no fast-math intrinsic): the result must match an
 // f64 reference closely.
-__device__ __forceinline__ float gelu_tanh(float x) {
+__device__ __forceinline__ float gelu_precise(float x) {
     const float sqrt_2_over_pi = 0.7978845608028654f;
     const float u = sqrt_2_over_pi * (x + 0.044715f * x * x * x);
     return x / (1.0f + expf(-2.0f * u));
@@ -73,7 +73,7 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 __device__ __forceinline__ void store_output(float* out, const float* bias, const float* residual,
                                              int m, int n, float acc,
                                              int M, int N, int T, int n_head) {
-    out[(long long)m * N + n] = gelu_tanh(acc + bias[n]);
+    out[(long long)m * N + n] = gelu_precise(acc + bias[n]);
 }
 
 // 16-byte vector access. `ptr` must be 16-byte aligned (float offset a multiple of 4 from a

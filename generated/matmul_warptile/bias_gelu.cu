@@ -108,7 +108,7 @@ static_assert(PITCH_A % 32 == 4 && PITCH_B % 32 == 4, "padding puts the two lane
 // error stays a few ulp for every x. exp(-2u) overflowing to inf for x < ~-10 gives -0, the
 // right answer to f32 precision. Plain expf (no fast-math intrinsic): the result must match an
 // f64 reference closely.
-__device__ __forceinline__ float gelu_tanh(float x) {
+__device__ __forceinline__ float gelu_precise(float x) {
     const float sqrt_2_over_pi = 0.7978845608028654f;
     const float u = sqrt_2_over_pi * (x + 0.044715f * x * x * x);
     return x / (1.0f + expf(-2.0f * u));
@@ -120,7 +120,7 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 __device__ __forceinline__ void store_output(float* out, const float* bias, const float* residual,
                                              int m, int n, float acc,
                                              int M, int N, int T, int n_head) {
-    out[(long long)m * N + n] = gelu_tanh(acc + bias[n]);
+    out[(long long)m * N + n] = gelu_precise(acc + bias[n]);
 }
 
 // 16-byte vector access. `ptr` must be 16-byte aligned (float offset a multiple of 4 from a
