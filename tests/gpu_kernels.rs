@@ -125,6 +125,12 @@ fn gpu_kv_append() {
     check_op("kv_append");
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_argmax() {
+    check_op("argmax");
+}
+
 /// The harness itself must catch broken kernels: one that skips the last element (caught by
 /// the NaN poison), one that is off by a little (caught by the tolerance), one that does not
 /// compile (reported, not a crash).

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::config::GPT2Config;
 use super::error::{ModelError, Result};
-use super::sampling::{Sampler, SamplingParams};
+use super::sampling::{argmax, Sampler, SamplingParams};
 use super::tokenizer::EOT_TOKEN;
 
 /// Logits `[batch, seq_len, vocab]`, row-major, over the real vocabulary.
@@ -87,6 +87,14 @@ pub trait Backend {
 
     /// Append one token to each of the B sequences and return their logits `[B, 1, V]`.
     fn decode(&mut self, last: &[u32]) -> Result<Logits>;
+
+    /// [`Backend::decode`] for greedy decoding: the most likely next token of each sequence
+    /// (the first on ties) instead of its logits. Backends may override it to choose on the
+    /// device, so that no logits travel back to the host.
+    fn decode_argmax(&mut self, last: &[u32]) -> Result<Vec<u32>> {
+        let logits = self.decode(last)?;
+        (0..last.len()).map(|b| argmax(logits.last(b))).collect()
+    }
 
     /// A short note for the stats line (the GPU backend: how many kernels were tuned).
     fn stats_note(&self) -> Option<String> {
@@ -239,10 +247,18 @@ pub fn generate(
     let common = prompts.iter().map(Vec::len).min().unwrap_or(0);
     let prefix: Vec<Vec<u32>> = prompts.iter().map(|p| p[..common].to_vec()).collect();
     let t0 = Instant::now();
-    let mut logits = backend.prefill_last(&prefix)?;
+    let logits = backend.prefill_last(&prefix)?;
     stats.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
     check_logits(&logits, batch, backend.name())?;
 
+    // What the last step gave: logits to sample from, or (greedy decoding, chosen on the
+    // backend) the tokens themselves.
+    enum Step {
+        Logits(Logits),
+        Tokens(Vec<u32>),
+    }
+    let greedy = opts.sampling.is_greedy();
+    let mut step = Step::Logits(logits);
     let mut pos = common; // tokens fed so far, per sequence
     let mut done = vec![false; batch];
     let mut ended_by_eot = vec![false; batch];
@@ -260,7 +276,10 @@ pub fn generate(
             if pos < prompts[b].len() {
                 next[b] = prompts[b][pos];
             } else if !done[b] {
-                let tok = samplers[b].sample(logits.last(b))?;
+                let tok = match &step {
+                    Step::Logits(logits) => samplers[b].sample(logits.last(b))?,
+                    Step::Tokens(tokens) => tokens[b],
+                };
                 out[b].push(tok);
                 stats.generated_tokens += 1;
                 on_token(b, tok)?;
@@ -283,8 +302,20 @@ pub fn generate(
         if pos + 1 >= cfg.n_ctx {
             break StopReason::ContextFull;
         }
-        logits = backend.decode(&next)?;
-        check_logits(&logits, batch, backend.name())?;
+        step = if greedy {
+            let tokens = backend.decode_argmax(&next)?;
+            if tokens.len() != batch {
+                return Err(ModelError::Backend {
+                    backend: backend.name().to_string(),
+                    message: format!("returned {} tokens for a batch of {batch}", tokens.len()),
+                });
+            }
+            Step::Tokens(tokens)
+        } else {
+            let logits = backend.decode(&next)?;
+            check_logits(&logits, batch, backend.name())?;
+            Step::Logits(logits)
+        };
         stats.decode_steps += 1;
         pos += 1;
     };

@@ -50,6 +50,8 @@ use crate::tune::registry::{variant_kind, Choice, Registry};
 pub const ATTENTION_DECODE_OP: &str = "attention_decode";
 /// The op (and kernel family) that copies new K and V rows into the cache.
 pub const KV_APPEND_OP: &str = "kv_append";
+/// The op (and kernel family) that picks greedy tokens on the device.
+pub const ARGMAX_OP: &str = "argmax";
 /// The family the unfused path forces for prefill attention.
 pub const UNFUSED_ATTENTION_FAMILY: &str = "attention_naive";
 
@@ -88,6 +90,8 @@ struct Kernels {
     gelu: Option<Kernel>,
     residual: Option<Kernel>,
     lm_head: Kernel,
+    /// Decode steps only: greedy choice of the next tokens on the device.
+    argmax: Option<Kernel>,
 }
 
 /// Device pointers of one layer's parameters.
@@ -121,6 +125,8 @@ struct Activations {
     /// The last position of each sequence, gathered for the LM head of `prefill_last`.
     last: CudaSlice<f32>,
     logits: CudaSlice<f32>,
+    /// The argmax token of each sequence (greedy decode steps).
+    next_ids: CudaSlice<i32>,
 }
 
 /// One row of the per-kernel profile.
@@ -395,6 +401,10 @@ impl GpuBackend {
             fc_pre: alloc(gpu, if unfused { rows * 4 * c } else { 0 }, "fc (pre-GELU)")?,
             last: alloc(gpu, max_batch.max(rows / cfg.n_ctx) * c, "last rows")?,
             logits: alloc(gpu, rows * cfg.padded_vocab_size, "logits")?,
+            next_ids: gpu
+                .stream
+                .alloc_zeros::<i32>(max_batch.max(rows / cfg.n_ctx).max(1))
+                .map_err(GpuError::cuda("allocating the next-token ids"))?,
         })
     }
 
@@ -734,6 +744,14 @@ impl GpuBackend {
             mm(vp, c, m, ti)
         };
         let lm_head = self.kernel("lm_head", "matmul", Epilogue::None, Mask::None, head_shape, None)?;
+        let argmax_available =
+            ops::op_by_name(ARGMAX_OP).is_some() && self.registry.catalog.for_op(ARGMAX_OP).next().is_some();
+        let argmax = if decode && argmax_available {
+            let s = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
+            Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, s, None)?)
+        } else {
+            None
+        };
         let set = Arc::new(Kernels {
             encoder,
             layernorm,
@@ -746,6 +764,7 @@ impl GpuBackend {
             gelu,
             residual,
             lm_head,
+            argmax,
         });
         self.sets.insert(set_key, set.clone());
         Ok(set)
@@ -1127,6 +1146,13 @@ impl GpuBackend {
         for r in 0..rows {
             data.extend_from_slice(&host[r * vp..r * vp + v]);
         }
+        self.finish_step_timing()?;
+        self.flush_profile()?;
+        Ok(Logits::new(b, seq, v, data)?)
+    }
+
+    /// Adds the finished decode step's GPU time (its events) to the total.
+    fn finish_step_timing(&mut self) -> AnyResult<()> {
         if let Some((start, end)) = self.step_events.take() {
             let ms = start
                 .elapsed_ms(&end)
@@ -1134,8 +1160,7 @@ impl GpuBackend {
             self.decode_gpu_ms.0 += ms as f64;
             self.decode_gpu_ms.1 += 1;
         }
-        self.flush_profile()?;
-        Ok(Logits::new(b, seq, v, data)?)
+        Ok(())
     }
 
     /// (total GPU ms, steps) of the decode steps since the last call: the time from the first
@@ -1189,7 +1214,9 @@ impl GpuBackend {
         }
     }
 
-    fn decode_impl(&mut self, last: &[u32]) -> AnyResult<Logits> {
+    /// One decode step up to the LM head (and, when `greedy`, the argmax kernel into
+    /// `act.next_ids`), launched but not waited for. Returns the batch size.
+    fn decode_step(&mut self, last: &[u32], greedy: bool) -> AnyResult<usize> {
         if let Some(why) = &self.decode_missing {
             bail!("{why}");
         }
@@ -1223,29 +1250,79 @@ impl GpuBackend {
         let (start, end) = (event()?, event()?);
         let stream = self.gpu.stream.clone();
         let record = |e: &CudaEvent| e.record(&stream).map_err(GpuError::cuda("recording a timing event"));
-        if self.decode_graphs() {
+        let graphs = self.decode_graphs();
+        if graphs {
             if self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
             }
-            let graph = &self.decode_graphs[&b];
             record(&start)?;
-            graph.launch(&self.gpu.stream)?;
-            record(&end)?;
+            self.decode_graphs[&b].launch(&self.gpu.stream)?;
+        } else {
+            record(&start)?;
+            self.run(&ks, b, 1, pos, true, HeadRows::All)?;
+        }
+        if greedy {
+            let k = ks.argmax.as_ref().expect("greedy decode steps have an argmax kernel");
+            let (ids, logits) = (ptr(&self.gpu, &self.act.next_ids), ptr(&self.gpu, &self.act.logits));
+            let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
+            let args = [
+                ArgValue::Ptr(ids),
+                ArgValue::Ptr(logits),
+                i32_arg(b, "B")?,
+                i32_arg(v, "V")?,
+                i32_arg(vp, "stride")?,
+            ];
+            self.launch(k, &args)?;
+        }
+        record(&end)?;
+        self.step_events = Some((start, end));
+        self.len += 1;
+        if graphs {
             // While the GPU runs this step, set the graph up for the next one (only the
             // position and the cache length change): updates do not touch a launched graph.
             self.prepared = None;
             if pos + 1 < cfg.n_ctx {
                 self.prepare_decode_graph(&ks, b, pos + 1)?;
             }
-        } else {
-            record(&start)?;
-            self.run(&ks, b, 1, pos, true, HeadRows::All)?;
-            record(&end)?;
         }
-        let rows = b;
-        self.step_events = Some((start, end));
-        self.len += 1;
-        self.read_logits(b, 1, rows)
+        Ok(b)
+    }
+
+    fn decode_impl(&mut self, last: &[u32]) -> AnyResult<Logits> {
+        let b = self.decode_step(last, false)?;
+        self.read_logits(b, 1, b)
+    }
+
+    /// A greedy decode step: the argmax token of each sequence, chosen on the device.
+    fn decode_argmax_impl(&mut self, last: &[u32]) -> AnyResult<Vec<u32>> {
+        let on_device = self.decode_missing.is_none() && self.kernels(self.batch.max(1), 1, true, false)?.argmax.is_some();
+        if !on_device {
+            let logits = self.decode_impl(last)?;
+            return (0..last.len())
+                .map(|b| crate::model::sampling::argmax(logits.last(b)).map_err(Into::into))
+                .collect();
+        }
+        let b = self.decode_step(last, true)?;
+        let mut ids = vec![0i32; b];
+        self.gpu
+            .stream
+            .memcpy_dtoh(&self.act.next_ids.slice(0..b), &mut ids)
+            .map_err(GpuError::cuda(format!("copying {b} token ids back")))?;
+        self.gpu.synchronize().context(SYNC_HINT)?;
+        self.finish_step_timing()?;
+        self.flush_profile()?;
+        ids.iter()
+            .enumerate()
+            .map(|(s, &id)| {
+                u32::try_from(id).map_err(|_| {
+                    ModelError::Sampling(format!(
+                        "the logits of sequence {s} contain NaN ({} on the GPU)",
+                        self.name
+                    ))
+                    .into()
+                })
+            })
+            .collect()
     }
 
     /// Points the graph of batch size `b` at the decode step at position `pos`: replays the
@@ -1345,6 +1422,10 @@ impl Backend for GpuBackend {
 
     fn decode(&mut self, last: &[u32]) -> Result<Logits> {
         self.decode_impl(last).map_err(|e| self.model_error(e))
+    }
+
+    fn decode_argmax(&mut self, last: &[u32]) -> Result<Vec<u32>> {
+        self.decode_argmax_impl(last).map_err(|e| self.model_error(e))
     }
 
     fn stats_note(&self) -> Option<String> {

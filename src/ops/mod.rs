@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use rand::rngs::StdRng;
 
+pub mod argmax;
 pub mod attention;
 pub mod attention_decode;
 pub mod encoder;
@@ -162,6 +163,14 @@ impl TensorArg {
             data: HostData::F32(data),
         }
     }
+    /// An output buffer of `len` int32 (the runner poisons it with `i32::MIN`).
+    pub fn output_i32(name: &'static str, len: usize) -> Self {
+        TensorArg {
+            name,
+            role: Role::Output,
+            data: HostData::I32(vec![i32::MIN; len]),
+        }
+    }
     pub fn output_f32(name: &'static str, len: usize) -> Self {
         TensorArg {
             name,
@@ -257,6 +266,12 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn row_dims(&self) -> &'static [&'static str] {
         &self.dims()[..1]
     }
+    /// Whether outputs are integers that must equal the reference exactly (verification then
+    /// reports the number of mismatching elements as the error) instead of floats compared by
+    /// relative L2 error.
+    fn exact(&self) -> bool {
+        false
+    }
     /// The epilogues / masks it supports ([Epilogue::None] / [Mask::None] when not applicable).
     fn epilogues(&self) -> &'static [Epilogue] {
         &[Epilogue::None]
@@ -276,7 +291,7 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)>;
 }
 
-static ALL_OPS: [&dyn OpContract; 9] = [
+static ALL_OPS: [&dyn OpContract; 10] = [
     &encoder::Encoder,
     &layernorm::LayerNorm,
     &matmul::Matmul,
@@ -286,6 +301,7 @@ static ALL_OPS: [&dyn OpContract; 9] = [
     &residual::Residual,
     &attention_decode::AttentionDecode,
     &kv_append::KvAppend,
+    &argmax::Argmax,
 ];
 
 /// Every op contract.
@@ -379,6 +395,13 @@ pub fn parse_shape(op: &dyn OpContract, text: &str) -> Result<Shape, OpError> {
         return Err(err(format!("missing {}; {}", missing.join(", "), shape_usage(op))));
     }
     Ok(shape)
+}
+
+/// Number of elements of `got` that differ from `want` (a length mismatch counts every
+/// missing or extra element): the error of an [`OpContract::exact`] op.
+pub fn mismatch_count(got: &[f32], want: &[f64]) -> f64 {
+    let differ = got.iter().zip(want).filter(|(&g, &w)| g as f64 != w).count();
+    (differ + got.len().abs_diff(want.len())) as f64
 }
 
 /// Relative L2 error `||got - want|| / ||want||` (denominator floored at 1e-30); any NaN/inf in

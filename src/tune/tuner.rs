@@ -12,7 +12,7 @@ use super::baseline::CublasBaseline;
 use super::db::{Entry, TuneKey, TuningDb};
 use super::registry::variant_kind;
 use super::time::{rotation_count, time_variant, Timing, TimingPlan};
-use super::verify::{run_and_compare, tolerance, RunFailure};
+use super::verify::{error_text, run_and_compare, tolerance, RunFailure};
 use super::workloads::Workload;
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
@@ -224,7 +224,7 @@ impl Context<'_> {
         let loaded = self.load(v)?;
         match run_and_compare(gpu, loaded, problem, device, reference) {
             Ok(err) if err < tolerance(v.dtype) => Ok(()),
-            Ok(err) => Err(format!("wrong result: relative L2 error {err:.2e}")),
+            Ok(err) => Err(format!("wrong result: {}", error_text(v, err))),
             Err(RunFailure::Soft(why)) => Err(why),
             Err(RunFailure::Fault(why)) => Err(format!("kernel fault: {why}")),
         }

@@ -17,6 +17,15 @@ pub fn tolerance(dtype: Dtype) -> f64 {
     }
 }
 
+/// What a failing error means: a relative L2 error, or (exact ops) a count of wrong elements.
+pub fn error_text(variant: &Variant, error: f64) -> String {
+    if variant.family.op.exact() {
+        format!("{error} elements differ from the reference")
+    } else {
+        format!("relative L2 error {error:.3e}")
+    }
+}
+
 /// Outcome of one variant on one shape.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[serde(tag = "status", content = "reason", rename_all = "snake_case")]
@@ -154,7 +163,7 @@ pub fn verify(
                         &reference,
                     ) {
                         Ok(error) if error < tolerance(variant.dtype) => (Status::Pass, Some(error)),
-                        Ok(error) => (Status::Fail(format!("relative L2 error {error:.3e}")), Some(error)),
+                        Ok(error) => (Status::Fail(error_text(&variant, error)), Some(error)),
                         Err(RunFailure::Soft(message)) => (Status::Fail(message), None),
                         Err(RunFailure::Fault(message)) => {
                             faulted = Some(message.clone());
@@ -236,7 +245,12 @@ pub(crate) fn run_and_compare(
         let got = device
             .download(gpu, *index)
             .map_err(|e| RunFailure::Fault(e.to_string()))?;
-        worst = worst.max(ops::relative_l2_error(&got, want));
+        let error = if loaded.variant.family.op.exact() {
+            ops::mismatch_count(&got, want)
+        } else {
+            ops::relative_l2_error(&got, want)
+        };
+        worst = worst.max(error);
     }
     Ok(worst)
 }
