@@ -359,9 +359,10 @@ fn report_html(gpu: &str, results: &[TuneResult], peaks: &Peaks) -> String {
     let mut html = format!(
         "<!doctype html><meta charset=utf-8><title>kernelforge tuning report</title>\
          <style>body{{font:14px sans-serif;margin:2em}}pre{{font-size:12px}}svg{{background:#fafafa;border:1px solid #ddd}}</style>\
-         <h1>kernelforge tuning report: {}</h1><pre>{}</pre>",
+         <h1>kernelforge tuning report: {}</h1><pre>{}{}</pre>",
         esc(gpu),
-        format!("{}{}", esc(&results_table(results, peaks)), esc(&peaks.legend()))
+        esc(&results_table(results, peaks)),
+        esc(&peaks.legend())
     );
     let palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
     for r in results {
