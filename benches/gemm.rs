@@ -9,7 +9,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion};
 use kernelforge::gpu::{Compiler, DeviceProblem, Gpu};
 use kernelforge::ops::{self, Epilogue, Mask, Shape};
-use kernelforge::spec::Catalog;
+use kernelforge::spec::{Catalog, Dtype};
 use kernelforge::tune::baseline::CublasBaseline;
 use kernelforge::tune::db::{default_path, DbHeader, TuningDb};
 use kernelforge::tune::registry::Registry;
@@ -57,7 +57,7 @@ fn gemm(c: &mut Criterion) {
             op.complete_shape(&mut shape, epilogue, Mask::None).expect("shape");
             let problem = op.problem(&shape, epilogue, Mask::None, &mut rng).expect("problem");
             let selected = registry
-                .select("matmul", epilogue, Mask::None, &shape, &gpu.info.limits)
+                .select("matmul", Dtype::F32, epilogue, Mask::None, &shape, &gpu.info.limits)
                 .expect("variant");
             let loaded = registry.load(&gpu, &selected.variant).expect("load");
             let launches = loaded.plan(&gpu, &shape).expect("plan");
@@ -81,7 +81,9 @@ fn gemm(c: &mut Criterion) {
             );
             group.bench_function("cuBLAS + epilogue kernel", |b| {
                 b.iter_custom(|iters| {
-                    let t = cublas.time_matmul(&gpu, &problem, &plan(iters)).expect("cuBLAS");
+                    let t = cublas
+                        .time_matmul(&gpu, &problem, Dtype::F32, &plan(iters))
+                        .expect("cuBLAS");
                     Duration::from_secs_f64(t.median_ms * 1e-3 * iters as f64)
                 })
             });

@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use kernelforge::codegen::{cuda_files, render_catalog, Renderer};
-use kernelforge::spec::{expand, Catalog, DeviceLimits, Points};
+use kernelforge::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Points};
 
 fn catalog() -> Catalog {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -20,6 +20,7 @@ fn every_family_of_the_design_exists() {
         "encoder_gridstride",
         "layernorm_warp",
         "layernorm_block",
+        "layernorm_regs",
         "matmul_naive",
         "matmul_tiled",
         "matmul_regtile",
@@ -27,6 +28,7 @@ fn every_family_of_the_design_exists() {
         "matmul_warptile",
         "matmul_gemv",
         "matmul_simt",
+        "matmul_wmma",
         "attention_naive",
         "attention_flash",
         "softmax_row",
@@ -34,6 +36,7 @@ fn every_family_of_the_design_exists() {
         "residual",
         "attention_decode",
         "kv_append",
+        "argmax_row",
     ] {
         assert!(names.contains(want), "missing family {want}; have {names:?}");
     }
@@ -151,4 +154,72 @@ fn generated_folder_matches_specs_and_templates() {
             extra.display()
         );
     }
+}
+
+/// The tensor-core family: tf32 only, every variant tf32, the fragment shape fixed, a variant
+/// of another dtype refused with a message that says which dtypes exist.
+#[test]
+fn wmma_family_is_tf32_only() {
+    let c = catalog();
+    let f = c.family("matmul_wmma").unwrap();
+    assert_eq!(f.dtypes, vec![Dtype::Tf32]);
+    let limits = DeviceLimits::default();
+    let all = expand(f, Points::All, &limits).unwrap();
+    assert!(all.len() > 5 * 20, "a real search space: {}", all.len());
+    assert!(all.iter().all(|v| v.dtype == Dtype::Tf32));
+    assert!(all
+        .iter()
+        .all(|v| (v.params["frag_m"], v.params["frag_n"], v.params["frag_k"]) == (16, 16, 8)));
+    assert!(all.iter().all(|v| v.key().starts_with("dtype=tf32")));
+    for v in &all {
+        let warp = (v.derived["warp_m"], v.derived["warp_n"]);
+        assert!(warp.0 % 16 == 0 && warp.1 % 16 == 0, "{}", v.key());
+        assert!(v.derived["smem_bytes"] <= limits.max_smem_dynamic, "{}", v.key());
+    }
+    let stages: BTreeSet<i64> = all.iter().map(|v| v.params["stages"]).collect();
+    assert_eq!(stages, [2, 3, 4].into_iter().collect());
+    let e = variant_with(
+        f,
+        &[],
+        Dtype::F32,
+        kernelforge::ops::Epilogue::None,
+        kernelforge::ops::Mask::None,
+        &limits,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("matmul_wmma.toml") && e.contains("no f32 variants") && e.contains("tf32"),
+        "{e}"
+    );
+    // The f32 families have no tf32 variants.
+    for f in c.for_op("matmul").filter(|f| f.name != "matmul_wmma") {
+        assert_eq!(f.dtypes, vec![Dtype::F32], "{}", f.name);
+    }
+    // The rendered default uses WMMA TF32 fragments, the conversion and the cp.async pipeline.
+    let renderer = Renderer::new(&c.templates_dir).unwrap();
+    let v = expand(f, Points::Default, &limits).unwrap().remove(0);
+    let code = renderer.render(&v).unwrap().code;
+    for want in [
+        "#include <mma.h>",
+        "precision::tf32",
+        "__float_to_tf32",
+        "cp.async.cg.shared.global",
+        "cp.async.wait_group",
+        "store_output(",
+    ] {
+        assert!(code.contains(want), "missing {want}");
+    }
+}
+
+#[test]
+fn dtype_names_parse_and_print() {
+    for d in Dtype::ALL {
+        assert_eq!(d.to_string().parse::<Dtype>().unwrap(), d);
+    }
+    assert_eq!("tf32".parse::<Dtype>().unwrap(), Dtype::Tf32);
+    let e = "bf17".parse::<Dtype>().unwrap_err().to_string();
+    assert!(e.contains("bf17") && e.contains("f32, tf32"), "{e}");
+    assert_eq!(kernelforge::tune::verify::tolerance(Dtype::Tf32), 1e-3);
+    assert_eq!(kernelforge::tune::verify::tolerance(Dtype::F32), 1e-5);
 }

@@ -89,6 +89,37 @@ fn gpu_matmul() {
     check_op("matmul");
 }
 
+/// The TF32 tensor-core family on its own, with a larger sample than the per-op test: every
+/// epilogue on the awkward shapes its `K % 4 == 0` constraint allows (M=37, N=100, K=72, ...),
+/// judged with the tf32 bar (relative L2 < 1e-3).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wmma_tf32() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    catalog.families.retain(|f| f.name == "matmul_wmma");
+    assert_eq!(catalog.families.len(), 1, "matmul_wmma exists");
+    let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 8, seed });
+    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed: {failures:#?}",
+        failures.len(),
+        rows.len()
+    );
+    let passed: Vec<_> = rows.iter().filter(|r| r.status == Status::Pass).collect();
+    for kind in ["[bias]", "[bias_gelu]", "[bias_residual]", "[qkv]"] {
+        assert!(passed.iter().any(|r| r.kernel.ends_with(kind)), "no {kind} row passed");
+    }
+    assert!(passed
+        .iter()
+        .any(|r| r.shape.contains("M=37") && r.shape.contains("N=100")));
+    for r in &passed {
+        assert_eq!(r.tolerance, 1e-3, "tf32 variants use the tf32 bar: {r:?}");
+        assert!(r.variant.starts_with("dtype=tf32"), "{r:?}");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attention() {

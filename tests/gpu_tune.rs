@@ -7,7 +7,7 @@ use std::time::Duration;
 use kernelforge::codegen::Renderer;
 use kernelforge::gpu::{Compiler, Gpu};
 use kernelforge::ops::{self, Epilogue, Mask, Shape};
-use kernelforge::spec::Catalog;
+use kernelforge::spec::{Catalog, Dtype};
 use kernelforge::tune::db::{DbHeader, TuningDb};
 use kernelforge::tune::registry::{Choice, Registry};
 use kernelforge::tune::tuner::{tune, Quiet, TuneOptions};
@@ -20,6 +20,7 @@ fn workload(op: &str, epilogue: Epilogue, mask: Mask, pairs: &[(&str, i64)]) -> 
     Workload {
         role: op.to_string(),
         op: contract.name(),
+        dtype: Dtype::F32,
         epilogue,
         mask,
         shape,
@@ -109,6 +110,7 @@ fn gpu_tune_store_reuse_and_registry() {
     let s = registry
         .select(
             "matmul",
+            Dtype::F32,
             Epilogue::BiasGelu,
             Mask::None,
             &workloads[0].shape,
@@ -121,12 +123,20 @@ fn gpu_tune_store_reuse_and_registry() {
     other.insert("M".into(), 280);
     other.insert("T".into(), 280);
     let s = registry
-        .select("matmul", Epilogue::BiasGelu, Mask::None, &other, &gpu.info.limits)
+        .select(
+            "matmul",
+            Dtype::F32,
+            Epilogue::BiasGelu,
+            Mask::None,
+            &other,
+            &gpu.info.limits,
+        )
         .unwrap();
     assert_eq!(s.choice, Choice::Nearest);
     let s = registry
         .select(
             "matmul",
+            Dtype::F32,
             Epilogue::Bias,
             Mask::None,
             &workloads[0].shape,
@@ -140,10 +150,92 @@ fn gpu_tune_store_reuse_and_registry() {
     decode.insert("M".into(), 1);
     decode.insert("T".into(), 1);
     let s = registry
-        .select("matmul", Epilogue::Bias, Mask::None, &decode, &gpu.info.limits)
+        .select(
+            "matmul",
+            Dtype::F32,
+            Epilogue::Bias,
+            Mask::None,
+            &decode,
+            &gpu.info.limits,
+        )
         .unwrap();
     assert_eq!(
         (s.choice, s.variant.family.name.as_str()),
         (Choice::Default, "matmul_gemv")
     );
+}
+
+/// tf32 end to end: the candidates are the tf32 variants, the winner is stored under the tf32
+/// key with cuBLAS (TF32 math) beside it, and the registry answers per dtype.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_tune_tf32_is_keyed_by_dtype() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+    let gpu = Gpu::new(0).unwrap();
+    let compiler = Compiler::new(&gpu.info.arch()).unwrap();
+    let renderer = Renderer::new(&catalog.templates_dir).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("db.json");
+    let header = DbHeader::for_device(&gpu, &compiler);
+    let mut db = TuningDb::open(&path, header.clone()).unwrap();
+    let mut w = workload(
+        "matmul",
+        Epilogue::BiasGelu,
+        Mask::None,
+        &[("M", 300), ("N", 384), ("K", 256)],
+    );
+    w.dtype = Dtype::Tf32;
+    let options = TuneOptions {
+        budget: Duration::from_secs(15),
+        seed: 5,
+        force: false,
+        baseline: true,
+    };
+    let results = tune(
+        &gpu,
+        &compiler,
+        &renderer,
+        &catalog,
+        &mut db,
+        std::slice::from_ref(&w),
+        &options,
+        &Quiet,
+    )
+    .unwrap();
+    let r = &results[0];
+    assert_eq!(r.dtype, Dtype::Tf32);
+    let winner = r.winner.as_ref().expect("a winner");
+    assert_eq!(winner.family, "matmul_wmma");
+    assert!(winner.baseline_ms.is_some());
+    assert!(r.tried.iter().all(|t| t.variant.starts_with("dtype=tf32")));
+    let mut registry = Registry::new(catalog, Some(TuningDb::open(&path, header).unwrap()), compiler).unwrap();
+    let s = registry
+        .select(
+            "matmul",
+            Dtype::Tf32,
+            Epilogue::BiasGelu,
+            Mask::None,
+            &w.shape,
+            &gpu.info.limits,
+        )
+        .unwrap();
+    assert_eq!(
+        (s.choice, s.variant.family.name.as_str()),
+        (Choice::Tuned, "matmul_wmma")
+    );
+    assert_eq!(s.variant.dtype, Dtype::Tf32);
+    // The same shape in f32 is not tuned and never gets a tf32 kernel.
+    let s = registry
+        .select(
+            "matmul",
+            Dtype::F32,
+            Epilogue::BiasGelu,
+            Mask::None,
+            &w.shape,
+            &gpu.info.limits,
+        )
+        .unwrap();
+    assert_eq!(s.choice, Choice::Default);
+    assert_eq!(s.variant.dtype, Dtype::F32);
 }

@@ -49,6 +49,9 @@ pub struct InspectArgs {
     /// Mask (attention families): causal, full, window. Default: the first listed.
     #[arg(long, value_parser = parse_mask)]
     pub mask: Option<Mask>,
+    /// Dtype: f32 or tf32 (among the family's `dtypes`). Default: the first listed.
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<Dtype>,
     /// Also print the PTX (needs NVRTC, not a GPU).
     #[arg(long)]
     pub ptx: bool,
@@ -66,8 +69,8 @@ pub struct InspectArgs {
 /// Run kernel variants on the GPU against the f64 CPU reference and print a pass/fail table.
 ///
 /// Inputs are fresh random numbers (seeded; the seed is printed), outputs are poisoned with NaN
-/// before every run, and the relative L2 error must stay under 1e-5 (f32). Exit status 1 if any
-/// variant fails.
+/// before every run, and the relative L2 error must stay under 1e-5 (f32) or 1e-3 (tf32). Exit
+/// status 1 if any variant fails.
 #[derive(Debug, Args)]
 pub struct VerifyArgs {
     /// Only families of this op (encoder, layernorm, matmul, attention, attention_decode, kv_append,
@@ -77,6 +80,9 @@ pub struct VerifyArgs {
     /// Only this family.
     #[arg(long)]
     pub family: Option<String>,
+    /// Only variants of this dtype: f32 or tf32 (default: every dtype each family lists).
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<Dtype>,
     /// One shape instead of the op's awkward test shapes: positional (37,100,72 for M,N,K) or
     /// named (M=37,N=100,K=72,T=37,n_head=1). Needs --op or --family.
     #[arg(long, value_name = "SHAPE")]
@@ -117,6 +123,10 @@ pub(crate) fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
     .into_iter()
     .find(|e| e.as_str() == text)
     .ok_or_else(|| format!("unknown epilogue `{text}` (none, bias, bias_gelu, bias_residual, qkv)"))
+}
+
+pub(crate) fn parse_dtype(text: &str) -> Result<Dtype, String> {
+    text.parse::<Dtype>().map_err(|e| e.to_string())
 }
 
 pub(crate) fn parse_mask(text: &str) -> Result<Mask, String> {
@@ -190,7 +200,7 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
     let variant = variant_with(
         family,
         &args.params,
-        Dtype::F32,
+        args.dtype.unwrap_or(family.dtypes[0]),
         args.epilogue.unwrap_or(family.epilogues[0]),
         args.mask.unwrap_or(family.masks[0]),
         &limits,
@@ -253,13 +263,20 @@ pub fn verify(root: &Path, args: VerifyArgs) -> Result<()> {
         .iter()
         .filter(|f| args.op.as_deref().is_none_or(|op| f.op.name() == op))
         .filter(|f| args.family.as_deref().is_none_or(|name| f.name == name))
+        .filter(|f| args.dtype.is_none_or(|d| f.dtypes.contains(&d)))
         .cloned()
         .collect();
     if families.is_empty() {
         if let Some(name) = &args.family {
-            catalog.family(name)?;
+            let family = catalog.family(name)?;
+            if let Some(d) = args.dtype {
+                bail!(
+                    "--family {name} --dtype {d}: the family has no {d} variants (its dtypes: {})",
+                    family.dtypes.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(", ")
+                );
+            }
         }
-        bail!("no family matches --op/--family");
+        bail!("no family matches --op/--family/--dtype");
     }
     let shapes = match &args.shape {
         None => Shapes::TestShapes,
@@ -292,7 +309,11 @@ pub fn verify(root: &Path, args: VerifyArgs) -> Result<()> {
     };
     let mut variants = Vec::new();
     for f in &families {
-        variants.extend(expand(f, points, &gpu.info.limits)?);
+        variants.extend(
+            expand(f, points, &gpu.info.limits)?
+                .into_iter()
+                .filter(|v| args.dtype.is_none_or(|d| v.dtype == d)),
+        );
     }
     eprintln!(
         "verifying {} variants of {} families on {} ({}), seed {seed}",

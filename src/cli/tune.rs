@@ -11,8 +11,8 @@ use crate::codegen::Renderer;
 use crate::gpu::{Compiler, Gpu};
 use crate::model::GPT2Config;
 use crate::ops::{self, Epilogue, Mask};
-use crate::spec::{shape_text, Catalog};
-use crate::tune::baseline::{fp32_peak_flops, measure_copy_bandwidth};
+use crate::spec::{shape_text, Catalog, Dtype};
+use crate::tune::baseline::{fp32_peak_flops, measure_copy_bandwidth, measure_tf32_peak, TF32_PEAK_SIZE};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::tuner::{tune, Progress, TuneOptions, TuneResult};
 use crate::tune::workloads::{model_workloads, Workload};
@@ -25,9 +25,13 @@ use crate::tune::workloads::{model_workloads, Workload};
 /// measures cuBLAS on the same shapes, and saves the winners in the tuning database (one file
 /// per GPU). Shapes already tuned are read back in seconds; --force re-tunes them.
 ///
+/// --dtype tf32 tunes the matmuls on tensor cores (TF32 inputs, f32 accumulation, relative L2
+/// error < 1e-3) against cuBLAS in TF32 math mode; the other ops of a model stay f32.
+///
 /// Examples:
 ///   kernelforge tune --model gpt2 --batch 8 --seq 1024
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --epilogue bias_gelu
+///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype tf32
 #[derive(Debug, Args)]
 pub struct TuneArgs {
     /// gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face folder with config.json.
@@ -39,9 +43,11 @@ pub struct TuneArgs {
     /// Sequence lengths of the prefill (comma-separated); the decode step (seq 1) is always added.
     #[arg(long, value_delimiter = ',', default_value = "1024")]
     pub seq: Vec<i64>,
-    /// Precision (only f32 has kernels so far).
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// Precision of the matmuls: f32 (FP32 FMA) or tf32 (tensor cores, f32 storage; compared
+    /// with cuBLAS in TF32 math mode). With --model, tf32 applies to the matmul workloads only:
+    /// layernorm, attention, embedding and the other ops stay f32 (they have no tf32 kernels).
+    #[arg(long, default_value = "f32", value_parser = super::kernels::parse_dtype)]
+    pub dtype: Dtype,
     /// Tune one op instead of a model (with --shape).
     #[arg(long, requires = "shape", conflicts_with = "model")]
     pub op: Option<String>,
@@ -109,12 +115,6 @@ impl Progress for Bars {
 }
 
 pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
-    if args.dtype != "f32" {
-        bail!(
-            "--dtype {}: only f32 kernels exist so far (tensor-core dtypes are planned)",
-            args.dtype
-        );
-    }
     if args.budget <= 0.0 {
         bail!("--budget must be positive (seconds)");
     }
@@ -127,18 +127,26 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             if let Some(t) = args.seq.iter().find(|t| **t as usize > cfg.n_ctx) {
                 bail!("--seq {t}: longer than the model's context ({})", cfg.n_ctx);
             }
-            model_workloads(&cfg, &args.batch, &args.seq)
+            model_workloads(&cfg, &args.batch, &args.seq, args.dtype)
         }
         (None, Some(op_name)) => {
             let op = ops::op_by_name(op_name)
                 .with_context(|| format!("--op {op_name}: unknown op (known: {})", ops::op_names().join(", ")))?;
             let epilogue = args.epilogue.unwrap_or(op.epilogues()[0]);
             let mask = args.mask.unwrap_or(op.masks()[0]);
+            if args.dtype != Dtype::F32 && op.name() != "matmul" {
+                bail!(
+                    "--dtype {} --op {op_name}: only matmul has {} kernels; use --dtype f32 for {op_name}",
+                    args.dtype,
+                    args.dtype
+                );
+            }
             let mut shape = ops::parse_shape(op, args.shape.as_deref().unwrap_or_default())?;
             op.complete_shape(&mut shape, epilogue, mask)?;
             vec![Workload {
                 role: format!("{op_name} (--op)"),
                 op: op.name(),
+                dtype: args.dtype,
                 epilogue,
                 mask,
                 shape,
@@ -189,8 +197,17 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     )
     .map_err(|e| anyhow::anyhow!(e))?;
     bar.finish_and_clear();
-    let peak_flops = fp32_peak_flops(&gpu)?;
-    let peak_bytes = measure_copy_bandwidth(&gpu)?;
+    let peaks = Peaks {
+        fp32: fp32_peak_flops(&gpu)?,
+        // Tensor-core rows are measured against what cuBLAS TF32 reaches on a large square
+        // GEMM in this run (a practical peak), not against the FP32 FMA peak.
+        tf32: if results.iter().any(|r| r.dtype == Dtype::Tf32 && r.flops > 0.0) {
+            Some(measure_tf32_peak(&gpu)?)
+        } else {
+            None
+        },
+        bytes: measure_copy_bandwidth(&gpu)?,
+    };
     let elapsed = started.elapsed().as_secs_f64();
 
     if args.json {
@@ -198,25 +215,25 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             "device": gpu.info,
             "database": db_path,
             "seconds": elapsed,
-            "fp32_peak_tflops": peak_flops / 1e12,
-            "copy_bandwidth_gbs": peak_bytes / 1e9,
+            "fp32_peak_tflops": peaks.fp32 / 1e12,
+            "tf32_cublas_peak_tflops": peaks.tf32.map(|p| p / 1e12),
+            "copy_bandwidth_gbs": peaks.bytes / 1e9,
             "results": results,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print!("{}", results_table(&results, peak_flops, peak_bytes));
+        print!("{}", results_table(&results, &peaks));
     }
     let cached = results.iter().filter(|r| r.from_db).count();
     eprintln!(
-        "{} workloads ({} from the database) in {:.1} s; FP32 peak {:.1} TFLOP/s (clock x SMs), copy bandwidth {:.0} GB/s (measured)",
+        "{} workloads ({} from the database) in {:.1} s\n{}",
         results.len(),
         cached,
         elapsed,
-        peak_flops / 1e12,
-        peak_bytes / 1e9
+        peaks.legend()
     );
     if let Some(path) = &args.report {
-        let html = report_html(&gpu.info.name, &results, peak_flops, peak_bytes);
+        let html = report_html(&gpu.info.name, &results, &peaks);
         if !crate::gpu::compile::write_atomic(path, html.as_bytes()) {
             bail!("--report {}: cannot write the file", path.display());
         }
@@ -234,27 +251,60 @@ fn short_params(params: &indexmap::IndexMap<String, i64>) -> String {
 }
 
 /// Throughput and fraction of peak: TFLOP/s for compute-bound ops, GB/s for the rest.
-fn throughput(r: &TuneResult, ms: f64, peak_flops: f64, peak_bytes: f64) -> (String, String) {
+/// The references of the "% peak" column.
+struct Peaks {
+    /// FP32 FMA peak (SMs x 128 lanes x 2 x clock), for f32 compute-bound rows.
+    fp32: f64,
+    /// cuBLAS TF32 on an 8192³ GEMM, measured in this run, for tf32 rows (marked `tc`).
+    tf32: Option<f64>,
+    /// Measured device-to-device copy bandwidth, for memory-bound rows.
+    bytes: f64,
+}
+
+impl Peaks {
+    fn legend(&self) -> String {
+        let mut text = format!(
+            "% peak: f32 rows vs the FP32 FMA peak {:.1} TFLOP/s (clock x SMs)",
+            self.fp32 / 1e12
+        );
+        if let Some(tc) = self.tf32 {
+            text.push_str(&format!(
+                "; tf32 rows (marked tc) vs cuBLAS TF32 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
+                tc / 1e12,
+                n = TF32_PEAK_SIZE
+            ));
+        }
+        text.push_str(&format!(
+            "; memory-bound rows vs the copy bandwidth {:.0} GB/s (measured)",
+            self.bytes / 1e9
+        ));
+        text
+    }
+}
+
+fn throughput(r: &TuneResult, ms: f64, peaks: &Peaks) -> (String, String) {
     if r.flops > 0.0 {
         let f = r.flops / (ms * 1e-3);
-        (
-            format!("{:.1} TFLOP/s", f / 1e12),
-            format!("{:.0}%", 100.0 * f / peak_flops),
-        )
+        let pct = match (r.dtype, peaks.tf32) {
+            (Dtype::Tf32, Some(tc)) => format!("{:.0}% tc", 100.0 * f / tc),
+            _ => format!("{:.0}%", 100.0 * f / peaks.fp32),
+        };
+        (format!("{:.1} TFLOP/s", f / 1e12), pct)
     } else if r.bytes > 0.0 {
         let b = r.bytes / (ms * 1e-3);
         (
             format!("{:.0} GB/s", b / 1e9),
-            format!("{:.0}%", 100.0 * b / peak_bytes),
+            format!("{:.0}%", 100.0 * b / peaks.bytes),
         )
     } else {
         ("-".into(), "-".into())
     }
 }
 
-fn results_table(results: &[TuneResult], peak_flops: f64, peak_bytes: f64) -> String {
+fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
     let mut rows = vec![[
         "workload",
+        "dtype",
         "shape",
         "winner",
         "time ms",
@@ -270,12 +320,18 @@ fn results_table(results: &[TuneResult], peak_flops: f64, peak_bytes: f64) -> St
     .collect::<Vec<_>>()];
     for r in results {
         let Some(w) = &r.winner else {
-            rows.push(vec![r.role.clone(), shape_text(&r.shape), "NO VALID VARIANT".into()]);
+            rows.push(vec![
+                r.role.clone(),
+                r.dtype.to_string(),
+                shape_text(&r.shape),
+                "NO VALID VARIANT".into(),
+            ]);
             continue;
         };
-        let (tp, pct) = throughput(r, w.median_ms, peak_flops, peak_bytes);
+        let (tp, pct) = throughput(r, w.median_ms, peaks);
         rows.push(vec![
             r.role.clone(),
+            r.dtype.to_string(),
             shape_text(&r.shape),
             format!("{} {}", w.family, short_params(&w.params)),
             format!("{:.4}", w.median_ms),
@@ -298,14 +354,15 @@ fn results_table(results: &[TuneResult], peak_flops: f64, peak_bytes: f64) -> St
 
 /// A self-contained HTML page: the table, then per workload a strip plot (log time axis) of
 /// every variant tried, the winner marked, cuBLAS as a vertical line.
-fn report_html(gpu: &str, results: &[TuneResult], peak_flops: f64, peak_bytes: f64) -> String {
+fn report_html(gpu: &str, results: &[TuneResult], peaks: &Peaks) -> String {
     let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
     let mut html = format!(
         "<!doctype html><meta charset=utf-8><title>kernelforge tuning report</title>\
          <style>body{{font:14px sans-serif;margin:2em}}pre{{font-size:12px}}svg{{background:#fafafa;border:1px solid #ddd}}</style>\
-         <h1>kernelforge tuning report: {}</h1><pre>{}</pre>",
+         <h1>kernelforge tuning report: {}</h1><pre>{}{}</pre>",
         esc(gpu),
-        esc(&results_table(results, peak_flops, peak_bytes))
+        esc(&results_table(results, peaks)),
+        esc(&peaks.legend())
     );
     let palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
     for r in results {
@@ -371,4 +428,53 @@ fn report_html(gpu: &str, results: &[TuneResult], peak_flops: f64, peak_bytes: f
         ));
     }
     html
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::super::{Cli, Command};
+    use crate::spec::Dtype;
+
+    fn parse(args: &[&str]) -> Result<Command, String> {
+        Cli::try_parse_from(std::iter::once("kernelforge").chain(args.iter().copied()))
+            .map(|c| c.command)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn tune_and_verify_take_a_dtype() {
+        match parse(&["tune", "--op", "matmul", "--shape", "64,64,64", "--dtype", "tf32"]).unwrap() {
+            Command::Tune(args) => assert_eq!(args.dtype, Dtype::Tf32),
+            other => panic!("{other:?}"),
+        }
+        match parse(&["tune", "--model", "gpt2"]).unwrap() {
+            Command::Tune(args) => assert_eq!(args.dtype, Dtype::F32, "f32 by default"),
+            other => panic!("{other:?}"),
+        }
+        match parse(&["verify", "--op", "matmul", "--dtype", "tf32"]).unwrap() {
+            Command::Verify(args) => assert_eq!(args.dtype, Some(Dtype::Tf32)),
+            other => panic!("{other:?}"),
+        }
+        match parse(&["inspect", "matmul_wmma", "--dtype", "tf32"]).unwrap() {
+            Command::Inspect(args) => assert_eq!(args.dtype, Some(Dtype::Tf32)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bad_dtype_is_refused_with_the_choices() {
+        for cmd in [
+            vec!["tune", "--model", "gpt2", "--dtype", "fp16"],
+            vec!["verify", "--dtype", "fp16"],
+            vec!["inspect", "matmul_wmma", "--dtype", "fp16"],
+        ] {
+            let e = parse(&cmd).unwrap_err();
+            assert!(
+                e.contains("--dtype") && e.contains("unknown dtype `fp16`") && e.contains("f32, tf32"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -558,7 +558,7 @@ impl GpuBackend {
             None => {
                 let s = self
                     .registry
-                    .select(op, epilogue, mask, &shape, &limits)
+                    .select(op, crate::spec::Dtype::F32, epilogue, mask, &shape, &limits)
                     .with_context(|| format!("choosing the {role} kernel"))?;
                 (s.variant, s.choice)
             }

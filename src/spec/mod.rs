@@ -19,18 +19,55 @@ use sha2::{Digest, Sha256};
 use crate::ops::{self, Epilogue, Mask, OpContract, Shape};
 pub use expr::{Expr, ExprError};
 
-/// Storage/compute precision of a variant. Only `f32` has kernels and op contracts so far.
+/// Storage/compute precision of a variant. Every op contract stores f32 tensors; the dtype says
+/// how a kernel computes with them:
+/// - `f32`: FP32 FMA, the reference path (relative L2 error < 1e-5);
+/// - `tf32`: f32 storage, tensor-core math on inputs rounded to TF32 (10-bit mantissa), f32
+///   accumulation (relative L2 error < 1e-3).
+///
+/// Only families that list a dtype in `family.dtypes` have variants of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Dtype {
     F32,
+    Tf32,
+}
+
+impl Dtype {
+    /// Every dtype, in the order `--help` lists them.
+    pub const ALL: [Dtype; 2] = [Dtype::F32, Dtype::Tf32];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Tf32 => "tf32",
+        }
+    }
+
+    /// Tensor-core math (the "% of peak" columns use a tensor peak for these).
+    pub fn is_tensor_core(self) -> bool {
+        matches!(self, Dtype::Tf32)
+    }
 }
 
 impl fmt::Display for Dtype {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Dtype::F32 => "f32",
-        })
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a dtype name was not understood.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown dtype `{0}` (known: f32, tf32)")]
+pub struct UnknownDtype(pub String);
+
+impl std::str::FromStr for Dtype {
+    type Err = UnknownDtype;
+    fn from_str(text: &str) -> Result<Dtype, UnknownDtype> {
+        Dtype::ALL
+            .into_iter()
+            .find(|d| d.as_str() == text.trim())
+            .ok_or_else(|| UnknownDtype(text.to_string()))
     }
 }
 
@@ -331,7 +368,7 @@ impl Family {
         if f.dtypes.is_empty() {
             return Err(field_err(
                 "family.dtypes",
-                "empty list: name at least one dtype (f32)".into(),
+                "empty list: name at least one dtype (f32, tf32)".into(),
             ));
         }
         let epilogues = if f.epilogues.is_empty() {
@@ -862,7 +899,15 @@ pub fn variant_with(
             Err(family.field_error(format!("family.{what}"), format!("the family has no such {what} entry")))
         }
     };
-    pick("dtypes", family.dtypes.contains(&dtype))?;
+    if !family.dtypes.contains(&dtype) {
+        return Err(family.field_error(
+            "family.dtypes",
+            format!(
+                "the family has no {dtype} variants (it lists: {})",
+                family.dtypes.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        ));
+    }
     pick("epilogues", family.epilogues.contains(&epilogue))?;
     pick("masks", family.masks.contains(&mask))?;
     Ok(Variant {

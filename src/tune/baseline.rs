@@ -1,8 +1,10 @@
 //! The bars to beat, measured in the same run: cuBLAS SGEMM (plus the epilogue as a separate
-//! kernel, since plain cuBLAS has none), and the device's measured copy bandwidth and its
-//! FP32 FMA peak for the "% of peak" columns.
+//! kernel, since plain cuBLAS has none) in the workload's dtype (default math for f32,
+//! `CUBLAS_TF32_TENSOR_OP_MATH` for tf32), and the device's measured copy bandwidth, its FP32 FMA
+//! peak and a measured cuBLAS TF32 tensor-core figure for the "% of peak" columns.
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t, cublasSetMathMode, cublasStatus_t};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
@@ -10,6 +12,7 @@ use super::time::{time_with, Timing, TimingPlan};
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiler, Gpu, GpuError, RunError};
 use crate::ops::{Epilogue, HostData, Problem};
+use crate::spec::Dtype;
 
 /// cuBLAS and the separate epilogue kernels, ready to time.
 pub struct CublasBaseline {
@@ -24,8 +27,26 @@ fn launch_err(what: &str) -> impl FnOnce(String) -> RunError + '_ {
     }
 }
 
+/// Puts `blas` in the math mode of `dtype`: default (true FP32, no TF32 anywhere) for f32,
+/// TF32 tensor-core math for tf32 (inputs rounded to TF32, f32 accumulation) — the same
+/// arithmetic our tf32 kernels do, so the comparison is like for like.
+fn set_math_mode(blas: &CudaBlas, dtype: Dtype) -> Result<(), RunError> {
+    let mode = match dtype {
+        Dtype::F32 => cublasMath_t::CUBLAS_DEFAULT_MATH,
+        Dtype::Tf32 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+    };
+    // SAFETY: the handle is live for as long as `blas`.
+    let status = unsafe { cublasSetMathMode(*blas.handle(), mode) };
+    if status != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(launch_err("cuBLAS")(format!(
+            "cublasSetMathMode({mode:?}) failed: {status:?}"
+        )));
+    }
+    Ok(())
+}
+
 impl CublasBaseline {
-    /// Creates the cuBLAS handle (default math mode: true FP32, no TF32) and compiles the
+    /// Creates the cuBLAS handle (its math mode is set per call by the dtype) and compiles the
     /// epilogue kernels from `templates/baseline/epilogue.cu.tera`.
     pub fn new(gpu: &Gpu, compiler: &Compiler, renderer: &Renderer) -> Result<CublasBaseline, RunError> {
         let blas = CudaBlas::new(gpu.stream.clone())
@@ -59,9 +80,17 @@ impl CublasBaseline {
         Ok(CublasBaseline { blas, epilogues })
     }
 
-    /// Times `out = epilogue(inp @ W^T + bias)` as cuBLAS SGEMM into a scratch matrix followed by
-    /// the epilogue kernel (SGEMM alone for `none`), on the problem's full shape.
-    pub fn time_matmul(&self, gpu: &Gpu, problem: &Problem, plan: &TimingPlan) -> Result<Timing, RunError> {
+    /// Times `out = epilogue(inp @ W^T + bias)` as cuBLAS SGEMM (in `dtype`'s math mode) into a
+    /// scratch matrix followed by the epilogue kernel (SGEMM alone for `none`), on the problem's
+    /// full shape.
+    pub fn time_matmul(
+        &self,
+        gpu: &Gpu,
+        problem: &Problem,
+        dtype: Dtype,
+        plan: &TimingPlan,
+    ) -> Result<Timing, RunError> {
+        set_math_mode(&self.blas, dtype)?;
         let dim = |name: &str| problem.shape[name] as i32;
         let (m, n, k, t, n_head) = (dim("M"), dim("N"), dim("K"), dim("T"), dim("n_head"));
         let upload = |name: &str| -> Result<CudaSlice<f32>, RunError> {
@@ -165,4 +194,60 @@ pub fn fp32_peak_flops(gpu: &Gpu) -> Result<f64, GpuError> {
         .attribute(Attr::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
         .map_err(GpuError::cuda("reading the clock"))?;
     Ok(gpu.info.limits.num_sms as f64 * 128.0 * 2.0 * clock_khz as f64 * 1e3)
+}
+
+/// Side of the square GEMM [`measure_tf32_peak`] times.
+pub const TF32_PEAK_SIZE: usize = 8192;
+
+/// The practical TF32 tensor-core peak in FLOP/s: cuBLAS in TF32 math mode on a square
+/// 8192³ GEMM of random data, measured now (H100 SXM's datasheet says ~494 TFLOP/s dense; cuBLAS
+/// reaches less). tf32 rows report "% of peak" against this figure.
+pub fn measure_tf32_peak(gpu: &Gpu) -> Result<f64, RunError> {
+    let n = TF32_PEAK_SIZE;
+    let blas = CudaBlas::new(gpu.stream.clone())
+        .map_err(|e| launch_err("cuBLAS")(format!("cannot create a handle: {e:?}")))?;
+    set_math_mode(&blas, Dtype::Tf32)?;
+    // Random values in [-1, 1) from a cheap LCG: tensor-core power (and so clocks) depends on
+    // the data, and zeros would flatter the figure. A and B share one buffer (both read-only).
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let host: Vec<f32> = (0..n * n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    let ab = gpu
+        .stream
+        .clone_htod(&host)
+        .map_err(GpuError::cuda("uploading the peak-measurement matrix"))?;
+    let mut c = gpu
+        .stream
+        .alloc_zeros::<f32>(n * n)
+        .map_err(GpuError::cuda("allocating"))?;
+    let config = GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: n as i32,
+        n: n as i32,
+        k: n as i32,
+        alpha: 1.0f32,
+        lda: n as i32,
+        ldb: n as i32,
+        beta: 0.0f32,
+        ldc: n as i32,
+    };
+    let plan = TimingPlan {
+        warmup: 3,
+        min_runs: 10,
+        max_runs: 10,
+        target_ms: 0.0,
+    };
+    let t = time_with(gpu, 1, &plan, |_| {
+        // SAFETY: every buffer holds n*n floats as the config says.
+        unsafe { blas.gemm(config, &ab, &ab, &mut c) }.map_err(|e| launch_err("cuBLAS TF32 GEMM")(format!("{e:?}")))?;
+        Ok(())
+    })?;
+    Ok(2.0 * (n as f64).powi(3) / (t.median_ms * 1e-3))
 }

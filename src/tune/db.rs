@@ -426,4 +426,29 @@ mod tests {
         other_epilogue.variant_kind = "none".into();
         assert!(db.nearest(&other_epilogue, &["M"]).is_none());
     }
+
+    #[test]
+    fn dtype_is_part_of_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let mut db = TuningDb::open(&path, header()).unwrap();
+        let tf32 = |m: i64| TuneKey {
+            dtype: "tf32".into(),
+            ..key(m)
+        };
+        db.insert(&key(1024), entry(1024, "f32_winner"));
+        db.insert(&tf32(1024), entry(1024, "tf32_winner"));
+        db.save().unwrap();
+        let db = TuningDb::open(&path, header()).unwrap();
+        assert_eq!(db.get(&key(1024)).unwrap().family, "f32_winner");
+        assert_eq!(db.get(&tf32(1024)).unwrap().family, "tf32_winner");
+        // The nearest row count never crosses dtypes.
+        assert_eq!(db.nearest(&tf32(2000), &["M"]).unwrap().family, "tf32_winner");
+        let bf16 = TuneKey {
+            dtype: "bf16".into(),
+            ..key(1024)
+        };
+        assert!(db.nearest(&bf16, &["M"]).is_none());
+        assert!(tf32(1024).text().starts_with("matmul|tf32|bias|"));
+    }
 }

@@ -65,11 +65,13 @@ impl Registry {
         })
     }
 
-    /// The variant for (op, epilogue, mask, shape); `shape` must be complete (see
-    /// [`ops::OpContract::complete_shape`]).
+    /// The variant for (op, dtype, epilogue, mask, shape); `shape` must be complete (see
+    /// [`ops::OpContract::complete_shape`]). Only variants of `dtype` are candidates: tuned
+    /// entries are looked up under that dtype and the defaults come from families listing it.
     pub fn select(
         &mut self,
         op: &str,
+        dtype: Dtype,
         epilogue: Epilogue,
         mask: Mask,
         shape: &Shape,
@@ -83,7 +85,7 @@ impl Registry {
         if let Some(db) = &self.db {
             let key = TuneKey {
                 op: op.to_string(),
-                dtype: Dtype::F32.to_string(),
+                dtype: dtype.to_string(),
                 variant_kind: variant_kind(epilogue, mask).to_string(),
                 shape: shape.clone(),
             };
@@ -98,9 +100,7 @@ impl Registry {
                     .catalog
                     .family(&entry.family)
                     .map_err(|e| e.to_string())
-                    .and_then(|f| {
-                        variant_with(f, &overrides, Dtype::F32, epilogue, mask, limits).map_err(|e| e.to_string())
-                    })
+                    .and_then(|f| variant_with(f, &overrides, dtype, epilogue, mask, limits).map_err(|e| e.to_string()))
                     .and_then(|v| v.check_shape(shape, limits).map(|_| v));
                 match found {
                     Ok(variant) => return Ok(Selected { variant, choice }),
@@ -116,13 +116,13 @@ impl Registry {
         for f in self
             .catalog
             .for_op(op)
-            .filter(|f| f.epilogues.contains(&epilogue) && f.masks.contains(&mask))
+            .filter(|f| f.dtypes.contains(&dtype) && f.epilogues.contains(&epilogue) && f.masks.contains(&mask))
         {
             let variant = expand(f, Points::Default, limits)
                 .map_err(|e| RegistryError::Build(e.to_string()))?
                 .into_iter()
-                .find(|v| v.epilogue == epilogue && v.mask == mask)
-                .expect("the family lists this epilogue and mask");
+                .find(|v| v.dtype == dtype && v.epilogue == epilogue && v.mask == mask)
+                .expect("the family lists this dtype, epilogue and mask");
             defaults.push(variant);
         }
         // Families whose `prefer_when` holds for this shape first, then by rank.
@@ -144,7 +144,7 @@ impl Registry {
             op: op.to_string(),
             shape: shape_text(shape),
             why: if reasons.is_empty() {
-                format!("none lists {}", variant_kind(epilogue, mask))
+                format!("none lists {dtype} with {}", variant_kind(epilogue, mask))
             } else {
                 reasons.join("; ")
             },

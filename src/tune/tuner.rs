@@ -47,6 +47,7 @@ pub struct Tried {
 pub struct TuneResult {
     pub role: String,
     pub op: String,
+    pub dtype: Dtype,
     pub variant_kind: String,
     pub shape: Shape,
     pub winner: Option<Entry>,
@@ -281,13 +282,14 @@ pub fn tune(
     };
     let key_of = |w: &Workload| TuneKey {
         op: w.op.to_string(),
-        dtype: Dtype::F32.to_string(),
+        dtype: w.dtype.to_string(),
         variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
         shape: w.shape.clone(),
     };
     let result_of = |w: &Workload, winner: Option<Entry>, from_db: bool, tried: Vec<Tried>, bytes: f64| TuneResult {
         role: w.role.clone(),
         op: w.op.to_string(),
+        dtype: w.dtype,
         variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
         shape: w.shape.clone(),
         winner,
@@ -309,15 +311,18 @@ pub fn tune(
     for (i, w) in todo.iter().enumerate() {
         let mut all = Vec::new();
         for f in catalog.for_op(w.op) {
-            if !f.epilogues.contains(&w.epilogue) || !f.masks.contains(&w.mask) {
+            // Candidates compute in the workload's dtype: tf32 workloads get the tf32
+            // variants, f32 workloads the f32 ones.
+            if !f.dtypes.contains(&w.dtype) || !f.epilogues.contains(&w.epilogue) || !f.masks.contains(&w.mask) {
                 continue;
             }
             let variants = expand(f, Points::All, &limits).map_err(|e| e.to_string())?;
-            all.extend(
-                variants.into_iter().filter(|v| {
-                    v.epilogue == w.epilogue && v.mask == w.mask && v.check_shape(&w.shape, &limits).is_ok()
-                }),
-            );
+            all.extend(variants.into_iter().filter(|v| {
+                v.dtype == w.dtype
+                    && v.epilogue == w.epilogue
+                    && v.mask == w.mask
+                    && v.check_shape(&w.shape, &limits).is_ok()
+            }));
         }
         if all.len() > cap {
             // Keep every family's default, then a seeded sample of the rest.
@@ -450,7 +455,7 @@ pub fn tune(
         }
         let baseline_ms = match (&cublas, w.op) {
             (Some(c), "matmul") => Some(
-                c.time_matmul(gpu, &problem, &full)
+                c.time_matmul(gpu, &problem, w.dtype, &full)
                     .map_err(|e| e.to_string())?
                     .median_ms,
             ),

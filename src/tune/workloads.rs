@@ -3,6 +3,7 @@
 
 use crate::model::config::GPT2Config;
 use crate::ops::{Epilogue, Mask, Shape};
+use crate::spec::Dtype;
 
 /// One kernel call shape of the model, and how often a forward pass makes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -10,6 +11,9 @@ pub struct Workload {
     /// What it is in the model (`fc (bias+GELU)`), for tables.
     pub role: String,
     pub op: &'static str,
+    /// How it computes: only variants of this dtype are candidates, and it is part of the
+    /// tuning key.
+    pub dtype: Dtype,
     pub epilogue: Epilogue,
     pub mask: Mask,
     pub shape: Shape,
@@ -22,13 +26,15 @@ fn shape(pairs: &[(&str, i64)]) -> Shape {
 }
 
 /// Every distinct kernel shape of a forward pass over `batch` sequences of `seq` tokens
-/// (prefill when seq > 1, a decode step when seq = 1).
-pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64) -> Vec<Workload> {
+/// (prefill when seq > 1, a decode step when seq = 1). The matmuls use `matmul_dtype`; every
+/// other op is f32 (no other op has tensor-core families).
+pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, matmul_dtype: Dtype) -> Vec<Workload> {
     let (c, nh, l) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.n_layer as i64);
     let m = batch * seq;
     let mm = |role: &str, epilogue: Epilogue, n: i64, k: i64, calls: i64| Workload {
         role: role.to_string(),
         op: "matmul",
+        dtype: matmul_dtype,
         epilogue,
         mask: Mask::None,
         shape: shape(&[("M", m), ("N", n), ("K", k), ("T", seq), ("n_head", nh)]),
@@ -38,6 +44,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64) -> Vec<Workload
         Workload {
             role: "embedding".into(),
             op: "encoder",
+            dtype: Dtype::F32,
             epilogue: Epilogue::None,
             mask: Mask::None,
             shape: shape(&[
@@ -53,6 +60,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64) -> Vec<Workload
         Workload {
             role: "layernorm".into(),
             op: "layernorm",
+            dtype: Dtype::F32,
             epilogue: Epilogue::None,
             mask: Mask::None,
             shape: shape(&[("N", m), ("C", c)]),
@@ -70,6 +78,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64) -> Vec<Workload
             Workload {
                 role: "attention (causal)".into(),
                 op: "attention",
+                dtype: Dtype::F32,
                 epilogue: Epilogue::None,
                 mask: Mask::Causal,
                 shape: shape(&[("B", batch), ("NH", nh), ("T", seq), ("HS", c / nh), ("window", 0)]),
@@ -81,16 +90,19 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64) -> Vec<Workload
 }
 
 /// The workloads of a model at every (batch, seq) asked for, plus the decode step (seq = 1)
-/// for each batch, without duplicates.
-pub fn model_workloads(cfg: &GPT2Config, batches: &[i64], seqs: &[i64]) -> Vec<Workload> {
+/// for each batch, without duplicates; matmuls in `matmul_dtype`, the rest in f32.
+pub fn model_workloads(cfg: &GPT2Config, batches: &[i64], seqs: &[i64], matmul_dtype: Dtype) -> Vec<Workload> {
     let mut out: Vec<Workload> = Vec::new();
     for &b in batches {
         for &t in seqs.iter().chain(std::iter::once(&1)) {
-            for w in forward_workloads(cfg, b, t) {
-                if !out
-                    .iter()
-                    .any(|o| o.op == w.op && o.epilogue == w.epilogue && o.mask == w.mask && o.shape == w.shape)
-                {
+            for w in forward_workloads(cfg, b, t, matmul_dtype) {
+                if !out.iter().any(|o| {
+                    o.op == w.op
+                        && o.dtype == w.dtype
+                        && o.epilogue == w.epilogue
+                        && o.mask == w.mask
+                        && o.shape == w.shape
+                }) {
                     out.push(w);
                 }
             }
@@ -107,7 +119,7 @@ mod tests {
     fn gpt2_small_forward_shapes() {
         let cfg = GPT2Config::gpt2();
         assert_eq!(cfg.padded_vocab_size, 50304);
-        let w = forward_workloads(&cfg, 8, 1024);
+        let w = forward_workloads(&cfg, 8, 1024, Dtype::F32);
         let mm: Vec<_> = w
             .iter()
             .filter(|w| w.op == "matmul")
@@ -135,13 +147,24 @@ mod tests {
     #[test]
     fn decode_step_has_no_prefill_attention_and_no_duplicates() {
         let cfg = GPT2Config::gpt2_xl();
-        let w = forward_workloads(&cfg, 1, 1);
+        let w = forward_workloads(&cfg, 1, 1, Dtype::F32);
         assert!(w.iter().all(|w| w.op != "attention"));
         assert!(w.iter().filter(|w| w.op == "matmul").all(|w| w.shape["M"] == 1));
-        let all = model_workloads(&cfg, &[1, 8], &[1024]);
+        let all = model_workloads(&cfg, &[1, 8], &[1024], Dtype::F32);
         assert_eq!(
             all.len(),
-            2 * (forward_workloads(&cfg, 1, 1024).len() + forward_workloads(&cfg, 1, 1).len())
+            2 * (forward_workloads(&cfg, 1, 1024, Dtype::F32).len() + forward_workloads(&cfg, 1, 1, Dtype::F32).len())
         );
+    }
+
+    #[test]
+    fn tf32_applies_to_matmuls_only() {
+        let cfg = GPT2Config::gpt2();
+        let w = model_workloads(&cfg, &[8], &[1024], Dtype::Tf32);
+        assert!(w.iter().any(|w| w.op == "matmul"));
+        for w in &w {
+            let want = if w.op == "matmul" { Dtype::Tf32 } else { Dtype::F32 };
+            assert_eq!(w.dtype, want, "{} {}", w.role, w.op);
+        }
     }
 }
