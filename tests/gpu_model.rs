@@ -149,6 +149,29 @@ fn decode_graphs_replay_exactly_what_direct_launches_compute() {
     }
 }
 
+/// Greedy decode steps that choose the tokens on the device give the argmax of the logits
+/// that plain decode steps return, step after step, for a batch.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn greedy_tokens_chosen_on_the_device_are_the_argmax_of_the_logits() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut on_device = gpu(&model, 3, false);
+    let mut from_logits = gpu(&model, 3, false);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(4 + i, 20 + i as u32)).collect::<Vec<_>>();
+    let prompts: Vec<Vec<u32>> = prompts.iter().map(|p| p[..4].to_vec()).collect();
+    let first = from_logits.prefill_last(&prompts).unwrap();
+    on_device.prefill_last(&prompts).unwrap();
+    let mut next: Vec<u32> = (0..3).map(|s| argmax(first.last(s)).unwrap()).collect();
+    for step in 0..12 {
+        let logits = from_logits.decode(&next).unwrap();
+        let want: Vec<u32> = (0..3).map(|s| argmax(logits.last(s)).unwrap()).collect();
+        let got = on_device.decode_argmax(&next).unwrap();
+        assert_eq!(got, want, "step {step}");
+        next = want;
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_after_a_long_prefill_reaches_the_context_end() {

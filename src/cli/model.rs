@@ -495,16 +495,6 @@ fn bench_tokens(batch: usize, seq: usize, vocab: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
@@ -538,9 +528,9 @@ fn profile_table(rows: &[ProfileRow]) -> String {
 
 /// `kernelforge bench`: a warm-up, then the median of `--repeats` forward passes over
 /// `--batch` × `--seq` random tokens (LM head on every position; on the GPU the logits stay on
-/// the device), then `--generate` decode steps after a prefill (logits copied back and the
-/// argmax fed back each step, like greedy generation), then one profiled forward and decode run
-/// for the per-kernel table (GPU only).
+/// the device), then `--generate` greedy decode steps after a prefill (each step's tokens
+/// chosen by `decode_argmax`, on the GPU like greedy generation), then one profiled forward and
+/// decode run for the per-kernel table (GPU only).
 pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let device = args.target.device()?;
     if args.batch == 0 || args.seq == 0 {
@@ -611,11 +601,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             Some(g) => g,
             None => cpu,
         };
-        let mut logits = backend.prefill_last(&decode_tokens)?;
+        let logits = backend.prefill_last(&decode_tokens)?;
+        let mut next: Vec<u32> = (0..args.batch)
+            .map(|b| crate::model::sampling::argmax(logits.last(b)))
+            .collect::<Result<_, _>>()?;
         let t0 = Instant::now();
         for _ in 0..steps {
-            let next: Vec<u32> = (0..args.batch).map(|b| argmax(logits.last(b))).collect();
-            logits = backend.decode(&next)?;
+            next = backend.decode_argmax(&next)?;
         }
         Ok(t0.elapsed().as_secs_f64() * 1e3)
     };
@@ -662,11 +654,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         g.forward_on_device(&tokens)?;
         prof_forward = g.take_profile()?;
         if steps > 0 {
-            let mut logits = g.prefill_last(&decode_tokens)?;
+            let logits = g.prefill_last(&decode_tokens)?;
             g.take_profile()?; // the prefill is not part of the decode profile
+            let mut next: Vec<u32> = (0..args.batch)
+                .map(|b| crate::model::sampling::argmax(logits.last(b)))
+                .collect::<Result<_, _>>()?;
             for _ in 0..steps {
-                let next: Vec<u32> = (0..args.batch).map(|b| argmax(logits.last(b))).collect();
-                logits = g.decode(&next)?;
+                next = g.decode_argmax(&next)?;
             }
             prof_decode = g.take_profile()?;
         }

@@ -1295,7 +1295,8 @@ impl GpuBackend {
 
     /// A greedy decode step: the argmax token of each sequence, chosen on the device.
     fn decode_argmax_impl(&mut self, last: &[u32]) -> AnyResult<Vec<u32>> {
-        let on_device = self.decode_missing.is_none() && self.kernels(self.batch.max(1), 1, true, false)?.argmax.is_some();
+        let on_device =
+            self.decode_missing.is_none() && self.kernels(self.batch.max(1), 1, true, false)?.argmax.is_some();
         if !on_device {
             let logits = self.decode_impl(last)?;
             return (0..last.len())

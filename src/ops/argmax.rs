@@ -48,10 +48,16 @@ impl OpContract for Argmax {
         check_i32(self, shape, &[("logits [B,stride]", b * stride)])
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [(1, 1, 1), (3, 5, 8), (2, 1001, 1001), (8, 50257, 50304), (5, 4099, 4100)]
-            .iter()
-            .map(|&(b, v, stride)| shape_of(&[("B", b), ("V", v), ("stride", stride)]))
-            .collect()
+        [
+            (1, 1, 1),
+            (3, 5, 8),
+            (2, 1001, 1001),
+            (8, 50257, 50304),
+            (5, 4099, 4100),
+        ]
+        .iter()
+        .map(|&(b, v, stride)| shape_of(&[("B", b), ("V", v), ("stride", stride)]))
+        .collect()
     }
     fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         let mut shape = shape.clone();
@@ -66,17 +72,17 @@ impl OpContract for Argmax {
                 row[first] = 5.0;
                 row[second] = 5.0;
                 if r == 2 && v > 2 {
-                    let nan_at = (0..v).cycle().skip(rng.random_range(0..v)).find(|&i| i != first && i != second);
+                    let nan_at = (0..v)
+                        .cycle()
+                        .skip(rng.random_range(0..v))
+                        .find(|&i| i != first && i != second);
                     row[nan_at.expect("v > 2 leaves a free position")] = f32::NAN;
                 }
             }
             // Padding larger than any real entry: reading past V would be caught.
             row[v..].iter_mut().for_each(|x| *x = 100.0);
         }
-        let tensors = vec![
-            TensorArg::output_i32("out", b),
-            TensorArg::input_f32("logits", logits),
-        ];
+        let tensors = vec![TensorArg::output_i32("out", b), TensorArg::input_f32("logits", logits)];
         let args = vec![
             Arg::Tensor(0),
             Arg::Tensor(1),
@@ -128,9 +134,18 @@ mod tests {
             .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(1))
             .unwrap();
         p.tensors[1].data = HostData::F32(vec![
-            1.0, 3.0, 3.0, 9.0, // tie: the first wins; the padding 9 is not part of the row
-            -2.0, -1.0, -5.0, 0.0, //
-            0.0, f32::NAN, 1.0, 0.0, // NaN
+            1.0,
+            3.0,
+            3.0,
+            9.0, // tie: the first wins; the padding 9 is not part of the row
+            -2.0,
+            -1.0,
+            -5.0,
+            0.0, //
+            0.0,
+            f32::NAN,
+            1.0,
+            0.0, // NaN
         ]);
         assert_eq!(Argmax.reference(&p), vec![(0, vec![1.0, 1.0, -1.0])]);
     }
@@ -149,13 +164,18 @@ mod tests {
         }
         let (_, want) = &Argmax.reference(&p)[0];
         assert_eq!(want[2], -1.0);
-        assert!(want.iter().enumerate().all(|(r, &i)| r == 2 || logits[r * 40 + i as usize] == 5.0));
+        assert!(want
+            .iter()
+            .enumerate()
+            .all(|(r, &i)| r == 2 || logits[r * 40 + i as usize] == 5.0));
     }
 
     #[test]
     fn stride_shorter_than_a_row_is_refused() {
         let mut shape = shape_of(&[("B", 1), ("V", 10), ("stride", 9)]);
-        let e = Argmax.complete_shape(&mut shape, Epilogue::None, Mask::None).unwrap_err();
+        let e = Argmax
+            .complete_shape(&mut shape, Epilogue::None, Mask::None)
+            .unwrap_err();
         assert!(e.to_string().contains("stride=9"), "{e}");
     }
 }
