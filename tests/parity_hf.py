@@ -12,7 +12,9 @@ saves it with save_pretrained (safetensors), then checks:
   - `kernelforge forward` logits vs transformers (f32, CPU reference): relative L2 below 1e-5 on
     --device cpu and below 1e-4 on --device cuda (fused and --unfused);
   - `kernelforge generate --greedy --max-new-tokens 64 --print-ids` vs transformers' greedy
-    `generate` (do_sample=False), token by token, on cuda (and cpu).
+    `generate` (do_sample=False), token by token, on cuda (and cpu);
+  - the same model exported as an llm.c checkpoint (gpt2_124M.bin layout, version 3, f32):
+    `forward --device cuda` logits and greedy generation on it against transformers too.
 One summary line per check; exit status 1 when any check misses.
 
 `--size gpt2` builds a full-size random 124M model and prints throughput side by side:
@@ -76,6 +78,32 @@ def build_model(n_layer, n_head, n_embd, n_positions, seed, noise):
     return model
 
 
+def write_llmc(model, path):
+    """The model as an llm.c checkpoint: a 256-int32 header (magic 20240326, version 3 = f32,
+    max_T, V, L, NH, C, padded V) and the parameters in llm.c's order, Linear weights [out, in]
+    (HF's Conv1D stores [in, out]: transposed here), wte padded with zero rows."""
+    cfg = model.config
+    c, n_layer, v = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    vp = (v + 127) // 128 * 128
+    sd = {k: t.detach().float().numpy() for k, t in model.state_dict().items()}
+    h = [f"transformer.h.{i}." for i in range(n_layer)]
+    stack = lambda name, transpose=False: np.stack([sd[p + name].T if transpose else sd[p + name] for p in h])
+    wte = np.zeros((vp, c), np.float32)
+    wte[:v] = sd["transformer.wte.weight"]
+    tensors = [wte, sd["transformer.wpe.weight"], stack("ln_1.weight"), stack("ln_1.bias"),
+               stack("attn.c_attn.weight", True), stack("attn.c_attn.bias"),
+               stack("attn.c_proj.weight", True), stack("attn.c_proj.bias"),
+               stack("ln_2.weight"), stack("ln_2.bias"), stack("mlp.c_fc.weight", True), stack("mlp.c_fc.bias"),
+               stack("mlp.c_proj.weight", True), stack("mlp.c_proj.bias"),
+               sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"]]
+    header = np.zeros(256, np.int32)
+    header[:8] = [20240326, 3, cfg.n_positions, v, n_layer, cfg.n_head, c, vp]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        for t in tensors:
+            f.write(np.ascontiguousarray(t, dtype=np.float32).tobytes())
+
+
 def rel_l2(got, want):
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
@@ -121,38 +149,43 @@ def parity(args):
     with tempfile.TemporaryDirectory() as tmp:
         mdir = os.path.join(tmp, "model")
         model.save_pretrained(mdir, safe_serialization=True)
+        llmc = os.path.join(tmp, "model.bin")
+        write_llmc(model, llmc)
         devices = ["cpu", "cuda"] if not args.cpu_only else ["cpu"]
-        for device, extra, tol in [("cpu", [], 1e-5), ("cuda", [], 1e-4), ("cuda", ["--unfused"], 1e-4)]:
+        checks = [(mdir, "cpu", [], 1e-5), (mdir, "cuda", [], 1e-4), (mdir, "cuda", ["--unfused"], 1e-4),
+                  (llmc, "cuda", [], 1e-4)]
+        for path, device, extra, tol in checks:
             if device not in devices:
                 continue
-            out = os.path.join(tmp, f"logits-{device}{''.join(extra)}.npy")
-            run_kf(args.binary, ["forward", "--model", mdir, "--device", device, "--ids", ids_text,
+            out = os.path.join(tmp, f"logits-{device}{''.join(extra)}-{os.path.basename(path)}.npy")
+            run_kf(args.binary, ["forward", "--model", path, "--device", device, "--ids", ids_text,
                                  "--logits-out", out] + extra)
             got = np.load(out)
             e = rel_l2(got, want)
-            label = f"forward {device}{' ' + ' '.join(extra) if extra else ''}"
+            label = f"forward {device}{' ' + ' '.join(extra) if extra else ''}{' (llm.c file)' if path == llmc else ''}"
             report(label, e < tol,
                    f"relative L2 {e:.3e} (target < {tol:.0e}), shape {got.shape} vs {want.shape}, "
                    f"max |diff| {float(np.max(np.abs(got.astype(np.float64) - want))):.3e}")
 
         prompt = ids[: args.prompt_tokens]
         hf_tokens = hf_greedy(model, prompt, args.new_tokens)
-        for device in devices:
-            p = run_kf(args.binary, ["generate", "--model", mdir, "--device", device,
+        for path, device in [(mdir, d) for d in devices] + [(llmc, "cuda")] * ("cuda" in devices):
+            name = f"greedy generate {device}{' (llm.c file)' if path == llmc else ''}"
+            p = run_kf(args.binary, ["generate", "--model", path, "--device", device,
                                      "--ids", ",".join(map(str, prompt)), "--greedy",
                                      "--max-new-tokens", str(args.new_tokens), "--print-ids"])
             lines = [l for l in p.stdout.strip().splitlines() if l.strip()]
             kf_tokens = [int(x) for x in lines[-1].split(",")] if lines else []
             if kf_tokens == hf_tokens:
                 stats = (p.stderr.strip().splitlines() or [""])[-1]
-                report(f"greedy generate {device}", True,
+                report(name, True,
                        f"{len(kf_tokens)} tokens identical to transformers; {stats}")
                 continue
             first = next((i for i, (a, b) in enumerate(zip(kf_tokens, hf_tokens)) if a != b),
                          min(len(kf_tokens), len(hf_tokens)))
             gap = top2_gap(model, prompt + hf_tokens[:first]) if first < len(hf_tokens) else float("nan")
             near_tie = gap < args.tie_gap
-            report(f"greedy generate {device}", near_tie,
+            report(name, near_tie,
                    f"first difference at new token {first} (kernelforge {kf_tokens[first:first + 3]}, "
                    f"transformers {hf_tokens[first:first + 3]}); transformers' top-2 logit gap there "
                    f"{gap:.2e}{' (a near-tie: accepted)' if near_tie else ''}; "
