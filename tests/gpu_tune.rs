@@ -28,14 +28,20 @@ fn workload(op: &str, epilogue: Epilogue, mask: Mask, pairs: &[(&str, i64)]) -> 
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_tune_store_reuse_and_registry() {
+/// The project's catalog, the GPU, NVRTC and the template renderer.
+fn setup() -> (Catalog, Gpu, Compiler, Renderer) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
     let gpu = Gpu::new(0).unwrap();
     let compiler = Compiler::new(&gpu.info.arch()).unwrap();
     let renderer = Renderer::new(&catalog.templates_dir).unwrap();
+    (catalog, gpu, compiler, renderer)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_tune_store_reuse_and_registry() {
+    let (catalog, gpu, compiler, renderer) = setup();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("db.json");
     let header = DbHeader::for_device(&gpu, &compiler);
@@ -170,11 +176,7 @@ fn gpu_tune_store_reuse_and_registry() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_tune_tf32_is_keyed_by_dtype() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
-    let gpu = Gpu::new(0).unwrap();
-    let compiler = Compiler::new(&gpu.info.arch()).unwrap();
-    let renderer = Renderer::new(&catalog.templates_dir).unwrap();
+    let (catalog, gpu, compiler, renderer) = setup();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("db.json");
     let header = DbHeader::for_device(&gpu, &compiler);

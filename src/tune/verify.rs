@@ -165,7 +165,7 @@ pub fn verify(
                         &reference,
                     ) {
                         Ok(error) if error < tolerance(variant.dtype) => (Status::Pass, Some(error)),
-                        Ok(error) => (Status::Fail(error_text(&variant, error)), Some(error)),
+                        Ok(error) => (Status::Fail(error_text(variant, error)), Some(error)),
                         Err(RunFailure::Soft(message)) => (Status::Fail(message), None),
                         Err(RunFailure::Fault(message)) => {
                             faulted = Some(message.clone());
