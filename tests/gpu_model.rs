@@ -172,6 +172,42 @@ fn greedy_tokens_chosen_on_the_device_are_the_argmax_of_the_logits() {
     }
 }
 
+/// tf32 matmuls (tensor cores, inputs rounded to TF32): the prefill matmuls come from a tf32
+/// family, the decode step's few-row matmuls stay f32, and the logits stay close to the f32 CPU
+/// reference (TF32 keeps 10 mantissa bits: a looser bar than f32's).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tf32_matmuls_stay_close_to_the_f32_reference() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    let mut g = gpu(&model, 1, false);
+    g.set_matmul_dtype(kernelforge::spec::Dtype::Tf32);
+    let p = vec![prompt(100, 3)];
+    let got = g.prefill(&p).unwrap();
+    let want = cpu.prefill(&p).unwrap();
+    let e = rel_l2(&got.data, &want.data);
+    eprintln!("tf32 prefill: relative L2 {e:.3e}");
+    assert!(e < 1e-2, "tf32 prefill: relative L2 error {e:.3e} >= 1e-2");
+    let mut next = argmax(want.last(0)).unwrap();
+    for step in 0..4 {
+        let want = cpu.decode(&[next]).unwrap();
+        let e = rel_l2(&g.decode(&[next]).unwrap().data, &want.data);
+        assert!(e < 1e-2, "tf32 decode step {step}: relative L2 error {e:.3e}");
+        next = argmax(want.last(0)).unwrap();
+    }
+    let choices = g.kernel_choices();
+    let family_of = |role: &str, rows: &str| {
+        choices
+            .iter()
+            .find(|(r, _, _, shape)| r == role && shape.contains(rows))
+            .map(|(_, label, _, _)| label.clone())
+            .unwrap_or_else(|| panic!("no {role} kernel for {rows}: {choices:?}"))
+    };
+    assert!(family_of("fc", "M=100").contains("matmul_wmma"), "{choices:?}");
+    assert!(!family_of("fc", "M=1 ").contains("matmul_wmma"), "{choices:?}");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_after_a_long_prefill_reaches_the_context_end() {

@@ -15,11 +15,12 @@ saves it with save_pretrained (safetensors), then checks:
     `generate` (do_sample=False), token by token, on cuda (and cpu);
   - the same model exported as an llm.c checkpoint (gpt2_124M.bin layout, version 3, f32):
     `forward --device cuda` logits and greedy generation on it against transformers too.
+  - `forward --device cuda --dtype tf32` (tensor-core matmuls): relative L2 below 1e-2.
 One summary line per check; exit status 1 when any check misses.
 
 `--size gpt2` builds a full-size random 124M model and prints throughput side by side:
 transformers f32 eager forward (batch 8 x 1024) and cached greedy decode (batch 1 and 8) against
-`kernelforge bench ... --json`.
+`kernelforge bench ... --json`, in f32 and with `--dtype tf32` (tensor-core matmuls).
 """
 
 import argparse
@@ -153,7 +154,7 @@ def parity(args):
         write_llmc(model, llmc)
         devices = ["cpu", "cuda"] if not args.cpu_only else ["cpu"]
         checks = [(mdir, "cpu", [], 1e-5), (mdir, "cuda", [], 1e-4), (mdir, "cuda", ["--unfused"], 1e-4),
-                  (llmc, "cuda", [], 1e-4)]
+                  (llmc, "cuda", [], 1e-4), (mdir, "cuda", ["--dtype", "tf32"], 1e-2)]
         for path, device, extra, tol in checks:
             if device not in devices:
                 continue
@@ -254,22 +255,24 @@ def throughput(args):
         hf = {b: hf_throughput(model_cuda, b, args.seq, args.steps, args.repeats) for b in (1, 8)}
         del model_cuda
         torch.cuda.empty_cache()
-        for b in (8, 1):
-            for extra in ([], ["--unfused"]) if args.unfused else ([],):
-                p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--batch", str(b),
-                                         "--seq", str(args.seq), "--generate", str(args.steps),
-                                         "--repeats", str(args.repeats), "--json"] + extra)
-                kf = json.loads(p.stdout.strip().splitlines()[-1])
-                name = f"batch {b}{' unfused' if extra else ''}"
-                rows.append((f"forward {name} x {args.seq}", kf["forward"]["tokens_per_s"],
-                             hf[b]["forward_tokens_per_s"]))
-                rows.append((f"decode {name} ({args.steps} steps)", kf["decode"]["tokens_per_s"],
-                             hf[b]["decode_tokens_per_s"]))
-                tk = kf.get("tuned_kernels") or {}
-                print(f"kernelforge {name}: {tk.get('tuned', '?')}/{tk.get('total', '?')} kernels tuned; "
-                      f"top kernels: " + ", ".join(
-                          f"{r['role']} {r['kernel']} {r['percent']:.0f}%" for r in kf["profile"]["forward"][:4]),
-                      flush=True)
+        runs = [(8, []), (8, ["--dtype", "tf32"]), (1, []), (1, ["--dtype", "tf32"])]
+        if args.unfused:
+            runs += [(8, ["--unfused"]), (1, ["--unfused"])]
+        for b, extra in runs:
+            p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--batch", str(b),
+                                     "--seq", str(args.seq), "--generate", str(args.steps),
+                                     "--repeats", str(args.repeats), "--json"] + extra)
+            kf = json.loads(p.stdout.strip().splitlines()[-1])
+            name = f"batch {b}{' ' + ' '.join(extra).replace('--', '') if extra else ''}"
+            rows.append((f"forward {name} x {args.seq}", kf["forward"]["tokens_per_s"],
+                         hf[b]["forward_tokens_per_s"]))
+            rows.append((f"decode {name} ({args.steps} steps)", kf["decode"]["tokens_per_s"],
+                         hf[b]["decode_tokens_per_s"]))
+            tk = kf.get("tuned_kernels") or {}
+            print(f"kernelforge {name}: {tk.get('tuned', '?')}/{tk.get('total', '?')} kernels tuned; "
+                  f"top kernels: " + ", ".join(
+                      f"{r['role']} {r['kernel']} {r['percent']:.0f}%" for r in kf["profile"]["forward"][:4]),
+                  flush=True)
     print(f"\n{'tokens/s':<36} {'kernelforge':>12} {'transformers':>13} {'ratio':>7}")
     for name, k, h in rows:
         print(f"{name:<36} {k:>12.0f} {h:>13.0f} {k / h:>7.2f}")

@@ -20,6 +20,7 @@ use crate::model::npy::write_npy_f32;
 use crate::model::sampling::SamplingParams;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::model::weights::{load_model, GPT2Model};
+use crate::spec::Dtype;
 
 /// Where the forward pass runs.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -76,7 +77,9 @@ pub struct ModelArgs {
     /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
     #[arg(long)]
     pub unfused: bool,
-    /// Precision (only f32 has kernels so far; the others are refused with a clear error).
+    /// Precision: f32 everywhere, or (GPU) tf32 for the compute-bound matmuls — tensor cores,
+    /// f32 storage and accumulation, inputs rounded to TF32 — with every other op in f32.
+    /// f16 and bf16 are not available yet.
     #[arg(long, value_enum, default_value_t = DType::F32)]
     pub dtype: DType,
     /// The project folder (specs/, templates/) from the global --root.
@@ -97,6 +100,7 @@ impl ModelArgs {
         BackendOptions {
             max_batch,
             unfused: self.unfused,
+            dtype: self.dtype,
             root: self.root.clone(),
         }
     }
@@ -233,9 +237,10 @@ pub fn resolve_device(device: Option<Device>) -> Device {
 
 fn check_device(device: Device, dtype: DType, unfused: bool) -> Result<()> {
     match device {
-        Device::Cuda if dtype != DType::F32 => {
-            bail!("the GPU backend computes in f32 only so far; drop --dtype or pass --dtype f32")
-        }
+        Device::Cuda if matches!(dtype, DType::F16 | DType::Bf16) => bail!(
+            "--dtype {}: the GPU backend has f32 and tf32 kernels so far; pass --dtype f32 or --dtype tf32",
+            clap::ValueEnum::to_possible_value(&dtype).map_or_else(String::new, |v| v.get_name().to_string())
+        ),
         Device::Cuda if !crate::gpu::device::driver_present() => bail!(
             "--device cuda: no CUDA driver found (libcuda.so); this needs an NVIDIA GPU with its driver installed, \
              or pass --device cpu"
@@ -262,6 +267,8 @@ pub struct BackendOptions {
     pub max_batch: usize,
     /// GPU: the unfused baseline kernels.
     pub unfused: bool,
+    /// GPU: the dtype of the compute-bound matmuls (f32 or tf32).
+    pub dtype: DType,
     /// The project folder with specs/ and templates/ (default: [`super::project_root`]).
     pub root: Option<PathBuf>,
 }
@@ -269,7 +276,11 @@ pub struct BackendOptions {
 /// Build the GPU backend: weights uploaded, buffers allocated for `opts.max_batch` sequences.
 pub fn make_gpu_backend(model: Arc<GPT2Model>, opts: &BackendOptions) -> Result<GpuBackend> {
     let root = super::project_root(opts.root.as_deref())?;
-    let gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused)?;
+    let mut gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused)?;
+    gpu.set_matmul_dtype(match opts.dtype {
+        DType::Tf32 => Dtype::Tf32,
+        _ => Dtype::F32,
+    });
     for n in gpu.notes() {
         eprintln!("note: {n}");
     }
@@ -770,6 +781,15 @@ mod tests {
         assert_eq!(parse_ids("1 2\t3").unwrap(), vec![1, 2, 3]);
         assert!(parse_ids("1,x").unwrap_err().to_string().contains("`x`"));
         assert!(parse_ids(" , ").is_err());
+    }
+
+    #[test]
+    fn dtypes_each_device_cannot_run_are_refused_with_the_fix() {
+        let e = check_device(Device::Cuda, DType::Bf16, false).unwrap_err().to_string();
+        assert!(e.contains("--dtype bf16") && e.contains("--dtype tf32"), "{e}");
+        let e = check_device(Device::Cpu, DType::Tf32, false).unwrap_err().to_string();
+        assert!(e.contains("f32 only") && e.contains("--dtype f32"), "{e}");
+        assert!(check_device(Device::Cpu, DType::F32, false).is_ok());
     }
 
     fn cpu_target(model: &str) -> ModelArgs {

@@ -42,9 +42,10 @@ use super::generate::{Backend, Logits};
 use super::weights::GPT2Model;
 use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, GraphUpdateError, KernelGraph, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask, Shape};
-use crate::spec::{expand, shape_text, Catalog, Launch, Points, Variant};
+use crate::spec::{expand, shape_text, Catalog, Dtype, Launch, Points, Variant};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::registry::{variant_kind, Choice, Registry};
+use crate::tune::workloads::matmul_dtype;
 
 /// The op (and kernel family) of the decode attention: one query per sequence against the cache.
 pub const ATTENTION_DECODE_OP: &str = "attention_decode";
@@ -201,6 +202,8 @@ pub struct GpuBackend {
     profiler: Option<Profiler>,
     sync_each: bool,
     launch_mode: LaunchMode,
+    /// The dtype asked for the compute-bound matmuls (f32 or tf32); everything else is f32.
+    matmul_dtype: Dtype,
     /// Whether decode steps run as CUDA graphs (see the module docs).
     decode_graphs_on: bool,
     /// The recorded decode-step graph of each batch size.
@@ -367,6 +370,7 @@ impl GpuBackend {
             profiler: None,
             sync_each,
             launch_mode: LaunchMode::Direct,
+            matmul_dtype: Dtype::F32,
             decode_graphs_on: true,
             decode_graphs: HashMap::new(),
             prepared: None,
@@ -463,6 +467,36 @@ impl GpuBackend {
         self.decode_missing.as_deref()
     }
 
+    /// Compute the compute-bound matmuls in `dtype` (`f32`, or `tf32` on the tensor cores with
+    /// f32 storage; see [`matmul_dtype`] for which) and every other op in f32. Forgets the
+    /// kernels selected so far.
+    pub fn set_matmul_dtype(&mut self, dtype: Dtype) {
+        if dtype != self.matmul_dtype {
+            self.matmul_dtype = dtype;
+            self.name = format!("cuda:0{}", self.name_suffix());
+            self.selected.clear();
+            self.sets.clear();
+            self.decode_graphs.clear();
+            self.prepared = None;
+        }
+    }
+
+    /// The dtype of the compute-bound matmuls.
+    pub fn matmul_dtype(&self) -> Dtype {
+        self.matmul_dtype
+    }
+
+    fn name_suffix(&self) -> String {
+        let mut suffix = String::new();
+        if self.unfused {
+            suffix += " unfused";
+        }
+        if self.matmul_dtype != Dtype::F32 {
+            suffix += &format!(" {}", self.matmul_dtype);
+        }
+        suffix
+    }
+
     /// Run decode steps as CUDA graphs (the default) or kernel by kernel.
     pub fn set_decode_graphs(&mut self, on: bool) {
         self.decode_graphs_on = on;
@@ -539,8 +573,12 @@ impl GpuBackend {
         contract
             .complete_shape(&mut shape, epilogue, mask)
             .with_context(|| format!("{role}: shape {}", shape_text(&shape)))?;
+        let dtype = match (op, shape.get("M")) {
+            ("matmul", Some(&rows)) => matmul_dtype(rows, self.matmul_dtype),
+            _ => Dtype::F32,
+        };
         let key = format!(
-            "{role}|{op}|{}|{}|{}|{}",
+            "{role}|{op}|{dtype}|{}|{}|{}|{}",
             epilogue.as_str(),
             mask.as_str(),
             force_family.unwrap_or(""),
@@ -558,7 +596,7 @@ impl GpuBackend {
             None => {
                 let s = self
                     .registry
-                    .select(op, crate::spec::Dtype::F32, epilogue, mask, &shape, &limits)
+                    .select(op, dtype, epilogue, mask, &shape, &limits)
                     .with_context(|| format!("choosing the {role} kernel"))?;
                 (s.variant, s.choice)
             }

@@ -25,16 +25,30 @@ fn shape(pairs: &[(&str, i64)]) -> Shape {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
+/// Fewest matmul rows (M) computed in a tensor-core dtype when one is asked for.
+pub const TENSOR_CORE_MIN_ROWS: i64 = 64;
+
+/// The dtype a matmul of `rows` rows runs in when `requested` is asked for: the compute-bound
+/// matmuls take it; the decode step's few-row matmuls are bound by reading the weights, which
+/// tensor cores do not speed up, so they stay f32. The model and the tuner share this rule.
+pub fn matmul_dtype(rows: i64, requested: Dtype) -> Dtype {
+    if rows >= TENSOR_CORE_MIN_ROWS {
+        requested
+    } else {
+        Dtype::F32
+    }
+}
+
 /// Every distinct kernel shape of a forward pass over `batch` sequences of `seq` tokens
-/// (prefill when seq > 1, a decode step when seq = 1). The matmuls use `matmul_dtype`; every
-/// other op is f32 (no other op has tensor-core families).
-pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, matmul_dtype: Dtype) -> Vec<Workload> {
+/// (prefill when seq > 1, a decode step when seq = 1). The matmuls use `requested` (see
+/// [`matmul_dtype`]); every other op is f32 (no other op has tensor-core families).
+pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtype) -> Vec<Workload> {
     let (c, nh, l) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.n_layer as i64);
     let m = batch * seq;
     let mm = |role: &str, epilogue: Epilogue, n: i64, k: i64, calls: i64| Workload {
         role: role.to_string(),
         op: "matmul",
-        dtype: matmul_dtype,
+        dtype: matmul_dtype(m, requested),
         epilogue,
         mask: Mask::None,
         shape: shape(&[("M", m), ("N", n), ("K", k), ("T", seq), ("n_head", nh)]),
@@ -163,8 +177,11 @@ mod tests {
         let w = model_workloads(&cfg, &[8], &[1024], Dtype::Tf32);
         assert!(w.iter().any(|w| w.op == "matmul"));
         for w in &w {
-            let want = if w.op == "matmul" { Dtype::Tf32 } else { Dtype::F32 };
-            assert_eq!(w.dtype, want, "{} {}", w.role, w.op);
+            // The decode step (M = 8 rows) stays f32: it is bound by reading the weights.
+            let tensor_cores = w.op == "matmul" && w.shape["M"] >= TENSOR_CORE_MIN_ROWS;
+            let want = if tensor_cores { Dtype::Tf32 } else { Dtype::F32 };
+            assert_eq!(w.dtype, want, "{} {} {:?}", w.role, w.op, w.shape);
         }
+        assert!(w.iter().any(|w| w.op == "matmul" && w.dtype == Dtype::F32));
     }
 }
