@@ -1300,7 +1300,9 @@ impl GpuBackend {
             self.run(&ks, b, 1, pos, true, HeadRows::All)?;
         }
         if greedy {
-            let k = ks.argmax.as_ref().expect("greedy decode steps have an argmax kernel");
+            let Some(k) = ks.argmax.as_ref() else {
+                bail!("greedy decode on the device needs the {ARGMAX_OP} op and a family for it");
+            };
             let (ids, logits) = (ptr(&self.gpu, &self.act.next_ids), ptr(&self.gpu, &self.act.logits));
             let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
             let args = [
