@@ -481,11 +481,6 @@ impl GpuBackend {
         }
     }
 
-    /// The dtype of the compute-bound matmuls.
-    pub fn matmul_dtype(&self) -> Dtype {
-        self.matmul_dtype
-    }
-
     fn name_suffix(&self) -> String {
         let mut suffix = String::new();
         if self.unfused {
@@ -835,20 +830,21 @@ impl GpuBackend {
         self.launch_with(k, &k.shape, &launches, args)
     }
 
+    /// A CUDA event for timing (profiles, decode steps).
+    fn timing_event(&self) -> AnyResult<CudaEvent> {
+        Ok(self
+            .gpu
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(GpuError::cuda("creating a timing event"))?)
+    }
+
     /// Launch `k` with `args` and the geometry `launches` planned for `shape`.
     fn launch_with(&mut self, k: &Kernel, shape: &Shape, launches: &[Launch], args: &[ArgValue]) -> AnyResult<()> {
         let events = match &self.profiler {
             Some(_) => {
-                let ev = || {
-                    self.gpu
-                        .ctx
-                        .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                        .map_err(GpuError::cuda("creating a timing event"))
-                };
-                let (start, end) = (ev()?, ev()?);
-                start
-                    .record(&self.gpu.stream)
-                    .map_err(GpuError::cuda("recording a timing event"))?;
+                let (start, end) = (self.timing_event()?, self.timing_event()?);
+                record_event(&start, &self.gpu)?;
                 Some((start, end))
             }
             None => None,
@@ -877,8 +873,7 @@ impl GpuBackend {
             }
         }
         if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
-            end.record(&self.gpu.stream)
-                .map_err(GpuError::cuda("recording a timing event"))?;
+            record_event(&end, &self.gpu)?;
             p.pending.push((k.role, k.label.clone(), start, end));
         }
         if self.sync_each {
@@ -1279,24 +1274,16 @@ impl GpuBackend {
         self.upload_ids(&tokens)?;
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
-        let event = || {
-            self.gpu
-                .ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(GpuError::cuda("creating a timing event"))
-        };
-        let (start, end) = (event()?, event()?);
-        let stream = self.gpu.stream.clone();
-        let record = |e: &CudaEvent| e.record(&stream).map_err(GpuError::cuda("recording a timing event"));
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
         let graphs = self.decode_graphs();
         if graphs {
             if self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
             }
-            record(&start)?;
+            record_event(&start, &self.gpu)?;
             self.decode_graphs[&b].launch(&self.gpu.stream)?;
         } else {
-            record(&start)?;
+            record_event(&start, &self.gpu)?;
             self.run(&ks, b, 1, pos, true, HeadRows::All)?;
         }
         if greedy {
@@ -1314,7 +1301,7 @@ impl GpuBackend {
             ];
             self.launch(k, &args)?;
         }
-        record(&end)?;
+        record_event(&end, &self.gpu)?;
         self.step_events = Some((start, end));
         self.len += 1;
         if graphs {
@@ -1423,6 +1410,13 @@ impl GpuBackend {
             },
         }
     }
+}
+
+/// Records `event` on the GPU's stream.
+fn record_event(event: &CudaEvent, gpu: &Gpu) -> AnyResult<()> {
+    Ok(event
+        .record(&gpu.stream)
+        .map_err(GpuError::cuda("recording a timing event"))?)
 }
 
 /// The default point of `family` for this epilogue and mask.
