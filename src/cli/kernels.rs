@@ -272,7 +272,7 @@ pub fn verify(root: &Path, args: VerifyArgs) -> Result<()> {
             if let Some(d) = args.dtype {
                 bail!(
                     "--family {name} --dtype {d}: the family has no {d} variants (its dtypes: {})",
-                    family.dtypes.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(", ")
+                    Dtype::list(&family.dtypes)
                 );
             }
         }

@@ -71,12 +71,18 @@ impl ArgBuffer {
     }
 }
 
-fn node_params(
+/// Calls `f` with the kernel-node parameters of a launch of `function` with `launch` and
+/// `args`; the argument pointers in them are valid only during the call (the driver copies
+/// what they point at).
+fn with_node_params<R>(
     function: sys::CUfunction,
     launch: &Launch,
-    kernel_params: *mut *mut std::ffi::c_void,
-) -> sys::CUDA_KERNEL_NODE_PARAMS {
-    sys::CUDA_KERNEL_NODE_PARAMS {
+    args: &[ArgValue],
+    f: impl FnOnce(&sys::CUDA_KERNEL_NODE_PARAMS) -> R,
+) -> R {
+    let mut buffer = ArgBuffer::new(args);
+    let mut pointers = buffer.pointers();
+    let params = sys::CUDA_KERNEL_NODE_PARAMS {
         func: function,
         gridDimX: launch.grid[0],
         gridDimY: launch.grid[1],
@@ -85,11 +91,12 @@ fn node_params(
         blockDimY: launch.block[1],
         blockDimZ: launch.block[2],
         sharedMemBytes: launch.smem_bytes,
-        kernelParams: kernel_params,
+        kernelParams: pointers.as_mut_ptr(),
         extra: ptr::null_mut(),
         kern: ptr::null_mut(),
         ctx: ptr::null_mut(),
-    }
+    };
+    f(&params)
 }
 
 impl KernelGraph {
@@ -121,19 +128,19 @@ impl KernelGraph {
     /// Appends a launch of `function` after the last node. Only before [`Self::instantiate`].
     pub fn add(&mut self, function: &CudaFunction, launch: &Launch, args: &[ArgValue]) -> Result<(), GpuError> {
         assert!(self.exec.is_null(), "KernelGraph::add after instantiate");
-        let mut buffer = ArgBuffer::new(args);
-        let mut pointers = buffer.pointers();
-        let params = node_params(function.cu_function(), launch, pointers.as_mut_ptr());
         let previous = self.nodes.last().map(|n| n.handle);
         let (deps, n_deps) = match &previous {
             Some(h) => (h as *const sys::CUgraphNode, 1),
             None => (ptr::null(), 0),
         };
         let mut handle = ptr::null_mut();
+        let graph = self.graph;
         // SAFETY: the graph is live; `params` points at a function of this context and at
         // argument values that outlive the call (the driver copies them).
-        unsafe { sys::cuGraphAddKernelNode_v2(&mut handle, self.graph, deps, n_deps, &params).result() }
-            .map_err(GpuError::cuda(format!("adding {} to the CUDA graph", launch.function)))?;
+        with_node_params(function.cu_function(), launch, args, |params| unsafe {
+            sys::cuGraphAddKernelNode_v2(&mut handle, graph, deps, n_deps, params).result()
+        })
+        .map_err(GpuError::cuda(format!("adding {} to the CUDA graph", launch.function)))?;
         self.nodes.push(Node {
             handle,
             function: function.cu_function(),
@@ -181,14 +188,16 @@ impl KernelGraph {
         if node.launch == *launch && node.args == args {
             return Ok(false);
         }
-        let mut buffer = ArgBuffer::new(args);
-        let mut pointers = buffer.pointers();
-        let params = node_params(node.function, launch, pointers.as_mut_ptr());
+        let exec = self.exec;
         // SAFETY: the executable graph is live and `node.handle` is one of its kernel nodes;
         // the driver copies the argument values before returning.
-        unsafe { sys::cuGraphExecKernelNodeSetParams_v2(self.exec, node.handle, &params).result() }.map_err(
-            GpuError::cuda(format!("updating {} in the CUDA graph", launch.function)),
-        )?;
+        with_node_params(node.function, launch, args, |params| unsafe {
+            sys::cuGraphExecKernelNodeSetParams_v2(exec, node.handle, params).result()
+        })
+        .map_err(GpuError::cuda(format!(
+            "updating {} in the CUDA graph",
+            launch.function
+        )))?;
         node.launch = launch.clone();
         node.args = args.to_vec();
         Ok(true)

@@ -44,9 +44,9 @@ impl Dtype {
         }
     }
 
-    /// Tensor-core math (the "% of peak" columns use a tensor peak for these).
-    pub fn is_tensor_core(self) -> bool {
-        matches!(self, Dtype::Tf32)
+    /// `f32, tf32`: dtype names for messages.
+    pub fn list(dtypes: &[Dtype]) -> String {
+        dtypes.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(", ")
     }
 }
 
@@ -58,7 +58,7 @@ impl fmt::Display for Dtype {
 
 /// Why a dtype name was not understood.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown dtype `{0}` (known: f32, tf32)")]
+#[error("unknown dtype `{0}` (known: {known})", known = Dtype::list(&Dtype::ALL))]
 pub struct UnknownDtype(pub String);
 
 impl std::str::FromStr for Dtype {
@@ -904,7 +904,7 @@ pub fn variant_with(
             "family.dtypes",
             format!(
                 "the family has no {dtype} variants (it lists: {})",
-                family.dtypes.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(", ")
+                Dtype::list(&family.dtypes)
             ),
         ));
     }
