@@ -60,14 +60,15 @@ fn check_op(op: &str) {
         failures.len(),
         rows.len()
     );
-    // Every family must actually have run somewhere, and every default on every test shape
-    // its constraints allow.
+    // Every family must actually have run somewhere, in every dtype it lists.
     for f in catalog.for_op(op) {
-        let passed = rows
-            .iter()
-            .filter(|r| r.family == f.name && r.status == Status::Pass)
-            .count();
-        assert!(passed > 0, "{}: no variant ran on any test shape", f.name);
+        for dtype in &f.dtypes {
+            let passed = rows
+                .iter()
+                .filter(|r| r.family == f.name && r.dtype == dtype.as_str() && r.status == Status::Pass)
+                .count();
+            assert!(passed > 0, "{} ({dtype}): no variant ran on any test shape", f.name);
+        }
     }
 }
 

@@ -134,11 +134,17 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
                 .with_context(|| format!("--op {op_name}: unknown op (known: {})", ops::op_names().join(", ")))?;
             let epilogue = args.epilogue.unwrap_or(op.epilogues()[0]);
             let mask = args.mask.unwrap_or(op.masks()[0]);
-            if args.dtype != Dtype::F32 && op.name() != "matmul" {
+            let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
+            let dtypes: Vec<Dtype> = Dtype::ALL
+                .into_iter()
+                .filter(|d| catalog.for_op(op.name()).any(|f| f.dtypes.contains(d)))
+                .collect();
+            if !dtypes.contains(&args.dtype) {
                 bail!(
-                    "--dtype {} --op {op_name}: only matmul has {} kernels; use --dtype f32 for {op_name}",
+                    "--dtype {} --op {op_name}: no {op_name} family lists {}; pick one of: {}",
                     args.dtype,
-                    args.dtype
+                    args.dtype,
+                    Dtype::list(&dtypes)
                 );
             }
             let mut shape = ops::parse_shape(op, args.shape.as_deref().unwrap_or_default())?;

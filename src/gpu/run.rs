@@ -7,7 +7,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfi
 use std::sync::Arc;
 
 use super::{Compiled, Gpu, GpuError};
-use crate::ops::{Arg, HostData, Problem, Role, Shape};
+use crate::ops::{Arg, HostData, Problem, Role, Shape, Storage};
 use crate::spec::{Launch, SpecError, Variant};
 
 /// Running a variant failed.
@@ -29,6 +29,8 @@ pub struct DeviceProblem {
 
 enum DeviceBuffer {
     F32(CudaSlice<f32>),
+    /// f16 or bf16 bit patterns.
+    Half(CudaSlice<u16>, Storage),
     I32(CudaSlice<i32>),
 }
 
@@ -36,6 +38,7 @@ impl DeviceBuffer {
     fn ptr(&self, gpu: &Gpu) -> u64 {
         match self {
             DeviceBuffer::F32(s) => s.device_ptr(&gpu.stream).0,
+            DeviceBuffer::Half(s, _) => s.device_ptr(&gpu.stream).0,
             DeviceBuffer::I32(s) => s.device_ptr(&gpu.stream).0,
         }
     }
@@ -50,6 +53,11 @@ impl DeviceProblem {
             .map(|t| {
                 let what = format!("uploading `{}` ({} elements)", t.name, t.data.len());
                 Ok(match &t.data {
+                    HostData::F32(v) if problem.storage != Storage::F32 => {
+                        let bits: Vec<u16> = v.iter().map(|&x| problem.storage.to_bits(x)).collect();
+                        let slice = gpu.stream.clone_htod(&bits).map_err(GpuError::cuda(what))?;
+                        DeviceBuffer::Half(slice, problem.storage)
+                    }
                     HostData::F32(v) => DeviceBuffer::F32(gpu.stream.clone_htod(v).map_err(GpuError::cuda(what))?),
                     HostData::I32(v) => DeviceBuffer::I32(gpu.stream.clone_htod(v).map_err(GpuError::cuda(what))?),
                 })
@@ -83,6 +91,10 @@ impl DeviceProblem {
                     let nan = vec![f32::NAN; s.len()];
                     gpu.stream.memcpy_htod(&nan, s).map_err(GpuError::cuda(what))?;
                 }
+                DeviceBuffer::Half(s, storage) => {
+                    let nan = vec![storage.to_bits(f32::NAN); s.len()];
+                    gpu.stream.memcpy_htod(&nan, s).map_err(GpuError::cuda(what))?;
+                }
                 DeviceBuffer::I32(s) => {
                     let junk = vec![i32::MIN; s.len()];
                     gpu.stream.memcpy_htod(&junk, s).map_err(GpuError::cuda(what))?;
@@ -99,6 +111,13 @@ impl DeviceProblem {
                 .stream
                 .clone_dtoh(s)
                 .map_err(GpuError::cuda("downloading an output")),
+            DeviceBuffer::Half(s, storage) => Ok(gpu
+                .stream
+                .clone_dtoh(s)
+                .map_err(GpuError::cuda("downloading an output"))?
+                .into_iter()
+                .map(|bits| storage.from_bits(bits))
+                .collect()),
             DeviceBuffer::I32(s) => Ok(gpu
                 .stream
                 .clone_dtoh(s)

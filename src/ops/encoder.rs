@@ -119,6 +119,7 @@ impl OpContract for Encoder {
             mask,
             tensors,
             args,
+            storage: Storage::F32,
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {

@@ -107,6 +107,7 @@ impl OpContract for KvAppend {
             mask,
             tensors,
             args,
+            storage: Storage::F32,
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {

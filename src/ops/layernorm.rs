@@ -71,6 +71,7 @@ impl OpContract for LayerNorm {
             mask,
             tensors,
             args,
+            storage: Storage::F32,
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {

@@ -39,6 +39,56 @@ impl HostData {
     }
 }
 
+/// How a problem's floating-point tensors live in device memory. The host side always holds
+/// f32 (already rounded to the storage precision, so the f64 reference sees exactly the values
+/// the kernel reads); the runner converts at upload and download.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Storage {
+    #[default]
+    F32,
+    /// IEEE binary16: 11-bit significand, range +-65504.
+    F16,
+    /// bfloat16: f32's range with an 8-bit significand.
+    Bf16,
+}
+
+impl Storage {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Storage::F32 => 4,
+            Storage::F16 | Storage::Bf16 => 2,
+        }
+    }
+
+    /// `x` rounded (to nearest even) to this storage precision.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Storage::F32 => x,
+            Storage::F16 => half::f16::from_f32(x).to_f32(),
+            Storage::Bf16 => half::bf16::from_f32(x).to_f32(),
+        }
+    }
+
+    /// The 2-byte encoding of `x` (f16 / bf16 only).
+    pub fn to_bits(self, x: f32) -> u16 {
+        match self {
+            Storage::F32 => panic!("f32 storage has no 16-bit encoding"),
+            Storage::F16 => half::f16::from_f32(x).to_bits(),
+            Storage::Bf16 => half::bf16::from_f32(x).to_bits(),
+        }
+    }
+
+    /// The value of a 2-byte encoding (f16 / bf16 only).
+    pub fn from_bits(self, bits: u16) -> f32 {
+        match self {
+            Storage::F32 => panic!("f32 storage has no 16-bit encoding"),
+            Storage::F16 => half::f16::from_bits(bits).to_f32(),
+            Storage::Bf16 => half::bf16::from_bits(bits).to_f32(),
+        }
+    }
+}
+
 /// Whether the kernel reads or writes a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -100,6 +150,8 @@ pub struct Problem {
     pub mask: Mask,
     pub tensors: Vec<TensorArg>,
     pub args: Vec<Arg>,
+    /// How the f32 tensors are stored on the device (see [`Problem::stored_as`]).
+    pub storage: Storage,
 }
 
 impl Epilogue {
@@ -181,6 +233,20 @@ impl TensorArg {
 }
 
 impl Problem {
+    /// The same problem with every floating-point tensor stored as `storage` on the device: the
+    /// host values are rounded to that precision so the reference computes from exactly what
+    /// the kernel reads. Integer tensors (token ids, argmax outputs) are unchanged.
+    pub fn stored_as(mut self, storage: Storage) -> Problem {
+        for t in &mut self.tensors {
+            if let HostData::F32(values) = &mut t.data {
+                for v in values.iter_mut() {
+                    *v = storage.round(*v);
+                }
+            }
+        }
+        self.storage = storage;
+        self
+    }
     /// The tensor called `name`.
     pub fn tensor(&self, name: &str) -> Option<&TensorArg> {
         self.tensors.iter().find(|t| t.name == name)
@@ -528,6 +594,44 @@ mod tests {
         ("kv_append", "float* k_cache, float* v_cache, const float* k, const float* v, int B, int NH, int T, int max_T, int HS, int pos"),
         ("argmax", "int* out, const float* logits, int B, int V, int stride"),
     ];
+
+    #[test]
+    fn half_storage_rounds_float_tensors_and_keeps_integers() {
+        let shape: Shape = [("B", 2), ("V", 37), ("stride", 40)]
+            .map(|(k, v)| (k.to_string(), v))
+            .into();
+        let p = argmax::Argmax
+            .problem(&shape, Epilogue::None, Mask::None, &mut StdRng::seed_from_u64(9))
+            .unwrap();
+        let logits = p.f32s("logits").to_vec();
+        for storage in [Storage::F16, Storage::Bf16] {
+            let h = p.clone().stored_as(storage);
+            assert_eq!(h.storage, storage);
+            let rounded = h.f32s("logits");
+            // Every value is exactly representable now, and the rounding moved something.
+            assert!(rounded.iter().all(|&x| storage.from_bits(storage.to_bits(x)) == x));
+            assert_ne!(rounded, &logits[..]);
+            let max_rel = logits
+                .iter()
+                .zip(rounded)
+                .map(|(a, b)| ((a - b) / a).abs())
+                .fold(0.0f32, f32::max);
+            let unit = if storage == Storage::F16 {
+                2f32.powi(-11)
+            } else {
+                2f32.powi(-8)
+            };
+            assert!(max_rel <= unit, "{storage:?}: {max_rel}");
+            assert_eq!(
+                h.tensor("out").unwrap().data,
+                p.tensor("out").unwrap().data,
+                "i32 untouched"
+            );
+            assert_eq!(storage.bytes(), 2);
+        }
+        assert!(Storage::F16.from_bits(Storage::F16.to_bits(f32::NAN)).is_nan());
+        assert!(Storage::Bf16.from_bits(Storage::Bf16.to_bits(f32::NAN)).is_nan());
+    }
 
     fn variants(op: &dyn OpContract) -> Vec<(Epilogue, Mask)> {
         op.epilogues()

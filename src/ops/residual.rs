@@ -49,6 +49,7 @@ impl OpContract for Residual {
             mask,
             tensors,
             args,
+            storage: Storage::F32,
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {

@@ -62,6 +62,7 @@ impl OpContract for Softmax {
             mask,
             tensors,
             args,
+            storage: Storage::F32,
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {

@@ -19,11 +19,12 @@ use sha2::{Digest, Sha256};
 use crate::ops::{self, Epilogue, Mask, OpContract, Shape};
 pub use expr::{Expr, ExprError};
 
-/// Storage/compute precision of a variant. Every op contract stores f32 tensors; the dtype says
-/// how a kernel computes with them:
-/// - `f32`: FP32 FMA, the reference path (relative L2 error < 1e-5);
+/// Storage/compute precision of a variant:
+/// - `f32`: f32 storage, FP32 FMA, the reference path (relative L2 error < 1e-5);
 /// - `tf32`: f32 storage, tensor-core math on inputs rounded to TF32 (10-bit mantissa), f32
-///   accumulation (relative L2 error < 1e-3).
+///   accumulation (relative L2 error < 1e-3);
+/// - `f16` / `bf16`: every floating-point tensor stored as 2-byte IEEE half / bfloat16, math in
+///   f32 (tensor cores with f32 accumulation for the matmuls; relative L2 error < 1e-2).
 ///
 /// Only families that list a dtype in `family.dtypes` have variants of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, serde::Serialize)]
@@ -31,16 +32,29 @@ pub use expr::{Expr, ExprError};
 pub enum Dtype {
     F32,
     Tf32,
+    F16,
+    Bf16,
 }
 
 impl Dtype {
     /// Every dtype, in the order `--help` lists them.
-    pub const ALL: [Dtype; 2] = [Dtype::F32, Dtype::Tf32];
+    pub const ALL: [Dtype; 4] = [Dtype::F32, Dtype::Tf32, Dtype::F16, Dtype::Bf16];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Dtype::F32 => "f32",
             Dtype::Tf32 => "tf32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    /// How the variant's floating-point tensors are stored in memory.
+    pub fn storage(self) -> ops::Storage {
+        match self {
+            Dtype::F32 | Dtype::Tf32 => ops::Storage::F32,
+            Dtype::F16 => ops::Storage::F16,
+            Dtype::Bf16 => ops::Storage::Bf16,
         }
     }
 
@@ -368,7 +382,7 @@ impl Family {
         if f.dtypes.is_empty() {
             return Err(field_err(
                 "family.dtypes",
-                "empty list: name at least one dtype (f32, tf32)".into(),
+                format!("empty list: name at least one dtype ({})", Dtype::list(&Dtype::ALL)),
             ));
         }
         let epilogues = if f.epilogues.is_empty() {

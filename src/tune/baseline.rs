@@ -32,7 +32,8 @@ fn launch_err(what: &str) -> impl FnOnce(String) -> RunError + '_ {
 /// arithmetic our tf32 kernels do, so the comparison is like for like.
 fn set_math_mode(blas: &CudaBlas, dtype: Dtype) -> Result<(), RunError> {
     let mode = match dtype {
-        Dtype::F32 => cublasMath_t::CUBLAS_DEFAULT_MATH,
+        // Half inputs go to the tensor cores in the default mode (f32 accumulation).
+        Dtype::F32 | Dtype::F16 | Dtype::Bf16 => cublasMath_t::CUBLAS_DEFAULT_MATH,
         Dtype::Tf32 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
     };
     // SAFETY: the handle is live for as long as `blas`.

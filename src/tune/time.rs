@@ -63,7 +63,7 @@ pub fn problem_bytes(problem: &Problem) -> usize {
         .tensors
         .iter()
         .map(|t| match &t.data {
-            HostData::F32(v) => v.len() * 4,
+            HostData::F32(v) => v.len() * problem.storage.bytes(),
             HostData::I32(v) => v.len() * 4,
         })
         .sum()

@@ -371,12 +371,14 @@ pub fn tune(
         let check_shape = verification_shape(w);
         let check = op
             .problem(&check_shape, w.epilogue, w.mask, &mut rng)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .stored_as(w.dtype.storage());
         let reference = op.reference(&check);
         let mut check_device = DeviceProblem::upload(gpu, &check).map_err(|e| e.to_string())?;
         let problem = op
             .problem(&w.shape, w.epilogue, w.mask, &mut rng)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .stored_as(w.dtype.storage());
         let bytes = workload_bytes(w, &problem);
         let mut copies = (0..rotation_count(&problem))
             .map(|_| DeviceProblem::upload(gpu, &problem))

@@ -7,7 +7,7 @@ use rand::SeedableRng;
 
 use crate::codegen::Renderer;
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
-use crate::ops::{self, Epilogue, Mask, Problem, Shape};
+use crate::ops::{self, Epilogue, Mask, Problem, Shape, Storage};
 use crate::spec::{shape_text, Dtype, Variant};
 
 /// Largest relative L2 error a dtype may show against the f64 reference (DESIGN.md).
@@ -16,6 +16,8 @@ pub fn tolerance(dtype: Dtype) -> f64 {
         Dtype::F32 => 1e-5,
         // Inputs rounded to a 10-bit mantissa before the tensor-core products (f32 sums).
         Dtype::Tf32 => 1e-3,
+        // Inputs and outputs stored with an 11-bit (f16) or 8-bit (bf16) significand.
+        Dtype::F16 | Dtype::Bf16 => 1e-2,
     }
 }
 
@@ -46,6 +48,7 @@ pub struct Check {
     pub kernel: String,
     pub variant: String,
     pub op: String,
+    pub dtype: String,
     pub shape: String,
     /// Largest relative L2 error over the outputs (None when it did not run).
     pub error: Option<f64>,
@@ -85,16 +88,17 @@ pub fn verify(
     }
 
     // Group variants by the problem they need so every group shares inputs and reference.
-    let mut groups: BTreeMap<(&'static str, Epilogue, Mask), Vec<usize>> = BTreeMap::new();
+    // Half-storage variants need their own problem (inputs rounded, tensors stored as halves).
+    let mut groups: BTreeMap<(&'static str, Storage, Epilogue, Mask), Vec<usize>> = BTreeMap::new();
     for (i, v) in variants.iter().enumerate() {
         groups
-            .entry((v.family.op.name(), v.epilogue, v.mask))
+            .entry((v.family.op.name(), v.dtype.storage(), v.epilogue, v.mask))
             .or_default()
             .push(i);
     }
     let mut loaded: HashMap<String, LoadedVariant> = HashMap::new();
     let mut faulted: Option<String> = None;
-    for ((op_name, epilogue, mask), members) in groups {
+    for ((op_name, storage, epilogue, mask), members) in groups {
         let op = ops::op_by_name(op_name).expect("families name known ops");
         let shape_list = match shapes {
             Shapes::TestShapes => op.test_shapes(epilogue, mask),
@@ -117,7 +121,9 @@ pub fn verify(
             let mut rng = rand::rngs::StdRng::seed_from_u64(
                 seed ^ ((shape_index as u64) << 32) ^ epilogue as u64 ^ ((mask as u64) << 8),
             );
-            let problem = op.problem(shape, epilogue, mask, &mut rng);
+            let problem = op
+                .problem(shape, epilogue, mask, &mut rng)
+                .map(|p| p.stored_as(storage));
             let (problem, reference) = match problem {
                 Ok(p) => {
                     let r = op.reference(&p);
@@ -270,6 +276,7 @@ fn row_for(variant: &Variant, shape: &Shape, error: Option<f64>, status: Status)
         kernel,
         variant: variant.key(),
         op: variant.family.op.name().to_string(),
+        dtype: variant.dtype.to_string(),
         shape: shape_text(shape),
         error,
         tolerance: tolerance(variant.dtype),

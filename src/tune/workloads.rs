@@ -28,20 +28,30 @@ fn shape(pairs: &[(&str, i64)]) -> Shape {
 /// Fewest matmul rows (M) computed in a tensor-core dtype when one is asked for.
 pub const TENSOR_CORE_MIN_ROWS: i64 = 64;
 
-/// The dtype a matmul of `rows` rows runs in when `requested` is asked for: the compute-bound
-/// matmuls take it; the decode step's few-row matmuls are bound by reading the weights, which
-/// tensor cores do not speed up, so they stay f32. The model and the tuner share this rule.
+/// The dtype a matmul of `rows` rows runs in when `requested` is asked for. f16 and bf16 are
+/// storage types, so every matmul takes them. tf32 is only math: the compute-bound matmuls take
+/// it; the decode step's few-row matmuls are bound by reading the weights, which tensor cores
+/// do not speed up, so they stay f32. The model and the tuner share this rule.
 pub fn matmul_dtype(rows: i64, requested: Dtype) -> Dtype {
-    if rows >= TENSOR_CORE_MIN_ROWS {
-        requested
-    } else {
+    if requested == Dtype::Tf32 && rows < TENSOR_CORE_MIN_ROWS {
         Dtype::F32
+    } else {
+        requested
+    }
+}
+
+/// The dtype every op other than matmul runs in when `requested` is asked for: the storage
+/// type (f32 for tf32, which only changes how matmuls multiply).
+pub fn op_dtype(requested: Dtype) -> Dtype {
+    match requested {
+        Dtype::Tf32 => Dtype::F32,
+        other => other,
     }
 }
 
 /// Every distinct kernel shape of a forward pass over `batch` sequences of `seq` tokens
-/// (prefill when seq > 1, a decode step when seq = 1). The matmuls use `requested` (see
-/// [`matmul_dtype`]); every other op is f32 (no other op has tensor-core families).
+/// (prefill when seq > 1, a decode step when seq = 1). The matmuls use [`matmul_dtype`], every
+/// other op [`op_dtype`].
 pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtype) -> Vec<Workload> {
     let (c, nh, l) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.n_layer as i64);
     let m = batch * seq;
@@ -58,7 +68,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
         Workload {
             role: "embedding".into(),
             op: "encoder",
-            dtype: Dtype::F32,
+            dtype: op_dtype(requested),
             epilogue: Epilogue::None,
             mask: Mask::None,
             shape: shape(&[
@@ -74,7 +84,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
         Workload {
             role: "layernorm".into(),
             op: "layernorm",
-            dtype: Dtype::F32,
+            dtype: op_dtype(requested),
             epilogue: Epilogue::None,
             mask: Mask::None,
             shape: shape(&[("N", m), ("C", c)]),
@@ -92,7 +102,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
             Workload {
                 role: "attention (causal)".into(),
                 op: "attention",
-                dtype: Dtype::F32,
+                dtype: op_dtype(requested),
                 epilogue: Epilogue::None,
                 mask: Mask::Causal,
                 shape: shape(&[("B", batch), ("NH", nh), ("T", seq), ("HS", c / nh), ("window", 0)]),
@@ -104,7 +114,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
 }
 
 /// The workloads of a model at every (batch, seq) asked for, plus the decode step (seq = 1)
-/// for each batch, without duplicates; matmuls in `matmul_dtype`, the rest in f32.
+/// for each batch, without duplicates, in the dtypes [`forward_workloads`] picks.
 pub fn model_workloads(cfg: &GPT2Config, batches: &[i64], seqs: &[i64], matmul_dtype: Dtype) -> Vec<Workload> {
     let mut out: Vec<Workload> = Vec::new();
     for &b in batches {
