@@ -79,10 +79,15 @@ static_assert(PITCH % 4 == 0 && C_PITCH % 4 == 0, "wmma ldm and 16-byte copies n
 // `cp.async.cg` copies 16 bytes straight into shared memory without passing through registers
 // and bypasses L1 (.cg: cache in L2 only; the tile is reused from shared memory, not L1). The
 // thread does not wait: it keeps issuing copies and MMAs, and later waits for whole *groups*.
-// src_bytes < 16 fills the rest of the 16 bytes with zeros; we use 0 for out-of-range chunks.
-// `smem_dst` is a shared-window address (__cvta_generic_to_shared), so constant offsets fold
-// into the instruction.
-__device__ __forceinline__ void cp_async_16(unsigned smem_dst, const float* global_src, int src_bytes) {
+// src_bytes < 16 fills the rest of the 16 bytes with zeros; we use 0 for out-of-range chunks
+// (the source address must still be a valid one: pass any in-bounds pointer).
+// `smem_dst` is a shared-window address (smem_address / __cvta_generic_to_shared), so constant
+// offsets fold into the instruction.
+__device__ __forceinline__ unsigned smem_address(const void* shared_ptr) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(shared_ptr));
+}
+
+__device__ __forceinline__ void cp_async_16(unsigned smem_dst, const void* global_src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_dst), "l"(global_src), "r"(src_bytes) : "memory");
 }
