@@ -16,11 +16,16 @@ saves it with save_pretrained (safetensors), then checks:
   - the same model exported as an llm.c checkpoint (gpt2_124M.bin layout, version 3, f32):
     `forward --device cuda` logits and greedy generation on it against transformers too.
   - `forward --device cuda --dtype tf32` (tensor-core matmuls): relative L2 below 1e-2.
+  - `forward --device cuda --dtype bf16` and `--dtype f16` (16-bit storage): relative L2 below
+    2e-2 against transformers run in the same dtype on the GPU (the error against the f32
+    logits is printed too), and `generate --dtype bf16 --greedy`: the first 16 tokens equal
+    transformers' bf16 greedy generation.
 One summary line per check; exit status 1 when any check misses.
 
 `--size gpt2` builds a full-size random 124M model and prints throughput side by side:
-transformers f32 eager forward (batch 8 x 1024) and cached greedy decode (batch 1 and 8) against
-`kernelforge bench ... --json`, in f32 and with `--dtype tf32` (tensor-core matmuls).
+transformers eager forward (batch 8 x 1024) and cached greedy decode (batch 1 and 8) against
+`kernelforge bench ... --json`: kernelforge f32 and `--dtype tf32` against transformers f32,
+kernelforge `--dtype bf16` and `--dtype f16` against transformers fp16.
 """
 
 import argparse
@@ -191,9 +196,51 @@ def parity(args):
                    f"transformers {hf_tokens[first:first + 3]}); transformers' top-2 logit gap there "
                    f"{gap:.2e}{' (a near-tie: accepted)' if near_tie else ''}; "
                    f"lengths {len(kf_tokens)} vs {len(hf_tokens)}")
+        if "cuda" in devices and torch.cuda.is_available():
+            half_parity(args, model, mdir, ids, prompt, tmp, want, report)
     missed = results.count(False)
     print(f"{len(results) - missed}/{len(results)} checks passed")
     return 1 if missed else 0
+
+
+HALF_TORCH = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def half_parity(args, model, mdir, ids, prompt, tmp, want_f32, report):
+    """16-bit storage against transformers in the same dtype on the GPU."""
+    greedy_tokens = 16
+    for dtype, torch_dtype in HALF_TORCH.items():
+        peer = GPT2LMHeadModel.from_pretrained(mdir, torch_dtype=torch_dtype).cuda().eval()
+        with torch.no_grad():
+            want = peer(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+        out = os.path.join(tmp, f"logits-{dtype}.npy")
+        run_kf(args.binary, ["forward", "--model", mdir, "--device", "cuda", "--dtype", dtype,
+                             "--ids", ",".join(map(str, ids)), "--logits-out", out])
+        got = np.load(out)
+        e = rel_l2(got, want)
+        report(f"forward cuda --dtype {dtype}", e < 2e-2,
+               f"relative L2 {e:.3e} against transformers {dtype} (target < 2e-2); against f32 "
+               f"transformers: ours {rel_l2(got, want_f32):.3e}, transformers {dtype} {rel_l2(want, want_f32):.3e}")
+        if dtype != "bf16":
+            continue
+        with torch.no_grad():
+            hf = peer.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+                               max_new_tokens=greedy_tokens, pad_token_id=50256,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
+        hf_tokens = hf[0, len(prompt):].tolist()
+        p = run_kf(args.binary, ["generate", "--model", mdir, "--device", "cuda", "--dtype", dtype,
+                                 "--ids", ",".join(map(str, prompt)), "--greedy",
+                                 "--max-new-tokens", str(greedy_tokens), "--print-ids"])
+        lines = [l for l in p.stdout.strip().splitlines() if l.strip()]
+        kf_tokens = [int(x) for x in lines[-1].split(",")] if lines else []
+        first = next((i for i, (a, b) in enumerate(zip(kf_tokens, hf_tokens)) if a != b),
+                     min(len(kf_tokens), len(hf_tokens)))
+        report(f"greedy generate cuda --dtype {dtype}", kf_tokens == hf_tokens,
+               f"{first} of {greedy_tokens} tokens identical to transformers {dtype}"
+               + ("" if kf_tokens == hf_tokens else
+                  f" (kernelforge {kf_tokens[first:first + 3]}, transformers {hf_tokens[first:first + 3]})"))
+        del peer
+        torch.cuda.empty_cache()
 
 
 def cuda_time(fn, repeats):
@@ -252,30 +299,33 @@ def throughput(args):
             model_cuda = GPT2LMHeadModel.from_pretrained(mdir, attn_implementation="eager").cuda().eval()
         except TypeError:
             model_cuda = model.cuda().eval()
-        hf = {b: hf_throughput(model_cuda, b, args.seq, args.steps, args.repeats) for b in (1, 8)}
+        hf = {("f32", b): hf_throughput(model_cuda, b, args.seq, args.steps, args.repeats) for b in (1, 8)}
+        model_cuda = model_cuda.half()
+        hf.update({("fp16", b): hf_throughput(model_cuda, b, args.seq, args.steps, args.repeats) for b in (1, 8)})
         del model_cuda
         torch.cuda.empty_cache()
-        runs = [(8, []), (8, ["--dtype", "tf32"]), (1, []), (1, ["--dtype", "tf32"])]
+        runs = [(8, [], "f32"), (8, ["--dtype", "tf32"], "f32"), (8, ["--dtype", "bf16"], "fp16"),
+                (8, ["--dtype", "f16"], "fp16"), (1, [], "f32"), (1, ["--dtype", "bf16"], "fp16")]
         if args.unfused:
-            runs += [(8, ["--unfused"]), (1, ["--unfused"])]
-        for b, extra in runs:
+            runs += [(8, ["--unfused"], "f32"), (1, ["--unfused"], "f32")]
+        for b, extra, peer in runs:
             p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--batch", str(b),
                                      "--seq", str(args.seq), "--generate", str(args.steps),
                                      "--repeats", str(args.repeats), "--json"] + extra)
             kf = json.loads(p.stdout.strip().splitlines()[-1])
             name = f"batch {b}{' ' + ' '.join(extra).replace('--', '') if extra else ''}"
-            rows.append((f"forward {name} x {args.seq}", kf["forward"]["tokens_per_s"],
-                         hf[b]["forward_tokens_per_s"]))
-            rows.append((f"decode {name} ({args.steps} steps)", kf["decode"]["tokens_per_s"],
-                         hf[b]["decode_tokens_per_s"]))
+            rows.append((f"forward {name} x {args.seq}", kf["forward"]["tokens_per_s"], peer,
+                         hf[(peer, b)]["forward_tokens_per_s"]))
+            rows.append((f"decode {name} ({args.steps} steps)", kf["decode"]["tokens_per_s"], peer,
+                         hf[(peer, b)]["decode_tokens_per_s"]))
             tk = kf.get("tuned_kernels") or {}
             print(f"kernelforge {name}: {tk.get('tuned', '?')}/{tk.get('total', '?')} kernels tuned; "
                   f"top kernels: " + ", ".join(
                       f"{r['role']} {r['kernel']} {r['percent']:.0f}%" for r in kf["profile"]["forward"][:4]),
                   flush=True)
-    print(f"\n{'tokens/s':<36} {'kernelforge':>12} {'transformers':>13} {'ratio':>7}")
-    for name, k, h in rows:
-        print(f"{name:<36} {k:>12.0f} {h:>13.0f} {k / h:>7.2f}")
+    print(f"\n{'tokens/s':<36} {'kernelforge':>12} {'transformers':>13} {'peer':>5} {'ratio':>7}")
+    for name, k, peer, h in rows:
+        print(f"{name:<36} {k:>12.0f} {h:>13.0f} {peer:>5} {k / h:>7.2f}")
     return 0
 
 

@@ -39,16 +39,6 @@ impl Device {
     }
 }
 
-/// Compute precision (see DESIGN.md "Precision modes"); the CPU runs f32 only.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum DType {
-    #[default]
-    F32,
-    Tf32,
-    F16,
-    Bf16,
-}
-
 /// `kernelforge tokenize TEXT` / `kernelforge tokenize --decode IDS`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TokenizeArgs {
@@ -77,11 +67,12 @@ pub struct ModelArgs {
     /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
     #[arg(long)]
     pub unfused: bool,
-    /// Precision: f32 everywhere, or (GPU) tf32 for the compute-bound matmuls — tensor cores,
-    /// f32 storage and accumulation, inputs rounded to TF32 — with every other op in f32.
-    /// f16 and bf16 are not available yet.
-    #[arg(long, value_enum, default_value_t = DType::F32)]
-    pub dtype: DType,
+    /// Precision. f32: everything in f32 (the CPU's only mode). GPU only: tf32 = f32 storage,
+    /// the compute-bound matmuls on tensor cores with inputs rounded to TF32; f16 / bf16 =
+    /// weights (converted once at load), activations and KV cache stored in 16 bits, matmuls
+    /// and attention on tensor cores, f32 math and accumulation inside every kernel.
+    #[arg(long, default_value = "f32", value_parser = super::kernels::parse_dtype)]
+    pub dtype: Dtype,
     /// The project folder (specs/, templates/) from the global --root.
     #[arg(skip)]
     pub root: Option<PathBuf>,
@@ -235,19 +226,15 @@ pub fn resolve_device(device: Option<Device>) -> Device {
     }
 }
 
-fn check_device(device: Device, dtype: DType, unfused: bool) -> Result<()> {
+fn check_device(device: Device, dtype: Dtype, unfused: bool) -> Result<()> {
     match device {
-        Device::Cuda if matches!(dtype, DType::F16 | DType::Bf16) => bail!(
-            "--dtype {}: the GPU backend has f32 and tf32 kernels so far; pass --dtype f32 or --dtype tf32",
-            clap::ValueEnum::to_possible_value(&dtype).map_or_else(String::new, |v| v.get_name().to_string())
-        ),
         Device::Cuda if !crate::gpu::device::driver_present() => bail!(
             "--device cuda: no CUDA driver found (libcuda.so); this needs an NVIDIA GPU with its driver installed, \
              or pass --device cpu"
         ),
         Device::Cuda => Ok(()),
-        Device::Cpu if dtype != DType::F32 => {
-            bail!("the CPU backend computes in f32 only; drop --dtype or pass --dtype f32")
+        Device::Cpu if dtype != Dtype::F32 => {
+            bail!("--dtype {dtype}: the CPU backend computes in f32 only; drop --dtype or pass --dtype f32 (or --device cuda)")
         }
         Device::Cpu if unfused => bail!("--unfused selects the GPU baseline kernels; it needs --device cuda"),
         Device::Cpu => Ok(()),
@@ -267,8 +254,8 @@ pub struct BackendOptions {
     pub max_batch: usize,
     /// GPU: the unfused baseline kernels.
     pub unfused: bool,
-    /// GPU: the dtype of the compute-bound matmuls (f32 or tf32).
-    pub dtype: DType,
+    /// GPU: the precision (see [`ModelArgs::dtype`]).
+    pub dtype: Dtype,
     /// The project folder with specs/ and templates/ (default: [`super::project_root`]).
     pub root: Option<PathBuf>,
 }
@@ -276,11 +263,7 @@ pub struct BackendOptions {
 /// Build the GPU backend: weights uploaded, buffers allocated for `opts.max_batch` sequences.
 pub fn make_gpu_backend(model: Arc<GPT2Model>, opts: &BackendOptions) -> Result<GpuBackend> {
     let root = super::project_root(opts.root.as_deref())?;
-    let mut gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused)?;
-    gpu.set_matmul_dtype(match opts.dtype {
-        DType::Tf32 => Dtype::Tf32,
-        _ => Dtype::F32,
-    });
+    let gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused, opts.dtype)?;
     for n in gpu.notes() {
         eprintln!("note: {n}");
     }
@@ -290,7 +273,7 @@ pub fn make_gpu_backend(model: Arc<GPT2Model>, opts: &BackendOptions) -> Result<
 /// Build the backend for `device`.
 pub fn make_backend(
     device: Device,
-    dtype: DType,
+    dtype: Dtype,
     model: Arc<GPT2Model>,
     opts: &BackendOptions,
 ) -> Result<Box<dyn Backend>> {
@@ -785,11 +768,14 @@ mod tests {
 
     #[test]
     fn dtypes_each_device_cannot_run_are_refused_with_the_fix() {
-        let e = check_device(Device::Cuda, DType::Bf16, false).unwrap_err().to_string();
-        assert!(e.contains("--dtype bf16") && e.contains("--dtype tf32"), "{e}");
-        let e = check_device(Device::Cpu, DType::Tf32, false).unwrap_err().to_string();
-        assert!(e.contains("f32 only") && e.contains("--dtype f32"), "{e}");
-        assert!(check_device(Device::Cpu, DType::F32, false).is_ok());
+        for dtype in [Dtype::Tf32, Dtype::F16, Dtype::Bf16] {
+            let e = check_device(Device::Cpu, dtype, false).unwrap_err().to_string();
+            assert!(
+                e.contains("f32 only") && e.contains("--dtype f32") && e.contains(dtype.as_str()),
+                "{e}"
+            );
+        }
+        assert!(check_device(Device::Cpu, Dtype::F32, false).is_ok());
     }
 
     fn cpu_target(model: &str) -> ModelArgs {
@@ -797,7 +783,7 @@ mod tests {
             model: model.to_string(),
             device: Some(Device::Cpu),
             unfused: false,
-            dtype: DType::F32,
+            dtype: Dtype::F32,
             root: None,
         }
     }

@@ -41,11 +41,11 @@ use super::error::{ModelError, Result};
 use super::generate::{Backend, Logits};
 use super::weights::GPT2Model;
 use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, GraphUpdateError, KernelGraph, LoadedVariant};
-use crate::ops::{self, Epilogue, Mask, Shape};
+use crate::ops::{self, Epilogue, Mask, Shape, Storage};
 use crate::spec::{expand, shape_text, Catalog, Dtype, Launch, Points, Variant};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::registry::{variant_kind, Choice, Registry};
-use crate::tune::workloads::matmul_dtype;
+use crate::tune::workloads::{matmul_dtype, op_dtype};
 
 /// The op (and kernel family) of the decode attention: one query per sequence against the cache.
 pub const ATTENTION_DECODE_OP: &str = "attention_decode";
@@ -112,20 +112,32 @@ struct LayerPtrs {
     fc_proj_b: u64,
 }
 
+/// A device buffer of `len` elements of the model's storage type (f32, f16 or bf16).
+struct DeviceTensor {
+    bytes: CudaSlice<u8>,
+    len: usize,
+}
+
+impl DeviceTensor {
+    fn ptr(&self, gpu: &Gpu) -> u64 {
+        ptr(gpu, &self.bytes)
+    }
+}
+
 /// Activation buffers for up to `rows` tokens.
 struct Activations {
     rows: usize,
     ids: CudaSlice<i32>,
-    x: [CudaSlice<f32>; 2],
-    ln: CudaSlice<f32>,
-    qkv: CudaSlice<f32>,
-    att: CudaSlice<f32>,
-    fc: CudaSlice<f32>,
+    x: [DeviceTensor; 2],
+    ln: DeviceTensor,
+    qkv: DeviceTensor,
+    att: DeviceTensor,
+    fc: DeviceTensor,
     /// Pre-GELU fc output (unfused only; empty otherwise).
-    fc_pre: CudaSlice<f32>,
+    fc_pre: DeviceTensor,
     /// The last position of each sequence, gathered for the LM head of `prefill_last`.
-    last: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
+    last: DeviceTensor,
+    logits: DeviceTensor,
     /// The argmax token of each sequence (greedy decode steps).
     next_ids: CudaSlice<i32>,
 }
@@ -183,7 +195,7 @@ pub struct GpuBackend {
     /// Why decode is unavailable (the decode ops are missing from the catalog), if it is.
     decode_missing: Option<String>,
     /// Keeps the uploaded parameters alive (the pointers below address them).
-    _weights: Vec<CudaSlice<f32>>,
+    _weights: Vec<CudaSlice<u8>>,
     wte: u64,
     wpe: u64,
     lnf_w: u64,
@@ -191,7 +203,7 @@ pub struct GpuBackend {
     layers: Vec<LayerPtrs>,
     act: Activations,
     /// Per layer: (K cache, V cache), each `[kv_batch, NH, n_ctx, HS]`.
-    kv: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
+    kv: Vec<(DeviceTensor, DeviceTensor)>,
     kv_batch: usize,
     workspace: Option<CudaSlice<f32>>,
     /// Sequences in the current batch and tokens cached per sequence.
@@ -202,8 +214,11 @@ pub struct GpuBackend {
     profiler: Option<Profiler>,
     sync_each: bool,
     launch_mode: LaunchMode,
-    /// The dtype asked for the compute-bound matmuls (f32 or tf32); everything else is f32.
-    matmul_dtype: Dtype,
+    /// The dtype asked for: f32; tf32 (f32 storage, the compute-bound matmuls on tensor cores,
+    /// see [`matmul_dtype`]); or f16 / bf16 (every tensor stored in it, f32 math inside).
+    dtype: Dtype,
+    /// How the weights, activations and KV cache are stored (from `dtype`).
+    storage: Storage,
     /// Whether decode steps run as CUDA graphs (see the module docs).
     decode_graphs_on: bool,
     /// The recorded decode-step graph of each batch size.
@@ -212,10 +227,11 @@ pub struct GpuBackend {
     prepared: Option<(usize, usize, u64)>,
     /// Bumped whenever a buffer the kernels address is reallocated.
     buffers_generation: u64,
-    host_logits: Vec<f32>,
+    /// Logits bytes (in the storage type) copied back by a prefill.
+    host_logits: Vec<u8>,
     /// Page-locked staging for the few logits rows of a decode step: a copy into pageable
     /// memory goes through a driver bounce buffer at a fraction of the speed.
-    pinned_logits: Option<PinnedHostSlice<f32>>,
+    pinned_logits: Option<PinnedHostSlice<u8>>,
     /// CUDA events around the last decode step's kernels, and the GPU time of the steps so far.
     step_events: Option<(CudaEvent, CudaEvent)>,
     decode_gpu_ms: (f64, usize),
@@ -238,14 +254,14 @@ fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
     s.device_ptr(&gpu.stream).0
 }
 
-fn alloc(gpu: &Gpu, n: usize, what: &str) -> AnyResult<CudaSlice<f32>> {
-    gpu.stream
-        .alloc_zeros::<f32>(n.max(1))
-        .map_err(GpuError::cuda(format!(
-            "allocating {what} ({n} floats, {:.1} MiB)",
-            n as f64 * 4.0 / (1 << 20) as f64
-        )))
-        .map_err(Into::into)
+/// A zeroed device buffer of `n` elements of `storage`.
+fn alloc(gpu: &Gpu, storage: Storage, n: usize, what: &str) -> AnyResult<DeviceTensor> {
+    let bytes = n.max(1) * storage.bytes();
+    let buffer = gpu.stream.alloc_zeros::<u8>(bytes).map_err(GpuError::cuda(format!(
+        "allocating {what} ({n} elements, {:.1} MiB)",
+        bytes as f64 / (1 << 20) as f64
+    )))?;
+    Ok(DeviceTensor { bytes: buffer, len: n })
 }
 
 fn i32_arg(v: usize, what: &str) -> AnyResult<ArgValue> {
@@ -258,15 +274,25 @@ impl GpuBackend {
     /// Open GPU 0, load the kernel catalog from the project folder (see
     /// [`crate::cli::project_root`]), upload the weights and allocate every buffer for
     /// `max_batch` sequences of up to `n_ctx` tokens.
-    pub fn new(model: Arc<GPT2Model>, max_batch: usize, unfused: bool) -> AnyResult<GpuBackend> {
+    pub fn new(model: Arc<GPT2Model>, max_batch: usize, unfused: bool, dtype: Dtype) -> AnyResult<GpuBackend> {
         let root = crate::cli::project_root(None)?;
-        Self::with_root(&root, model, max_batch, unfused)
+        Self::with_root(&root, model, max_batch, unfused, dtype)
     }
 
     /// [`GpuBackend::new`] with specs/ and templates/ under `root`.
-    pub fn with_root(root: &Path, model: Arc<GPT2Model>, max_batch: usize, unfused: bool) -> AnyResult<GpuBackend> {
+    pub fn with_root(
+        root: &Path,
+        model: Arc<GPT2Model>,
+        max_batch: usize,
+        unfused: bool,
+        dtype: Dtype,
+    ) -> AnyResult<GpuBackend> {
         let cfg = model.config.clone();
         let max_batch = max_batch.max(1);
+        let storage = dtype.storage();
+        if unfused && storage != Storage::F32 {
+            bail!("--unfused is the f32 baseline of the seeds; it has no {dtype} kernels (drop --unfused or use --dtype f32)");
+        }
         let gpu = Gpu::new(0).context("the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")?;
         let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
         let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))
@@ -290,14 +316,30 @@ impl GpuBackend {
         } else {
             None
         };
-        let decode_missing = [ATTENTION_DECODE_OP, KV_APPEND_OP]
-            .iter()
-            .filter(|op| ops::op_by_name(op).is_none() || catalog.for_op(op).next().is_none())
-            .copied()
-            .collect::<Vec<_>>();
+        // Every op must have a family in the dtype it runs in: the forward pass's ops now, the
+        // decode ops when a decode step comes.
+        let lacking = |op_list: &[&str]| -> Vec<String> {
+            op_list
+                .iter()
+                .filter_map(|&op| {
+                    let want = if op == "matmul" { dtype } else { op_dtype(dtype) };
+                    let found = ops::op_by_name(op).is_some() && catalog.for_op(op).any(|f| f.dtypes.contains(&want));
+                    (!found).then(|| format!("{op} ({want})"))
+                })
+                .collect()
+        };
+        let forward_missing = lacking(&["encoder", "layernorm", "matmul", "attention"]);
+        if !forward_missing.is_empty() {
+            bail!(
+                "--dtype {dtype}: no kernel family implements {}; a family lists the dtypes it \
+                 supports in its spec (`dtypes = [...]` in specs/*.toml)",
+                forward_missing.join(", ")
+            );
+        }
+        let decode_missing = lacking(&[ATTENTION_DECODE_OP, KV_APPEND_OP]);
         let decode_missing = (!decode_missing.is_empty()).then(|| {
             format!(
-                "GPU decode needs the {} op(s) and kernel families, which this build does not have",
+                "GPU decode needs kernel families for {}, which this build does not have",
                 decode_missing.join(" and ")
             )
         });
@@ -307,11 +349,12 @@ impl GpuBackend {
         let w = &model.weights;
         w.validate(&cfg)?;
         let mut weights = Vec::new();
+        // Converted to the storage type once, here (f16/bf16 round to nearest even).
         let mut up = |data: &[f32], what: String| -> AnyResult<u64> {
             let s = gpu
                 .stream
-                .clone_htod(data)
-                .map_err(GpuError::cuda(format!("uploading {what} ({} floats)", data.len())))?;
+                .clone_htod(&storage.encode(data))
+                .map_err(GpuError::cuda(format!("uploading {what} ({} elements)", data.len())))?;
             let p = ptr(&gpu, &s);
             weights.push(s);
             Ok(p)
@@ -338,17 +381,21 @@ impl GpuBackend {
                 fc_proj_b: u(&l.fc_proj_b, "fc_proj_b")?,
             });
         }
-        let act = Self::alloc_activations(&gpu, &cfg, max_batch * cfg.n_ctx, max_batch, unfused)?;
-        let kv = Self::alloc_kv(&gpu, &cfg, max_batch)?;
+        let act = Self::alloc_activations(&gpu, storage, &cfg, max_batch * cfg.n_ctx, max_batch, unfused)?;
+        let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
         gpu.synchronize()?;
         let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
         Ok(GpuBackend {
             model,
-            name: if unfused {
-                "cuda:0 unfused".into()
-            } else {
-                "cuda:0".into()
-            },
+            name: format!(
+                "cuda:0{}{}",
+                if unfused { " unfused" } else { "" },
+                if dtype == Dtype::F32 {
+                    String::new()
+                } else {
+                    format!(" {dtype}")
+                }
+            ),
             unfused,
             gpu,
             registry,
@@ -370,7 +417,8 @@ impl GpuBackend {
             profiler: None,
             sync_each,
             launch_mode: LaunchMode::Direct,
-            matmul_dtype: Dtype::F32,
+            dtype,
+            storage,
             decode_graphs_on: true,
             decode_graphs: HashMap::new(),
             prepared: None,
@@ -385,6 +433,7 @@ impl GpuBackend {
 
     fn alloc_activations(
         gpu: &Gpu,
+        storage: Storage,
         cfg: &GPT2Config,
         rows: usize,
         max_batch: usize,
@@ -397,14 +446,17 @@ impl GpuBackend {
                 .stream
                 .alloc_zeros::<i32>(rows.max(1))
                 .map_err(GpuError::cuda(format!("allocating the token ids ({rows})")))?,
-            x: [alloc(gpu, rows * c, "residual A")?, alloc(gpu, rows * c, "residual B")?],
-            ln: alloc(gpu, rows * c, "layernorm out")?,
-            qkv: alloc(gpu, rows * 3 * c, "qkv")?,
-            att: alloc(gpu, rows * c, "attention out")?,
-            fc: alloc(gpu, rows * 4 * c, "fc")?,
-            fc_pre: alloc(gpu, if unfused { rows * 4 * c } else { 0 }, "fc (pre-GELU)")?,
-            last: alloc(gpu, max_batch.max(rows / cfg.n_ctx) * c, "last rows")?,
-            logits: alloc(gpu, rows * cfg.padded_vocab_size, "logits")?,
+            x: [
+                alloc(gpu, storage, rows * c, "residual A")?,
+                alloc(gpu, storage, rows * c, "residual B")?,
+            ],
+            ln: alloc(gpu, storage, rows * c, "layernorm out")?,
+            qkv: alloc(gpu, storage, rows * 3 * c, "qkv")?,
+            att: alloc(gpu, storage, rows * c, "attention out")?,
+            fc: alloc(gpu, storage, rows * 4 * c, "fc")?,
+            fc_pre: alloc(gpu, storage, if unfused { rows * 4 * c } else { 0 }, "fc (pre-GELU)")?,
+            last: alloc(gpu, storage, max_batch.max(rows / cfg.n_ctx) * c, "last rows")?,
+            logits: alloc(gpu, storage, rows * cfg.padded_vocab_size, "logits")?,
             next_ids: gpu
                 .stream
                 .alloc_zeros::<i32>(max_batch.max(rows / cfg.n_ctx).max(1))
@@ -412,13 +464,18 @@ impl GpuBackend {
         })
     }
 
-    fn alloc_kv(gpu: &Gpu, cfg: &GPT2Config, batch: usize) -> AnyResult<Vec<(CudaSlice<f32>, CudaSlice<f32>)>> {
+    fn alloc_kv(
+        gpu: &Gpu,
+        storage: Storage,
+        cfg: &GPT2Config,
+        batch: usize,
+    ) -> AnyResult<Vec<(DeviceTensor, DeviceTensor)>> {
         let n = batch * cfg.n_ctx * cfg.n_embd; // [B, NH, n_ctx, HS]
         (0..cfg.n_layer)
             .map(|l| {
                 Ok((
-                    alloc(gpu, n, &format!("K cache of layer {l}"))?,
-                    alloc(gpu, n, &format!("V cache of layer {l}"))?,
+                    alloc(gpu, storage, n, &format!("K cache of layer {l}"))?,
+                    alloc(gpu, storage, n, &format!("V cache of layer {l}"))?,
                 ))
             })
             .collect()
@@ -467,29 +524,9 @@ impl GpuBackend {
         self.decode_missing.as_deref()
     }
 
-    /// Compute the compute-bound matmuls in `dtype` (`f32`, or `tf32` on the tensor cores with
-    /// f32 storage; see [`matmul_dtype`] for which) and every other op in f32. Forgets the
-    /// kernels selected so far.
-    pub fn set_matmul_dtype(&mut self, dtype: Dtype) {
-        if dtype != self.matmul_dtype {
-            self.matmul_dtype = dtype;
-            self.name = format!("cuda:0{}", self.name_suffix());
-            self.selected.clear();
-            self.sets.clear();
-            self.decode_graphs.clear();
-            self.prepared = None;
-        }
-    }
-
-    fn name_suffix(&self) -> String {
-        let mut suffix = String::new();
-        if self.unfused {
-            suffix += " unfused";
-        }
-        if self.matmul_dtype != Dtype::F32 {
-            suffix += &format!(" {}", self.matmul_dtype);
-        }
-        suffix
+    /// The dtype it computes in (see the `dtype` field).
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
     }
 
     /// Run decode steps as CUDA graphs (the default) or kernel by kernel.
@@ -569,8 +606,8 @@ impl GpuBackend {
             .complete_shape(&mut shape, epilogue, mask)
             .with_context(|| format!("{role}: shape {}", shape_text(&shape)))?;
         let dtype = match (op, shape.get("M")) {
-            ("matmul", Some(&rows)) => matmul_dtype(rows, self.matmul_dtype),
-            _ => Dtype::F32,
+            ("matmul", Some(&rows)) => matmul_dtype(rows, self.dtype),
+            _ => op_dtype(self.dtype),
         };
         let key = format!(
             "{role}|{op}|{dtype}|{}|{}|{}|{}",
@@ -654,7 +691,13 @@ impl GpuBackend {
     fn ensure_workspace(&mut self, elems: usize) -> AnyResult<()> {
         if elems > 0 && self.workspace.as_ref().is_none_or(|w| w.len() < elems) {
             self.workspace = None; // free first
-            self.workspace = Some(alloc(&self.gpu, elems, "the kernel workspace")?);
+            let what = format!("allocating the kernel workspace ({elems} floats)");
+            self.workspace = Some(
+                self.gpu
+                    .stream
+                    .alloc_zeros::<f32>(elems)
+                    .map_err(GpuError::cuda(what))?,
+            );
             self.buffers_generation += 1;
         }
         Ok(())
@@ -777,8 +820,13 @@ impl GpuBackend {
             mm(vp, c, m, ti)
         };
         let lm_head = self.kernel("lm_head", "matmul", Epilogue::None, Mask::None, head_shape, None)?;
-        let argmax_available =
-            ops::op_by_name(ARGMAX_OP).is_some() && self.registry.catalog.for_op(ARGMAX_OP).next().is_some();
+        let argmax_dtype = op_dtype(self.dtype);
+        let argmax_available = ops::op_by_name(ARGMAX_OP).is_some()
+            && self
+                .registry
+                .catalog
+                .for_op(ARGMAX_OP)
+                .any(|f| f.dtypes.contains(&argmax_dtype));
         let argmax = if decode && argmax_available {
             let s = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
             Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, s, None)?)
@@ -916,31 +964,33 @@ impl GpuBackend {
         self.launch(k, &args)
     }
 
-    /// Device-to-device copy of `floats` f32 values between raw pointers.
-    fn copy_d2d(&self, dst: u64, src: u64, floats: usize) -> AnyResult<()> {
+    /// Device-to-device copy of `elems` values of the storage type between raw pointers.
+    fn copy_d2d(&self, dst: u64, src: u64, elems: usize) -> AnyResult<()> {
         self.gpu
             .ctx
             .bind_to_thread()
             .map_err(GpuError::cuda("binding the CUDA context"))?;
-        // SAFETY: both pointers address live f32 buffers of this backend with room for
-        // `floats` values (the caller computes them from the buffer shapes), on our stream.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, floats * 4, self.gpu.stream.cu_stream()) }
-            .map_err(GpuError::cuda(format!("copying {floats} floats on the device")))?;
+        let bytes = elems * self.storage.bytes();
+        // SAFETY: both pointers address live buffers of this backend with room for `elems`
+        // values (the caller computes them from the buffer shapes), on our stream.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.stream.cu_stream()) }
+            .map_err(GpuError::cuda(format!("copying {elems} values on the device")))?;
         Ok(())
     }
 
     /// Grow the activations / KV cache for a batch of `b` sequences of `t` tokens.
     fn ensure_capacity(&mut self, b: usize, t: usize) -> AnyResult<()> {
         let cfg = self.model.config.clone();
-        if b * t > self.act.rows || b > self.act.last.len() / cfg.n_embd {
+        if b * t > self.act.rows || b > self.act.last.len / cfg.n_embd {
             let rows = (b * cfg.n_ctx).max(self.act.rows);
-            self.act = Self::alloc_activations(&self.gpu, &cfg, 0, 1, false)?; // free the old ones first
-            self.act = Self::alloc_activations(&self.gpu, &cfg, rows, b, self.unfused)?;
+            let storage = self.storage;
+            self.act = Self::alloc_activations(&self.gpu, storage, &cfg, 0, 1, false)?; // free the old ones first
+            self.act = Self::alloc_activations(&self.gpu, storage, &cfg, rows, b, self.unfused)?;
             self.buffers_generation += 1;
         }
         if b > self.kv_batch {
             self.kv.clear();
-            self.kv = Self::alloc_kv(&self.gpu, &cfg, b)?;
+            self.kv = Self::alloc_kv(&self.gpu, self.storage, &cfg, b)?;
             self.kv_batch = b;
             self.buffers_generation += 1;
         }
@@ -980,17 +1030,18 @@ impl GpuBackend {
         let rows = b * t;
         let g = &self.gpu;
         let ids = ptr(g, &self.act.ids);
-        let mut x = ptr(g, &self.act.x[0]);
-        let mut y = ptr(g, &self.act.x[1]);
-        let ln = ptr(g, &self.act.ln);
-        let qkv = ptr(g, &self.act.qkv);
-        let att = ptr(g, &self.act.att);
-        let fc = ptr(g, &self.act.fc);
-        let fc_pre = ptr(g, &self.act.fc_pre);
-        let last = ptr(g, &self.act.last);
-        let logits = ptr(g, &self.act.logits);
-        let kv: Vec<(u64, u64)> = self.kv.iter().map(|(k, v)| (ptr(g, k), ptr(g, v))).collect();
-        let (k_new, v_new) = (qkv + (rows * c * 4) as u64, qkv + (2 * rows * c * 4) as u64);
+        let mut x = self.act.x[0].ptr(g);
+        let mut y = self.act.x[1].ptr(g);
+        let ln = self.act.ln.ptr(g);
+        let qkv = self.act.qkv.ptr(g);
+        let att = self.act.att.ptr(g);
+        let fc = self.act.fc.ptr(g);
+        let fc_pre = self.act.fc_pre.ptr(g);
+        let last = self.act.last.ptr(g);
+        let logits = self.act.logits.ptr(g);
+        let kv: Vec<(u64, u64)> = self.kv.iter().map(|(k, v)| (k.ptr(g), v.ptr(g))).collect();
+        let e = self.storage.bytes(); // bytes per element, for pointer offsets
+        let (k_new, v_new) = (qkv + (rows * c * e) as u64, qkv + (2 * rows * c * e) as u64);
         let scale = 1.0 / (hs as f32).sqrt();
 
         // Embedding.
@@ -1097,7 +1148,7 @@ impl GpuBackend {
         self.layernorm(&ks.layernorm, ln, x, self.lnf_w, self.lnf_b)?;
         let (head_in, head_rows) = if head == HeadRows::Last && t > 1 {
             for s in 0..b {
-                self.copy_d2d(last + (s * c * 4) as u64, ln + (((s + 1) * t - 1) * c * 4) as u64, c)?;
+                self.copy_d2d(last + (s * c * e) as u64, ln + (((s + 1) * t - 1) * c * e) as u64, c)?;
             }
             (last, b)
         } else {
@@ -1142,22 +1193,23 @@ impl GpuBackend {
     fn read_logits(&mut self, b: usize, seq: usize, rows: usize) -> AnyResult<Logits> {
         let cfg = &self.model.config;
         let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
-        let n = rows * vp;
-        let src = self.act.logits.slice(0..n);
+        let e = self.storage.bytes();
+        let n = rows * vp * e; // bytes
+        let src = self.act.logits.bytes.slice(0..n);
         let copy_err = || GpuError::cuda(format!("copying {rows} x {vp} logits back"));
         // A decode step's few rows go through pinned memory; a prefill's many rows (up to GBs)
         // through an ordinary buffer.
         let pinned = rows <= PINNED_LOGITS_ROWS.max(self.kv_batch);
         if pinned && self.pinned_logits.as_ref().is_none_or(|p| p.len() < n) {
-            let len = PINNED_LOGITS_ROWS.max(self.kv_batch) * vp;
+            let len = PINNED_LOGITS_ROWS.max(self.kv_batch) * vp * e;
             // SAFETY: the buffer is only read after a device copy has filled the part read.
             // Flags 0: cached host memory (write-combined memory is slow for the CPU to read).
             self.pinned_logits = Some(
-                unsafe { self.gpu.ctx.alloc_pinned_with_flags::<f32>(len, 0) }
-                    .map_err(GpuError::cuda(format!("allocating {len} floats of pinned host memory")))?,
+                unsafe { self.gpu.ctx.alloc_pinned_with_flags::<u8>(len, 0) }
+                    .map_err(GpuError::cuda(format!("allocating {len} bytes of pinned host memory")))?,
             );
         }
-        let host: &[f32] = match (pinned, self.pinned_logits.as_mut()) {
+        let host: &[u8] = match (pinned, self.pinned_logits.as_mut()) {
             (true, Some(p)) => {
                 self.gpu.stream.memcpy_dtoh(&src, p).map_err(copy_err())?;
                 self.gpu.synchronize().context(SYNC_HINT)?;
@@ -1165,7 +1217,7 @@ impl GpuBackend {
             }
             _ => {
                 if self.host_logits.len() < n {
-                    self.host_logits.resize(n, 0.0);
+                    self.host_logits.resize(n, 0);
                 }
                 self.gpu
                     .stream
@@ -1177,7 +1229,7 @@ impl GpuBackend {
         };
         let mut data = Vec::with_capacity(rows * v);
         for r in 0..rows {
-            data.extend_from_slice(&host[r * vp..r * vp + v]);
+            data.extend(self.storage.decode(&host[r * vp * e..(r * vp + v) * e]));
         }
         self.finish_step_timing()?;
         self.flush_profile()?;
@@ -1290,7 +1342,7 @@ impl GpuBackend {
             let Some(k) = ks.argmax.as_ref() else {
                 bail!("greedy decode on the device needs the {ARGMAX_OP} op and a family for it");
             };
-            let (ids, logits) = (ptr(&self.gpu, &self.act.next_ids), ptr(&self.gpu, &self.act.logits));
+            let (ids, logits) = (ptr(&self.gpu, &self.act.next_ids), self.act.logits.ptr(&self.gpu));
             let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
             let args = [
                 ArgValue::Ptr(ids),

@@ -79,6 +79,28 @@ impl Storage {
         }
     }
 
+    /// `values` in this storage, as the little-endian bytes a device buffer holds.
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            Storage::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            _ => values.iter().flat_map(|&x| self.to_bits(x).to_le_bytes()).collect(),
+        }
+    }
+
+    /// Device bytes of this storage back to f32 values.
+    pub fn decode(self, bytes: &[u8]) -> Vec<f32> {
+        match self {
+            Storage::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            _ => bytes
+                .chunks_exact(2)
+                .map(|b| self.from_bits(u16::from_le_bytes([b[0], b[1]])))
+                .collect(),
+        }
+    }
+
     /// The value of a 2-byte encoding (f16 / bf16 only).
     pub fn from_bits(self, bits: u16) -> f32 {
         match self {
@@ -628,6 +650,16 @@ mod tests {
                 "i32 untouched"
             );
             assert_eq!(storage.bytes(), 2);
+        }
+        let values = [1.0f32, -2.5, 0.1, 65504.0];
+        for storage in [Storage::F32, Storage::F16, Storage::Bf16] {
+            let bytes = storage.encode(&values);
+            assert_eq!(bytes.len(), values.len() * storage.bytes());
+            let back = storage.decode(&bytes);
+            assert!(
+                back.iter().zip(values).all(|(&b, v)| b == storage.round(v)),
+                "{storage:?}: {back:?}"
+            );
         }
         assert!(Storage::F16.from_bits(Storage::F16.to_bits(f32::NAN)).is_nan());
         assert!(Storage::Bf16.from_bits(Storage::Bf16.to_bits(f32::NAN)).is_nan());

@@ -27,9 +27,10 @@ pub use expr::{Expr, ExprError};
 ///   f32 (tensor cores with f32 accumulation for the matmuls; relative L2 error < 1e-2).
 ///
 /// Only families that list a dtype in `family.dtypes` have variants of it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Dtype {
+    #[default]
     F32,
     Tf32,
     F16,
