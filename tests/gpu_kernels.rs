@@ -129,10 +129,10 @@ fn gpu_attention() {
 }
 
 /// The tensor-core attention families beyond the per-op sample: every head size they compile
-/// and the edges of their tilings (one-warp-row blocks, 8-warp blocks, 32- and 128-key tiles,
-/// 3- and 4-stage rings), in every dtype they list (f16 and bf16 for attention_flash_mma, f32
+/// and the edges of their tilings (one- and eight-warp blocks, two m-tiles per warp, 32- and
+/// 128-key tiles, 3- and 4-stage rings), in every dtype they list (f16 and bf16 for attention_flash_mma, f32
 /// for attention_flash_3xtf32), every mask, on awkward T (77: not a multiple of any tile; 300
-/// with a window of 37) against the f64 reference with the dtype's bar.
+/// with a window of 37; 1024 for the f32 family) against the f64 reference with the dtype's bar.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attention_tensor_core_tilings() {
@@ -155,6 +155,14 @@ fn gpu_attention_tensor_core_tilings() {
             &[("block_q", 128), ("block_kv", 128), ("stages", 3)],
         ),
         ("attention_flash_mma", &[("block_kv", 128), ("stages", 4)]),
+        (
+            "attention_flash_mma",
+            &[("m_tiles", 2), ("block_kv", 32), ("stages", 3)],
+        ),
+        (
+            "attention_flash_mma",
+            &[("head_dim", 32), ("block_q", 32), ("m_tiles", 2), ("block_kv", 64)],
+        ),
         (
             "attention_flash_3xtf32",
             &[("head_dim", 32), ("block_q", 32), ("block_kv", 32)],
@@ -182,7 +190,12 @@ fn gpu_attention_tensor_core_tilings() {
                 );
             }
         }
-        for (t, window) in [(77, 20), (300, 37)] {
+        // f32 at a GPT-2 length too: the 3xTF32 error grows with the keys summed per row.
+        let mut lengths = vec![(77, 20), (300, 37)];
+        if name == "attention_flash_3xtf32" {
+            lengths.push((1024, 300));
+        }
+        for (t, window) in lengths {
             let shape: Shape = [("B", 2), ("NH", 3), ("T", t), ("HS", hs), ("window", window)]
                 .iter()
                 .map(|&(k, v)| (k.to_string(), v))
