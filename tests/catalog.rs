@@ -31,6 +31,8 @@ fn every_family_of_the_design_exists() {
         "matmul_wmma",
         "attention_naive",
         "attention_flash",
+        "attention_flash_mma",
+        "attention_flash_3xtf32",
         "softmax_row",
         "gelu",
         "residual",

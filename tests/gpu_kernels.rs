@@ -6,7 +6,8 @@ use std::path::Path;
 
 use kernelforge::codegen::Renderer;
 use kernelforge::gpu::{Compiler, Gpu};
-use kernelforge::spec::{expand, Catalog, Points};
+use kernelforge::ops::{Epilogue, Shape};
+use kernelforge::spec::{expand, variant_with, Catalog, Points};
 use kernelforge::tune::verify::{verify, Check, Shapes, Status};
 
 /// Variants drawn per family besides the default.
@@ -125,6 +126,110 @@ fn gpu_matmul_wmma_tf32() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attention() {
     check_op("attention");
+}
+
+/// The tensor-core attention families beyond the per-op sample: every head size they compile
+/// and the edges of their tilings (one- and eight-warp blocks, two m-tiles per warp, 32- and
+/// 128-key tiles, 3- and 4-stage rings), in every dtype they list (f16 and bf16 for attention_flash_mma, f32
+/// for attention_flash_3xtf32), every mask, on awkward T (77: not a multiple of any tile; 300
+/// with a window of 37; 1024 for the f32 family) against the f64 reference with the dtype's bar.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attention_tensor_core_tilings() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let gpu = Gpu::new(0).expect("a CUDA GPU");
+    let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
+    let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
+    let seed = seed();
+    let points: &[(&str, &[(&str, i64)])] = &[
+        ("attention_flash_mma", &[("head_dim", 32)]),
+        ("attention_flash_mma", &[("head_dim", 128)]),
+        (
+            "attention_flash_mma",
+            &[("head_dim", 128), ("block_q", 128), ("block_kv", 32), ("stages", 3)],
+        ),
+        ("attention_flash_mma", &[("block_q", 32), ("block_kv", 32)]),
+        (
+            "attention_flash_mma",
+            &[("block_q", 128), ("block_kv", 128), ("stages", 3)],
+        ),
+        ("attention_flash_mma", &[("block_kv", 128), ("stages", 4)]),
+        (
+            "attention_flash_mma",
+            &[("m_tiles", 2), ("block_kv", 32), ("stages", 3)],
+        ),
+        (
+            "attention_flash_mma",
+            &[("head_dim", 32), ("block_q", 32), ("m_tiles", 2), ("block_kv", 64)],
+        ),
+        (
+            "attention_flash_3xtf32",
+            &[("head_dim", 32), ("block_q", 32), ("block_kv", 32)],
+        ),
+        (
+            "attention_flash_3xtf32",
+            &[("block_q", 128), ("block_kv", 32), ("stages", 3)],
+        ),
+    ];
+    let mut rows = Vec::new();
+    let mut expected = 0;
+    for &(name, point) in points {
+        let family = catalog
+            .families
+            .iter()
+            .find(|f| f.name == name)
+            .unwrap_or_else(|| panic!("{name} exists"));
+        let over: Vec<(String, i64)> = point.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+        let hs = point.iter().find(|(k, _)| *k == "head_dim").map_or(64, |&(_, v)| v);
+        let mut variants = Vec::new();
+        for &dtype in &family.dtypes {
+            for &mask in &family.masks {
+                variants.push(
+                    variant_with(family, &over, dtype, Epilogue::None, mask, &gpu.info.limits).expect("valid point"),
+                );
+            }
+        }
+        // f32 at a GPT-2 length too: the 3xTF32 error grows with the keys summed per row.
+        let mut lengths = vec![(77, 20), (300, 37)];
+        if name == "attention_flash_3xtf32" {
+            lengths.push((1024, 300));
+        }
+        for (t, window) in lengths {
+            let shape: Shape = [("B", 2), ("NH", 3), ("T", t), ("HS", hs), ("window", window)]
+                .iter()
+                .map(|&(k, v)| (k.to_string(), v))
+                .collect();
+            expected += variants.len();
+            rows.extend(verify(
+                &gpu,
+                &compiler,
+                &renderer,
+                &variants,
+                &Shapes::Given(shape),
+                seed,
+                |_| {},
+            ));
+        }
+    }
+    for r in &rows {
+        eprintln!(
+            "{:40} {:60} {:42} {:>10} {:?}",
+            r.kernel,
+            r.variant,
+            r.shape,
+            r.error.map(|e| format!("{e:.2e}")).unwrap_or_default(),
+            r.status
+        );
+    }
+    assert_eq!(rows.len(), expected);
+    let failures: Vec<_> = rows.iter().filter(|r| r.status != Status::Pass).collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} did not pass: {failures:#?}",
+        failures.len(),
+        rows.len()
+    );
 }
 
 #[test]
