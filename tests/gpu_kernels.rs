@@ -103,8 +103,30 @@ fn gpu_layernorm() {
 /// Every value of `family`'s `vector_width` (crossed with each `others` point), in every dtype
 /// the family lists, the rest of the point at the default: check_op samples only a few points,
 /// so a width (the 16-byte half path, its scalar tail) could go unchecked for a long time.
-/// Each (width, point, dtype) must pass on some test shape and fail on none.
 fn check_vector_widths(family: &str, others: &[&[(&str, i64)]]) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let f = catalog
+        .families
+        .iter()
+        .find(|f| f.name == family)
+        .unwrap_or_else(|| panic!("no family {family}"));
+    let widths = f.params.get("vector_width").expect("a vector_width param");
+    assert!(widths.contains(&8), "{family}: no 16-byte half path (vector_width 8)");
+    let mut points = Vec::new();
+    for &width in widths {
+        for other in others {
+            let mut point = vec![("vector_width", width)];
+            point.extend_from_slice(other);
+            points.push(point);
+        }
+    }
+    check_points(family, &points);
+}
+
+/// Each of `points` (params that differ from the default) of `family`, in every dtype it
+/// lists: each must pass on some test shape and fail on none.
+fn check_points(family: &str, points: &[Vec<(&str, i64)>]) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
     let f = catalog
@@ -113,20 +135,16 @@ fn check_vector_widths(family: &str, others: &[&[(&str, i64)]]) {
         .find(|f| f.name == family)
         .unwrap_or_else(|| panic!("no family {family}"))
         .clone();
-    let widths = f.params.get("vector_width").expect("a vector_width param").clone();
-    assert!(widths.contains(&8), "{family}: no 16-byte half path (vector_width 8)");
     let mut wanted = Vec::new();
     let rows = run_variants(&catalog, |_, limits| {
         let mut variants = Vec::new();
-        for &width in &widths {
-            for other in others {
-                let mut point: Vec<(String, i64)> = vec![("vector_width".to_string(), width)];
-                point.extend(other.iter().map(|&(k, v)| (k.to_string(), v)));
-                for &dtype in &f.dtypes {
-                    let v = variant_with(&f, &point, dtype, Epilogue::None, Mask::None, limits).expect("a valid point");
-                    wanted.push(v.key());
-                    variants.push(v);
-                }
+        for point in points {
+            let point: Vec<(String, i64)> = point.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+            for &dtype in &f.dtypes {
+                let v = variant_with(&f, &point, dtype, Epilogue::None, Mask::None, limits)
+                    .unwrap_or_else(|e| panic!("{family} {point:?}: {e}"));
+                wanted.push(v.key());
+                variants.push(v);
             }
         }
         variants
@@ -155,6 +173,16 @@ fn gpu_layernorm_vector_widths() {
     check_vector_widths(
         "layernorm_regs",
         &[&[("items", 2)], &[("block_size", 64), ("items", 4)]],
+    );
+    // The row cached in registers: lanes with no vector (C = 200), with one more (C = 1032),
+    // rows that fill the cache exactly (C = 768 at 8 x 3).
+    check_points(
+        "layernorm_warp",
+        &[
+            vec![("vector_width", 8), ("cached_items", 3)],
+            vec![("vector_width", 8), ("cached_items", 6), ("rows_per_block", 32)],
+            vec![("vector_width", 4), ("cached_items", 7), ("rows_per_block", 1)],
+        ],
     );
 }
 
