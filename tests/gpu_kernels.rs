@@ -6,8 +6,13 @@ use std::path::Path;
 
 use kernelforge::codegen::Renderer;
 use kernelforge::gpu::{Compiler, Gpu};
+<<<<<<< HEAD
 use kernelforge::ops::{Epilogue, Shape};
 use kernelforge::spec::{expand, variant_with, Catalog, Points};
+=======
+use kernelforge::ops::{Epilogue, Mask};
+use kernelforge::spec::{expand, variant_with, Catalog, DeviceLimits, Points, Variant};
+>>>>>>> ops
 use kernelforge::tune::verify::{verify, Check, Shapes, Status};
 
 /// Variants drawn per family besides the default.
@@ -28,15 +33,24 @@ fn seed() -> u64 {
 }
 
 fn run(catalog: &Catalog, op: &str, points: impl Fn(u64) -> Points) -> Vec<Check> {
+    run_variants(catalog, |seed, limits| {
+        let mut variants = Vec::new();
+        for f in catalog.for_op(op) {
+            variants.extend(expand(f, points(seed), limits).expect("expand"));
+        }
+        assert!(!variants.is_empty(), "no family implements {op}");
+        variants
+    })
+}
+
+/// Verifies the variants `pick` chooses (given the seed and the device limits) on their op's
+/// test shapes, and prints one line per check.
+fn run_variants(catalog: &Catalog, pick: impl FnOnce(u64, &DeviceLimits) -> Vec<Variant>) -> Vec<Check> {
     let gpu = Gpu::new(0).expect("a CUDA GPU");
     let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
     let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
     let seed = seed();
-    let mut variants = Vec::new();
-    for f in catalog.for_op(op) {
-        variants.extend(expand(f, points(seed), &gpu.info.limits).expect("expand"));
-    }
-    assert!(!variants.is_empty(), "no family implements {op}");
+    let variants = pick(seed, &gpu.info.limits);
     let rows = verify(&gpu, &compiler, &renderer, &variants, &Shapes::TestShapes, seed, |_| {});
     for r in &rows {
         eprintln!(
@@ -81,8 +95,100 @@ fn gpu_encoder() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn gpu_encoder_vector_widths() {
+    check_vector_widths("encoder_block", &[&[]]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn gpu_layernorm() {
     check_op("layernorm");
+}
+
+/// Every value of `family`'s `vector_width` (crossed with each `others` point), in every dtype
+/// the family lists, the rest of the point at the default: check_op samples only a few points,
+/// so a width (the 16-byte half path, its scalar tail) could go unchecked for a long time.
+fn check_vector_widths(family: &str, others: &[&[(&str, i64)]]) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let f = catalog
+        .families
+        .iter()
+        .find(|f| f.name == family)
+        .unwrap_or_else(|| panic!("no family {family}"));
+    let widths = f.params.get("vector_width").expect("a vector_width param");
+    assert!(widths.contains(&8), "{family}: no 16-byte half path (vector_width 8)");
+    let mut points = Vec::new();
+    for &width in widths {
+        for other in others {
+            let mut point = vec![("vector_width", width)];
+            point.extend_from_slice(other);
+            points.push(point);
+        }
+    }
+    check_points(family, &points);
+}
+
+/// Each of `points` (params that differ from the default) of `family`, in every dtype it
+/// lists: each must pass on some test shape and fail on none.
+fn check_points(family: &str, points: &[Vec<(&str, i64)>]) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let f = catalog
+        .families
+        .iter()
+        .find(|f| f.name == family)
+        .unwrap_or_else(|| panic!("no family {family}"))
+        .clone();
+    let mut wanted = Vec::new();
+    let rows = run_variants(&catalog, |_, limits| {
+        let mut variants = Vec::new();
+        for point in points {
+            let point: Vec<(String, i64)> = point.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+            for &dtype in &f.dtypes {
+                let v = variant_with(&f, &point, dtype, Epilogue::None, Mask::None, limits)
+                    .unwrap_or_else(|e| panic!("{family} {point:?}: {e}"));
+                wanted.push(v.key());
+                variants.push(v);
+            }
+        }
+        variants
+    });
+    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} checks failed: {failures:#?}",
+        failures.len(),
+        rows.len()
+    );
+    for key in wanted {
+        assert!(
+            rows.iter()
+                .any(|r| r.family == family && r.variant == key && r.status == Status::Pass),
+            "{family} {key}: passed on no test shape"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_layernorm_vector_widths() {
+    check_vector_widths("layernorm_warp", &[&[("const_params", 0)], &[("const_params", 1)]]);
+    check_vector_widths("layernorm_block", &[&[("const_params", 0)], &[("const_params", 1)]]);
+    check_vector_widths(
+        "layernorm_regs",
+        &[&[("items", 2)], &[("block_size", 64), ("items", 4)]],
+    );
+    // The row cached in registers: lanes with no vector (C = 200), with one more (C = 1032),
+    // rows that fill the cache exactly (C = 768 at 8 x 3).
+    check_points(
+        "layernorm_warp",
+        &[
+            vec![("vector_width", 8), ("cached_items", 3)],
+            vec![("vector_width", 8), ("cached_items", 6), ("rows_per_block", 32)],
+            vec![("vector_width", 4), ("cached_items", 7), ("rows_per_block", 1)],
+        ],
+    );
 }
 
 #[test]
@@ -246,8 +352,20 @@ fn gpu_gelu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn gpu_gelu_vector_widths() {
+    check_vector_widths("gelu", &[&[]]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn gpu_residual() {
     check_op("residual");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_residual_vector_widths() {
+    check_vector_widths("residual", &[&[]]);
 }
 
 #[test]

@@ -35,10 +35,22 @@ impl OpContract for LayerNorm {
         check_i32(self, shape, &[("inp [N,C]", n * c)])
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [(1, 1), (1, 37), (3, 5), (37, 100), (5, 768), (130, 1001), (3, 4099)]
-            .iter()
-            .map(|&(n, c)| shape_of(&[("N", n), ("C", c)]))
-            .collect()
+        // C = 200 and 1032 fit 8-element (16-byte half) vectors but leave lanes of a warp with
+        // nothing (25 vectors) or one lane with an extra one (129); 100 fits only 4-wide ones.
+        [
+            (1, 1),
+            (1, 37),
+            (3, 5),
+            (37, 100),
+            (9, 200),
+            (5, 768),
+            (3, 1032),
+            (130, 1001),
+            (3, 4099),
+        ]
+        .iter()
+        .map(|&(n, c)| shape_of(&[("N", n), ("C", c)]))
+        .collect()
     }
     fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         use rand::Rng;
