@@ -299,15 +299,19 @@ def throughput(args):
             model_cuda = GPT2LMHeadModel.from_pretrained(mdir, attn_implementation="eager").cuda().eval()
         except TypeError:
             model_cuda = model.cuda().eval()
-        hf = {("f32", b): hf_throughput(model_cuda, b, args.seq, args.steps, args.repeats) for b in (1, 8)}
-        model_cuda = model_cuda.half()
-        hf.update({("fp16", b): hf_throughput(model_cuda, b, args.seq, args.steps, args.repeats) for b in (1, 8)})
-        del model_cuda
-        torch.cuda.empty_cache()
         runs = [(8, [], "f32"), (8, ["--dtype", "tf32"], "f32"), (8, ["--dtype", "bf16"], "fp16"),
                 (8, ["--dtype", "f16"], "fp16"), (1, [], "f32"), (1, ["--dtype", "bf16"], "fp16")]
         if args.unfused:
             runs += [(8, ["--unfused"], "f32"), (1, ["--unfused"], "f32")]
+        wanted = set(args.dtypes.split(","))
+        runs = [r for r in runs if (r[1][1] if r[1][:1] == ["--dtype"] else "f32") in wanted]
+        hf = {}
+        for peer in ("f32", "fp16"):
+            if any(r[2] == peer for r in runs):
+                m = model_cuda if peer == "f32" else model_cuda.half()
+                hf.update({(peer, b): hf_throughput(m, b, args.seq, args.steps, args.repeats) for b in (1, 8)})
+        del model_cuda
+        torch.cuda.empty_cache()
         for b, extra, peer in runs:
             p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--batch", str(b),
                                      "--seq", str(args.seq), "--generate", str(args.steps),
@@ -346,6 +350,8 @@ def main():
     ap.add_argument("--steps", type=int, default=64, help="throughput: decode steps")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--unfused", action="store_true", help="throughput: also bench kernelforge --unfused")
+    ap.add_argument("--dtypes", default="f32,tf32,bf16,f16",
+                    help="throughput: the kernelforge dtypes to bench (comma-separated)")
     args = ap.parse_args()
     args.binary = os.path.abspath(args.binary)
     sys.exit(parity(args) if args.size == "small" else throughput(args))
