@@ -84,6 +84,17 @@ static_assert(ROW_GROUPS * TPR == THREADS, "threads = block_rows / rows_per_thre
 static_assert(BC % TPR == 0 && CHUNKS % TPR == 0 && BC % 4 == 0, "tile does not split evenly");
 static_assert(32 % TPR == 0, "a row group must sit inside one warp");
 
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// 2^x with the hardware approximation (one MUFU.EX2; relative error ~2^-22; 2^-inf = +0).
+// Online softmax wants exp(s - m) = 2^(s * log2(e) - m * log2(e)): folding log2(e) into the
+// score scale turns every exponential into this single instruction.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Can query i see key j? (Keys past T are cut off separately.)
 __device__ __forceinline__ bool allowed(int i, int j, int window) {
     return true;
@@ -188,7 +199,7 @@ attention_flash_full_4c9fb7d3_main(float* out, const float* q, const float* k, c
     float4 o[RPT][CHUNKS_PER_THREAD];           // output accumulator
     #pragma unroll
     for (int r = 0; r < RPT; r++) {
-        m[r] = __int_as_float(0xff800000);      // -inf
+        m[r] = neg_inf();
         l[r] = 0.0f;
         #pragma unroll
         for (int c = 0; c < CHUNKS_PER_THREAD; c++) o[r][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -232,7 +243,7 @@ attention_flash_full_4c9fb7d3_main(float* out, const float* q, const float* k, c
                 for (int c = 0; c < KEYS_PER_THREAD; c++) {
                     const int i = q0 + r * ROW_GROUPS + ty;
                     const int j = k0 + c * TPR + tx;
-                    if (j >= T || !allowed(i, j, window)) s[r][c] = __int_as_float(0xff800000);
+                    if (j >= T || !allowed(i, j, window)) s[r][c] = neg_inf();
                 }
         }
 
@@ -245,7 +256,7 @@ attention_flash_full_4c9fb7d3_main(float* out, const float* q, const float* k, c
             tile_max = row_group_max(tile_max);
             const float m_new = fmaxf(m[r], tile_max);
             // All keys so far masked: m_new = -inf; use 0 so that no -inf - -inf appears.
-            const float m_ref = m_new == __int_as_float(0xff800000) ? 0.0f : m_new;
+            const float m_ref = m_new == neg_inf() ? 0.0f : m_new;
             const float alpha = expf(m[r] - m_ref);  // exp(-inf) = 0 on the first real tile
             m[r] = m_new;
             float sum = 0.0f;
