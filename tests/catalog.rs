@@ -248,7 +248,7 @@ fn wgmma_family_targets_sm_90a() {
     let v = expand(f, Points::Default, &limits).unwrap().remove(0);
     let code = renderer.render(&v).unwrap().code;
     for want in [
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16",
         "wgmma.fence.sync.aligned",
         "wgmma.commit_group.sync.aligned",
         "wgmma.wait_group.sync.aligned",

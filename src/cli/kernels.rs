@@ -223,8 +223,14 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
             let cc = ArchTarget::parse(&arch)
                 .map_err(|e| anyhow::anyhow!("--arch: {e}"))?
                 .compute_capability;
-            if let Err(why) = target.check_device(cc) {
-                bail!("{} is {why} (pass --arch {})", family.name, target.name);
+            if target.check_device(cc).is_err() {
+                bail!(
+                    "{} is built for {} only (compute capability {}.{}), not for {arch}",
+                    family.name,
+                    target.name,
+                    target.compute_capability.0,
+                    target.compute_capability.1
+                );
             }
         }
         let compiler = Compiler::new(&arch)?.for_family(family);
