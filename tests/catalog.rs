@@ -29,6 +29,7 @@ fn every_family_of_the_design_exists() {
         "matmul_gemv",
         "matmul_simt",
         "matmul_wmma",
+        "matmul_wgmma",
         "attention_naive",
         "attention_flash",
         "attention_flash_mma",
@@ -194,8 +195,11 @@ fn wmma_family_is_tf32_only() {
         e.contains("matmul_wmma.toml") && e.contains("no f32 variants") && e.contains("tf32"),
         "{e}"
     );
-    // The f32 families have no tf32 variants.
-    for f in c.for_op("matmul").filter(|f| f.name != "matmul_wmma") {
+    // The f32 families have no tf32 variants (the tensor-core families aside).
+    for f in c
+        .for_op("matmul")
+        .filter(|f| f.name != "matmul_wmma" && f.name != "matmul_wgmma")
+    {
         assert_eq!(f.dtypes, vec![Dtype::F32], "{}", f.name);
     }
     // The rendered default uses WMMA TF32 fragments, the conversion and the cp.async pipeline.
@@ -224,4 +228,36 @@ fn dtype_names_parse_and_print() {
     assert!(e.contains("bf17") && e.contains("f32, tf32"), "{e}");
     assert_eq!(kernelforge::tune::verify::tolerance(Dtype::Tf32), 1e-3);
     assert_eq!(kernelforge::tune::verify::tolerance(Dtype::F32), 1e-5);
+}
+
+/// The Hopper family: compiled for exactly sm_90a, its rendered source issues wgmma from
+/// 128-byte-swizzle descriptors behind the proxy fence, and every valid point keeps its
+/// accumulators and shared-memory ring within bounds.
+#[test]
+fn wgmma_family_targets_sm_90a() {
+    let c = catalog();
+    let f = c.family("matmul_wgmma").unwrap();
+    let target = f.arch.as_ref().expect("[family] arch");
+    assert_eq!((target.name.as_str(), target.compute_capability), ("sm_90a", (9, 0)));
+    let limits = DeviceLimits::default();
+    let all = expand(f, Points::All, &limits).unwrap();
+    for v in &all {
+        assert!(v.derived["m_tiles"] * v.derived["acc_regs"] <= 128, "{}", v.key());
+        assert!(v.derived["smem_bytes"] <= limits.max_smem_dynamic, "{}", v.key());
+        assert!(v.derived["prefetch"] >= 1, "{}", v.key());
+    }
+    let renderer = Renderer::new(&c.templates_dir).unwrap();
+    let v = expand(f, Points::Default, &limits).unwrap().remove(0);
+    let code = renderer.render(&v).unwrap().code;
+    for want in [
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16",
+        "wgmma.fence.sync.aligned",
+        "wgmma.commit_group.sync.aligned",
+        "wgmma.wait_group.sync.aligned",
+        "fence.proxy.async.shared::cta",
+        "cp.async.cg.shared.global",
+        "swizzle_128b << 62",
+    ] {
+        assert!(code.contains(want), "missing {want}");
+    }
 }

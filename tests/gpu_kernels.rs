@@ -228,6 +228,58 @@ fn gpu_matmul_wmma_tf32() {
     }
 }
 
+/// The Hopper wgmma family on its own (sm_90a: only on compute capability 9.0), with a larger
+/// sample than the per-op test: every dtype it lists, every epilogue, on the awkward shapes its
+/// `K % 8 == 0` constraint allows (M=37, N=100, K=72; QKV with HS=12, ...). On another GPU every
+/// row must be a skip that names the target.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    catalog.families.retain(|f| f.name == "matmul_wgmma");
+    assert_eq!(catalog.families.len(), 1, "matmul_wgmma exists");
+    let family = catalog.families[0].clone();
+    let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 8, seed });
+    if Gpu::new(0).expect("a CUDA GPU").info.compute_capability != (9, 0) {
+        for r in &rows {
+            assert!(
+                matches!(&r.status, Status::Skip(why) if why.contains("sm_90a")),
+                "{r:?}"
+            );
+        }
+        return;
+    }
+    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed: {failures:#?}",
+        failures.len(),
+        rows.len()
+    );
+    let passed: Vec<_> = rows.iter().filter(|r| r.status == Status::Pass).collect();
+    for dtype in &family.dtypes {
+        for kind in ["matmul_wgmma", "[bias]", "[bias_gelu]", "[bias_residual]", "[qkv]"] {
+            assert!(
+                passed
+                    .iter()
+                    .any(|r| r.dtype == dtype.as_str() && r.kernel.ends_with(kind)),
+                "no {dtype} {kind} row passed"
+            );
+        }
+    }
+    assert!(passed
+        .iter()
+        .any(|r| r.shape.contains("M=37") && r.shape.contains("N=100")));
+    for r in &passed {
+        assert_eq!(
+            r.tolerance,
+            kernelforge::tune::verify::tolerance(r.dtype.parse().unwrap()),
+            "{r:?}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attention() {

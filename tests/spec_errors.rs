@@ -211,3 +211,49 @@ fn no_kernels() {
     let e = error_of(&text);
     assert!(e.contains("kernels: no [[kernels]] entry"), "{e}");
 }
+
+/// `[family] arch` names an exact compile target: bad values are refused with the field named,
+/// and a family that has one runs only on devices of that compute capability (the others skip
+/// it with a reason instead of compiling it for the wrong chip).
+#[test]
+fn arch_targets() {
+    let with_arch = |arch: &str| GOOD.replace("dtypes = [\"f32\"]", &format!("dtypes = [\"f32\"]\narch = \"{arch}\""));
+    for bad in ["sm90a", "sm_9", "compute_90a", "sm_90b", "sm_x0a", "sm_1000a", "sm_30"] {
+        let e = error_of(&with_arch(bad));
+        assert!(e.contains(&format!("family.arch: `{bad}` is not a GPU target")), "{e}");
+        assert!(e.contains("sm_90a"), "says what to write: {e}");
+    }
+    let e = error_of(&GOOD.replace("dtypes = [\"f32\"]", "dtypes = [\"f32\"]\narch = 90"));
+    assert!(e.contains("arch"), "{e}");
+
+    let t = templates();
+    let hopper = std::sync::Arc::new(parse(&with_arch("sm_90a"), t.path()).unwrap());
+    let target = hopper.arch.as_ref().expect("arch parsed");
+    assert_eq!((target.name.as_str(), target.compute_capability), ("sm_90a", (9, 0)));
+    let blackwell = parse(&with_arch("sm_100a"), t.path()).unwrap();
+    assert_eq!(blackwell.arch.unwrap().compute_capability, (10, 0));
+    assert!(parse(GOOD, t.path()).unwrap().arch.is_none());
+
+    let variant = expand(&hopper, Points::Default, &DeviceLimits::default())
+        .unwrap()
+        .remove(0);
+    let shape: kernelforge::ops::Shape = [("N".to_string(), 1000)].into_iter().collect();
+    let h100 = DeviceLimits::default();
+    assert_eq!(h100.compute_capability, (9, 0));
+    assert_eq!(variant.check_shape(&shape, &h100), Ok(()));
+    let a100 = DeviceLimits {
+        compute_capability: (8, 0),
+        ..DeviceLimits::default()
+    };
+    let why = variant.check_shape(&shape, &a100).unwrap_err();
+    assert!(why.contains("sm_90a") && why.contains("8.0"), "{why}");
+    // The compiler is retargeted to the exact target (so the NVRTC cache key changes with it).
+    let compiler = kernelforge::gpu::Compiler {
+        arch: "sm_90".into(),
+        include_dir: None,
+        cache_dir: None,
+        nvrtc_version: (13, 0),
+    };
+    assert_eq!(compiler.for_family(&hopper).arch, "sm_90a");
+    assert_eq!(compiler.for_family(&parse(GOOD, t.path()).unwrap()).arch, "sm_90");
+}

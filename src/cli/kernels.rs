@@ -8,7 +8,7 @@ use clap::Args;
 use crate::codegen::{render_catalog, write_files, Renderer};
 use crate::gpu::{Compiler, Gpu, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask};
-use crate::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Points};
+use crate::spec::{expand, variant_with, ArchTarget, Catalog, DeviceLimits, Dtype, Points};
 use crate::tune::verify::{self, Check, Shapes, Status};
 
 /// Render kernel families to CUDA source files for reading.
@@ -58,7 +58,9 @@ pub struct InspectArgs {
     /// Also print registers, shared memory and local (spill) bytes per kernel (needs a GPU).
     #[arg(long)]
     pub resources: bool,
-    /// Compile for this architecture (e.g. sm_90) instead of the GPU's own.
+    /// Compile for this architecture (e.g. sm_90) instead of the GPU's own. A family with an
+    /// exact `[family] arch` (sm_90a) is compiled for that target, and refused for another
+    /// compute capability.
     #[arg(long, value_name = "sm_XY")]
     pub arch: Option<String>,
     /// Do not print the source.
@@ -215,7 +217,24 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
             (None, Some(g)) => g.info.arch(),
             (None, None) => unreachable!("a GPU was opened above"),
         };
-        let compiler = Compiler::new(&arch)?;
+        // A family with an exact `[family] arch` target (sm_90a for wgmma) is compiled for that
+        // target, and only for a device or --arch of the same compute capability.
+        if let Some(target) = &family.arch {
+            let cc = ArchTarget::parse(&arch)
+                .map_err(|e| anyhow::anyhow!("--arch: {e}"))?
+                .compute_capability;
+            if target.check_device(cc).is_err() {
+                bail!(
+                    "{} is built for {} only (compute capability {}.{}), not for {arch}",
+                    family.name,
+                    target.name,
+                    target.compute_capability.0,
+                    target.compute_capability.1
+                );
+            }
+        }
+        let compiler = Compiler::new(&arch)?.for_family(family);
+        let arch = compiler.arch.clone();
         if args.ptx {
             println!("// ---- PTX ({arch}) ----\n{}", compiler.ptx(&source)?);
         }

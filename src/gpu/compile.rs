@@ -91,6 +91,19 @@ impl Compiler {
         })
     }
 
+    /// The compiler for `family`: the same one retargeted to the family's exact `[family] arch`
+    /// (e.g. `sm_90a`, which Hopper's `wgmma` needs) when it names one, else this one. The
+    /// target is the first NVRTC option, so it is part of every cache key.
+    pub fn for_family(&self, family: &crate::spec::Family) -> Compiler {
+        match &family.arch {
+            Some(target) => Compiler {
+                arch: target.name.clone(),
+                ..self.clone()
+            },
+            None => self.clone(),
+        }
+    }
+
     /// The NVRTC options used for every compile.
     pub fn options(&self, arch: &str) -> Vec<String> {
         let mut options = vec![
@@ -152,7 +165,8 @@ impl Compiler {
         sources.par_iter().map(|s| self.compile(s)).collect()
     }
 
-    /// PTX for reading (`inspect --ptx`): compiled for the virtual architecture `compute_XY`.
+    /// PTX for reading (`inspect --ptx`): compiled for the virtual architecture `compute_XY`
+    /// (`compute_90a` for `sm_90a`).
     pub fn ptx(&self, source: &Source) -> Result<String, CompileError> {
         let virtual_arch = self.arch.replace("sm_", "compute_");
         let (ptx, _) = self.run_nvrtc(source, &self.options(&virtual_arch), Output::Ptx)?;

@@ -73,12 +73,16 @@ impl Gpu {
                 .map(i64::from)
                 .map_err(GpuError::cuda("reading a device attribute"))
         };
+        let compute_capability = ctx
+            .compute_capability()
+            .map_err(GpuError::cuda("reading the compute capability"))?;
         let limits = DeviceLimits {
             max_threads: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
             max_smem_static: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
             max_smem_dynamic: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
             num_sms: attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
             warp_size: attr(Attr::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?,
+            compute_capability,
         };
         let mut driver_version = 0;
         // SAFETY: plain out-parameter call.
@@ -87,9 +91,7 @@ impl Gpu {
             .map_err(GpuError::cuda("reading the driver version"))?;
         let info = DeviceInfo {
             name: ctx.name().map_err(GpuError::cuda("reading the device name"))?,
-            compute_capability: ctx
-                .compute_capability()
-                .map_err(GpuError::cuda("reading the compute capability"))?,
+            compute_capability,
             driver_version,
             total_memory_bytes: ctx.total_mem().map_err(GpuError::cuda("reading the memory size"))?,
             limits,

@@ -86,6 +86,61 @@ impl std::str::FromStr for Dtype {
     }
 }
 
+/// An exact compile target from `[family] arch`, e.g. `sm_90a`.
+///
+/// Architecture-specific targets (the `a` suffix) unlock instructions that exist on exactly one
+/// compute capability (Hopper's `wgmma` and `setmaxnreg` need `sm_90a`) and are neither forward
+/// nor backward compatible, so a family that names one is compiled for exactly that target and
+/// offered only on devices of exactly that compute capability: elsewhere `verify` skips it with
+/// the reason, and the tuner and the registry never pick it. A plain `sm_XY` is allowed too and
+/// is treated the same way (compiled for it, run only on X.Y).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArchTarget {
+    /// What NVRTC gets as `--gpu-architecture`: `sm_90a`.
+    pub name: String,
+    /// The only compute capability it runs on: (9, 0).
+    pub compute_capability: (i32, i32),
+}
+
+impl ArchTarget {
+    /// Parses `sm_<major><minor>` with an optional `a` suffix (`sm_90a`, `sm_100a`, `sm_80`).
+    pub fn parse(text: &str) -> Result<ArchTarget, String> {
+        let bad = || {
+            format!(
+                "`{text}` is not a GPU target: write sm_<major><minor>, optionally with the \
+                 architecture-specific suffix `a` (e.g. sm_90a for Hopper's wgmma)"
+            )
+        };
+        let digits = text.strip_prefix("sm_").ok_or_else(bad)?;
+        let digits = digits.strip_suffix('a').unwrap_or(digits);
+        if !(2..=3).contains(&digits.len()) || !digits.chars().all(|c| c.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let (major, minor) = digits.split_at(digits.len() - 1);
+        let major: i32 = major.parse().map_err(|_| bad())?;
+        let minor: i32 = minor.parse().map_err(|_| bad())?;
+        if major < 5 {
+            return Err(bad());
+        }
+        Ok(ArchTarget {
+            name: text.to_string(),
+            compute_capability: (major, minor),
+        })
+    }
+
+    /// `Err` says why a device of compute capability `cc` cannot run code built for this target.
+    pub fn check_device(&self, cc: (i32, i32)) -> Result<(), String> {
+        if cc == self.compute_capability {
+            Ok(())
+        } else {
+            Err(format!(
+                "built for {} only (compute capability {}.{}); this GPU is {}.{}",
+                self.name, self.compute_capability.0, self.compute_capability.1, cc.0, cc.1
+            ))
+        }
+    }
+}
+
 /// What the device allows; expressions see these as `max_threads`, `max_smem_static`,
 /// `max_smem_dynamic`, `num_sms` and `warp_size`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, Deserialize)]
@@ -95,6 +150,14 @@ pub struct DeviceLimits {
     pub max_smem_dynamic: i64,
     pub num_sms: i64,
     pub warp_size: i64,
+    /// Compute capability (major, minor). Not an expression variable: it decides which
+    /// families with an exact `[family] arch` target may run at all.
+    #[serde(default = "hopper")]
+    pub compute_capability: (i32, i32),
+}
+
+fn hopper() -> (i32, i32) {
+    (9, 0)
 }
 
 impl Default for DeviceLimits {
@@ -106,6 +169,7 @@ impl Default for DeviceLimits {
             max_smem_dynamic: 227 * 1024,
             num_sms: 132,
             warp_size: 32,
+            compute_capability: hopper(),
         }
     }
 }
@@ -197,6 +261,8 @@ struct RawFamily {
     epilogues: Vec<Epilogue>,
     #[serde(default)]
     masks: Vec<Mask>,
+    /// An exact compile target such as `sm_90a` (see [`ArchTarget`]).
+    arch: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -275,6 +341,9 @@ pub struct Family {
     pub dtypes: Vec<Dtype>,
     pub epilogues: Vec<Epilogue>,
     pub masks: Vec<Mask>,
+    /// `[family] arch`: the exact target the family is compiled for, and so the only devices
+    /// it runs on; `None` compiles for whatever GPU is present.
+    pub arch: Option<ArchTarget>,
     pub params: IndexMap<String, Vec<i64>>,
     pub derived: IndexMap<String, Expr>,
     pub require: Vec<Expr>,
@@ -404,6 +473,11 @@ impl Family {
                 ));
             }
         }
+        let arch = f
+            .arch
+            .as_deref()
+            .map(|text| ArchTarget::parse(text).map_err(|message| field_err("family.arch", message)))
+            .transpose()?;
         let masks = if f.masks.is_empty() {
             vec![Mask::None]
         } else {
@@ -565,6 +639,7 @@ impl Family {
             dtypes: f.dtypes.clone(),
             epilogues,
             masks,
+            arch,
             params: raw.params,
             derived,
             require,
@@ -967,8 +1042,20 @@ impl Variant {
         self.family.scope(&self.params, &self.derived, shape, limits)
     }
 
-    /// Whether the variant can run `shape` (its `constraints.shape`); `Err` names the failed one.
+    /// Whether the variant can run on the device `limits` describes at all: a family with an
+    /// exact `[family] arch` target runs only on that compute capability.
+    pub fn check_device(&self, limits: &DeviceLimits) -> Result<(), String> {
+        match &self.family.arch {
+            Some(target) => target.check_device(limits.compute_capability),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the variant can run `shape` on this device (its `[family] arch`, see
+    /// [`Variant::check_device`], then its `constraints.shape`); `Err` names what failed. Every
+    /// path that picks a variant to run (verify, the tuner, the registry, the model) asks this.
     pub fn check_shape(&self, shape: &Shape, limits: &DeviceLimits) -> Result<(), String> {
+        self.check_device(limits)?;
         let vars = self.vars(shape, limits);
         for c in &self.family.shape_constraints {
             match c.holds(&vars) {

@@ -163,6 +163,7 @@ impl Registry {
             .map_err(|e| RegistryError::Build(e.to_string()))?;
         let compiled = self
             .compiler
+            .for_family(&variant.family)
             .compile(&source)
             .map_err(|e| RegistryError::Build(e.to_string()))?;
         let loaded = Arc::new(LoadedVariant::load(gpu, variant, &compiled)?);

@@ -167,14 +167,15 @@ struct Context<'a> {
 impl Context<'_> {
     /// Renders and compiles (in parallel) every variant not compiled yet.
     fn compile(&mut self, variants: &[Variant], progress: &dyn Progress) {
-        let mut sources: Vec<Source> = Vec::new();
+        // Each with the compiler for its family (its exact `[family] arch`, if any).
+        let mut sources: Vec<(Source, Compiler)> = Vec::new();
         for v in variants {
             let name = v.kernel_name();
-            if self.compiled.contains_key(&name) || sources.iter().any(|s| s.kernel_name == name) {
+            if self.compiled.contains_key(&name) || sources.iter().any(|(s, _)| s.kernel_name == name) {
                 continue;
             }
             match self.renderer.render(v) {
-                Ok(s) => sources.push(s),
+                Ok(s) => sources.push((s, self.compiler.for_family(&v.family))),
                 Err(e) => {
                     self.compiled.insert(name, Err(e.to_string()));
                 }
@@ -187,13 +188,13 @@ impl Context<'_> {
         use rayon::prelude::*;
         let results: Vec<_> = sources
             .par_iter()
-            .map(|s| {
-                let r = self.compiler.compile(s).map_err(|e| e.to_string());
+            .map(|(s, compiler)| {
+                let r = compiler.compile(s).map_err(|e| e.to_string());
                 progress.advance(&s.kernel_name);
                 r
             })
             .collect();
-        for (s, r) in sources.iter().zip(results) {
+        for ((s, _), r) in sources.iter().zip(results) {
             self.compiled.insert(s.kernel_name.clone(), r);
         }
     }

@@ -79,13 +79,26 @@ pub fn verify(
     mut progress: impl FnMut(&Check),
 ) -> Vec<Check> {
     let mut rows = Vec::new();
-    // Render and compile everything up front, in parallel.
+    // Render and compile up front, in parallel, every variant this device can run (a family
+    // built for another exact `[family] arch` is skipped below with the reason), each for its
+    // family's target.
     let sources: Vec<_> = variants.iter().map(|v| renderer.render(v)).collect();
-    let ok_sources: Vec<_> = sources.iter().filter_map(|s| s.as_ref().ok().cloned()).collect();
-    let mut compiled: HashMap<String, Result<Compiled, String>> = HashMap::new();
-    for (source, result) in ok_sources.iter().zip(compiler.compile_all(&ok_sources)) {
-        compiled.insert(source.kernel_name.clone(), result.map_err(|e| e.to_string()));
-    }
+    let to_compile: Vec<_> = variants
+        .iter()
+        .zip(&sources)
+        .filter(|(v, _)| v.check_device(&gpu.info.limits).is_ok())
+        .filter_map(|(v, s)| s.as_ref().ok().map(|s| (v, s)))
+        .collect();
+    let compiled: HashMap<String, Result<Compiled, String>> = {
+        use rayon::prelude::*;
+        to_compile
+            .par_iter()
+            .map(|(v, s)| {
+                let result = compiler.for_family(&v.family).compile(s);
+                (s.kernel_name.clone(), result.map_err(|e| e.to_string()))
+            })
+            .collect()
+    };
 
     // Group variants by the problem they need so every group shares inputs and reference.
     // Half-storage variants need their own problem (inputs rounded, tensors stored as halves).
