@@ -6,13 +6,8 @@ use std::path::Path;
 
 use kernelforge::codegen::Renderer;
 use kernelforge::gpu::{Compiler, Gpu};
-<<<<<<< HEAD
-use kernelforge::ops::{Epilogue, Shape};
-use kernelforge::spec::{expand, variant_with, Catalog, Points};
-=======
-use kernelforge::ops::{Epilogue, Mask};
+use kernelforge::ops::{Epilogue, Mask, Shape};
 use kernelforge::spec::{expand, variant_with, Catalog, DeviceLimits, Points, Variant};
->>>>>>> ops
 use kernelforge::tune::verify::{verify, Check, Shapes, Status};
 
 /// Variants drawn per family besides the default.
