@@ -83,14 +83,22 @@ impl CublasBaseline {
         let blas = CudaBlas::new(gpu.stream.clone())
             .map_err(|e| launch_err("cuBLAS")(format!("cannot create a handle: {e:?}")))?;
         let mut epilogues = Vec::new();
-        let kinds = [Epilogue::Bias, Epilogue::BiasGelu, Epilogue::BiasResidual, Epilogue::Qkv];
+        let kinds = [
+            Epilogue::Bias,
+            Epilogue::BiasGelu,
+            Epilogue::BiasResidual,
+            Epilogue::Qkv,
+        ];
         for (storage, e) in [Storage::F32, Storage::F16, Storage::Bf16]
             .into_iter()
             .flat_map(|s| kinds.map(|e| (s, e)))
         {
             let dtype = storage_dtype(storage);
             let code = renderer
-                .render_template("baseline/epilogue.cu.tera", &[("epilogue", e.as_str()), ("dtype", dtype)])
+                .render_template(
+                    "baseline/epilogue.cu.tera",
+                    &[("epilogue", e.as_str()), ("dtype", dtype)],
+                )
                 .map_err(|err| launch_err("baseline epilogue")(err.to_string()))?;
             let source = Source {
                 kernel_name: format!("baseline_epilogue_{}_{dtype}", e.as_str()),
