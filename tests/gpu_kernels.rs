@@ -121,6 +121,25 @@ fn gpu_matmul_wmma_tf32() {
     }
 }
 
+/// matmul_mma alone, small: its default and one sampled point, every epilogue, both dtypes, on
+/// the awkward shapes. Sized for compute-sanitizer (memcheck, racecheck) runs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_mma_small() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    catalog.families.retain(|f| f.name == "matmul_mma");
+    let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 1, seed });
+    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed: {failures:#?}",
+        failures.len(),
+        rows.len()
+    );
+    assert!(rows.iter().filter(|r| r.status == Status::Pass).count() >= 2 * 5 * 3);
+}
+
 /// The half-storage matmuls on their own (f16 and bf16; matmul_mma, matmul_wmma, matmul_gemv),
 /// with a larger sample than the per-op test: every epilogue on the awkward shapes their
 /// `K % 8 == 0` (gemv: `K % 4`) constraint allows, judged with the half bar (relative L2 <
