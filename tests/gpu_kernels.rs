@@ -204,7 +204,8 @@ fn gpu_matmul_half() {
     let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
     let gemv = catalog.family("matmul_gemv").expect("gemv");
     let variants = expand(gemv, Points::Default, &gpu.info.limits).expect("expand");
-    let shape: kernelforge::ops::Shape = [("M", 3), ("N", 100), ("K", 36)]
+    // T and n_head for qkv (N = 3 * n_head * HS with HS = 16); the other epilogues ignore them.
+    let shape: kernelforge::ops::Shape = [("M", 3), ("N", 96), ("K", 36), ("T", 3), ("n_head", 2)]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
