@@ -30,6 +30,7 @@ fn every_family_of_the_design_exists() {
         "matmul_simt",
         "matmul_wmma",
         "matmul_wgmma",
+        "matmul_mma",
         "attention_naive",
         "attention_flash",
         "attention_flash_mma",
@@ -159,25 +160,26 @@ fn generated_folder_matches_specs_and_templates() {
     }
 }
 
-/// The tensor-core family: tf32 only, every variant tf32, the fragment shape fixed, a variant
-/// of another dtype refused with a message that says which dtypes exist.
+/// The WMMA family: tf32, f16 and bf16 (one fragment-shape param, 32 bytes of K for every dtype),
+/// a variant of another dtype refused with a message that says which dtypes exist; each dtype
+/// renders its own fragment type.
 #[test]
-fn wmma_family_is_tf32_only() {
+fn wmma_family_is_tensor_core_only() {
     let c = catalog();
     let f = c.family("matmul_wmma").unwrap();
-    assert_eq!(f.dtypes, vec![Dtype::Tf32]);
+    assert_eq!(f.dtypes, vec![Dtype::Tf32, Dtype::F16, Dtype::Bf16]);
     let limits = DeviceLimits::default();
     let all = expand(f, Points::All, &limits).unwrap();
     assert!(all.len() > 5 * 20, "a real search space: {}", all.len());
-    assert!(all.iter().all(|v| v.dtype == Dtype::Tf32));
+    assert!(all.iter().all(|v| v.dtype != Dtype::F32));
     assert!(all
         .iter()
         .all(|v| (v.params["frag_m"], v.params["frag_n"], v.params["frag_k"]) == (16, 16, 8)));
-    assert!(all.iter().all(|v| v.key().starts_with("dtype=tf32")));
     for v in &all {
         let warp = (v.derived["warp_m"], v.derived["warp_n"]);
         assert!(warp.0 % 16 == 0 && warp.1 % 16 == 0, "{}", v.key());
         assert!(v.derived["smem_bytes"] <= limits.max_smem_dynamic, "{}", v.key());
+        assert_eq!(v.params["block_k"] % 16, 0, "whole k16 half fragments: {}", v.key());
     }
     let stages: BTreeSet<i64> = all.iter().map(|v| v.params["stages"]).collect();
     assert_eq!(stages, [2, 3, 4].into_iter().collect());
@@ -192,20 +194,32 @@ fn wmma_family_is_tf32_only() {
     .unwrap_err()
     .to_string();
     assert!(
-        e.contains("matmul_wmma.toml") && e.contains("no f32 variants") && e.contains("tf32"),
+        e.contains("matmul_wmma.toml") && e.contains("no f32 variants") && e.contains("tf32, f16, bf16"),
         "{e}"
     );
-    // The f32 families have no tf32 variants (the tensor-core families aside).
+    // No other matmul family does tf32 but the Hopper one (tf32 needs tensor cores).
     for f in c
         .for_op("matmul")
         .filter(|f| f.name != "matmul_wmma" && f.name != "matmul_wgmma")
     {
-        assert_eq!(f.dtypes, vec![Dtype::F32], "{}", f.name);
+        assert!(!f.dtypes.contains(&Dtype::Tf32), "{}", f.name);
     }
-    // The rendered default uses WMMA TF32 fragments, the conversion and the cp.async pipeline.
+    // The rendered defaults: TF32 fragments with the conversion, 16-bit fragments without it,
+    // the cp.async pipeline and the storage-typed epilogue in both.
     let renderer = Renderer::new(&c.templates_dir).unwrap();
-    let v = expand(f, Points::Default, &limits).unwrap().remove(0);
-    let code = renderer.render(&v).unwrap().code;
+    let render = |dtype: Dtype| {
+        let v = variant_with(
+            f,
+            &[],
+            dtype,
+            kernelforge::ops::Epilogue::None,
+            kernelforge::ops::Mask::None,
+            &limits,
+        )
+        .unwrap();
+        renderer.render(&v).unwrap().code
+    };
+    let tf32 = render(Dtype::Tf32);
     for want in [
         "#include <mma.h>",
         "precision::tf32",
@@ -213,6 +227,103 @@ fn wmma_family_is_tf32_only() {
         "cp.async.cg.shared.global",
         "cp.async.wait_group",
         "store_output(",
+        "typedef float storage_t;",
+    ] {
+        assert!(tf32.contains(want), "tf32: missing {want}");
+    }
+    for (dtype, ty) in [(Dtype::F16, "__half"), (Dtype::Bf16, "__nv_bfloat16")] {
+        let code = render(dtype);
+        assert!(
+            code.contains(&format!("16, 16, FRAG_K, {ty}, wmma::row_major")),
+            "{dtype}"
+        );
+        assert!(code.contains("#define FRAG_K 16"), "{dtype}");
+        assert!(
+            !code.contains("__float_to_tf32(a"),
+            "{dtype}: no TF32 rounding of halves"
+        );
+        assert!(code.contains(&format!("typedef {ty} storage_t;")), "{dtype}");
+    }
+}
+
+/// The mma.sync family: f16/bf16 only, K % 8 for its 16-byte rows, every point's shared
+/// memory within the device limit and its warp tile whole m16 x n16 steps; the default renders
+/// the raw instructions (ldmatrix, mma.sync m16n8k16 in its dtype, cp.async) and the swizzle.
+#[test]
+fn mma_family_is_half_only_with_raw_instructions() {
+    let c = catalog();
+    let f = c.family("matmul_mma").unwrap();
+    assert_eq!(f.dtypes, vec![Dtype::F16, Dtype::Bf16]);
+    assert_eq!(f.epilogues.len(), 5);
+    let limits = DeviceLimits::default();
+    let all = expand(f, Points::All, &limits).unwrap();
+    assert!(all.len() > 5 * 2 * 50, "a real search space: {}", all.len());
+    for v in &all {
+        assert!(v.derived["smem_bytes"] <= limits.max_smem_dynamic, "{}", v.key());
+        assert_eq!(v.derived["warp_m"] % 16, 0, "{}", v.key());
+        assert_eq!(v.derived["warp_n"] % 16, 0, "{}", v.key());
+        assert!(v.derived["c_bytes"] <= v.derived["smem_bytes"], "{}", v.key());
+    }
+    let swizzles: BTreeSet<i64> = all.iter().map(|v| v.params["swizzle"]).collect();
+    assert_eq!(swizzles, [0, 1].into_iter().collect());
+    let renderer = Renderer::new(&c.templates_dir).unwrap();
+    for (dtype, name) in [(Dtype::F16, "f16"), (Dtype::Bf16, "bf16")] {
+        let v = variant_with(
+            f,
+            &[],
+            dtype,
+            kernelforge::ops::Epilogue::BiasGelu,
+            kernelforge::ops::Mask::None,
+            &limits,
+        )
+        .unwrap();
+        let code = renderer.render(&v).unwrap().code;
+        for want in [
+            "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+            "mma.sync.aligned.m16n8k16.row.col.f32.",
+            &format!("#define MMA_INPUT_TYPE \"{name}\""),
+            "cp.async.cg.shared.global",
+            "int swz(int row) { return (row / ROWS_PER_LINE) % CHUNKS_PER_ROW; }",
+            "store_output8(",
+            "gelu_precise(",
+        ] {
+            assert!(code.contains(want), "{name}: missing {want}");
+        }
+        // The shape constraint: 16-byte rows of halves.
+        let shape = |k: i64| {
+            [("M", 64), ("N", 64), ("K", k), ("T", 64), ("n_head", 1)]
+                .into_iter()
+                .map(|(n, x)| (n.to_string(), x))
+                .collect()
+        };
+        assert!(v.check_shape(&shape(72), &limits).is_ok());
+        assert!(v.check_shape(&shape(36), &limits).is_err());
+    }
+}
+
+/// The decode step's matmul in every storage dtype.
+#[test]
+fn gemv_family_has_half_storage() {
+    let c = catalog();
+    let f = c.family("matmul_gemv").unwrap();
+    assert_eq!(f.dtypes, vec![Dtype::F32, Dtype::F16, Dtype::Bf16]);
+    let renderer = Renderer::new(&c.templates_dir).unwrap();
+    let limits = DeviceLimits::default();
+    let v = variant_with(
+        f,
+        &[],
+        Dtype::Bf16,
+        kernelforge::ops::Epilogue::Qkv,
+        kernelforge::ops::Mask::None,
+        &limits,
+    )
+    .unwrap();
+    let code = renderer.render(&v).unwrap().code;
+    for want in [
+        "typedef __nv_bfloat16 storage_t;",
+        "accumulate<8>",
+        "load8(",
+        "storage_t* out",
     ] {
         assert!(code.contains(want), "missing {want}");
     }

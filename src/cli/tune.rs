@@ -12,7 +12,9 @@ use crate::gpu::{Compiler, Gpu};
 use crate::model::GPT2Config;
 use crate::ops::{self, Epilogue, Mask};
 use crate::spec::{shape_text, Catalog, Dtype};
-use crate::tune::baseline::{fp32_peak_flops, measure_copy_bandwidth, measure_tf32_peak, TF32_PEAK_SIZE};
+use crate::tune::baseline::{
+    fp32_peak_flops, measure_copy_bandwidth, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE,
+};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::tuner::{tune, Progress, TuneOptions, TuneResult};
 use crate::tune::workloads::{model_workloads, Workload};
@@ -27,11 +29,14 @@ use crate::tune::workloads::{model_workloads, Workload};
 ///
 /// --dtype tf32 tunes the matmuls on tensor cores (TF32 inputs, f32 accumulation, relative L2
 /// error < 1e-3) against cuBLAS in TF32 math mode; the other ops of a model stay f32.
+/// --dtype f16 / bf16 stores the matmul tensors as halves (f32 accumulation, relative L2
+/// error < 1e-2) and compares with cuBLAS on the same halves (cublasGemmEx, f32 compute).
 ///
 /// Examples:
 ///   kernelforge tune --model gpt2 --batch 8 --seq 1024
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --epilogue bias_gelu
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype tf32
+///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype bf16
 #[derive(Debug, Args)]
 pub struct TuneArgs {
     /// gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face folder with config.json.
@@ -43,8 +48,9 @@ pub struct TuneArgs {
     /// Sequence lengths of the prefill (comma-separated); the decode step (seq 1) is always added.
     #[arg(long, value_delimiter = ',', default_value = "1024")]
     pub seq: Vec<i64>,
-    /// Precision of the matmuls: f32 (FP32 FMA) or tf32 (tensor cores, f32 storage; compared
-    /// with cuBLAS in TF32 math mode). With --model, tf32 applies to the matmul workloads only:
+    /// Precision of the matmuls: f32 (FP32 FMA), tf32 (tensor cores, f32 storage; compared
+    /// with cuBLAS in TF32 math mode), f16 or bf16 (half storage, f32 accumulation; compared
+    /// with cuBLAS on the same halves). With --model, tf32 applies to the matmul workloads only:
     /// layernorm, attention, embedding and the other ops stay f32 (they have no tf32 kernels).
     #[arg(long, default_value = "f32", value_parser = super::kernels::parse_dtype)]
     pub dtype: Dtype,
@@ -212,6 +218,15 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         } else {
             None
         },
+        // f16 / bf16 rows: cuBLAS BF16 on the same square GEMM (16-bit tensor-core rate).
+        half: if results
+            .iter()
+            .any(|r| matches!(r.dtype, Dtype::F16 | Dtype::Bf16) && r.flops > 0.0)
+        {
+            Some(measure_half_peak(&gpu)?)
+        } else {
+            None
+        },
         bytes: measure_copy_bandwidth(&gpu)?,
     };
     let elapsed = started.elapsed().as_secs_f64();
@@ -223,6 +238,7 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             "seconds": elapsed,
             "fp32_peak_tflops": peaks.fp32 / 1e12,
             "tf32_cublas_peak_tflops": peaks.tf32.map(|p| p / 1e12),
+            "bf16_cublas_peak_tflops": peaks.half.map(|p| p / 1e12),
             "copy_bandwidth_gbs": peaks.bytes / 1e9,
             "results": results,
         });
@@ -263,6 +279,8 @@ struct Peaks {
     fp32: f64,
     /// cuBLAS TF32 on an 8192³ GEMM, measured in this run, for tf32 rows (marked `tc`).
     tf32: Option<f64>,
+    /// cuBLAS BF16 on the same GEMM, measured in this run, for f16 / bf16 rows (marked `tc`).
+    half: Option<f64>,
     /// Measured device-to-device copy bandwidth, for memory-bound rows.
     bytes: f64,
 }
@@ -280,6 +298,13 @@ impl Peaks {
                 n = TF32_PEAK_SIZE
             ));
         }
+        if let Some(tc) = self.half {
+            text.push_str(&format!(
+                "; f16/bf16 rows (marked tc) vs cuBLAS BF16 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
+                tc / 1e12,
+                n = TF32_PEAK_SIZE
+            ));
+        }
         text.push_str(&format!(
             "; memory-bound rows vs the copy bandwidth {:.0} GB/s (measured)",
             self.bytes / 1e9
@@ -291,9 +316,14 @@ impl Peaks {
 fn throughput(r: &TuneResult, ms: f64, peaks: &Peaks) -> (String, String) {
     if r.flops > 0.0 {
         let f = r.flops / (ms * 1e-3);
-        let pct = match (r.dtype, peaks.tf32) {
-            (Dtype::Tf32, Some(tc)) => format!("{:.0}% tc", 100.0 * f / tc),
-            _ => format!("{:.0}%", 100.0 * f / peaks.fp32),
+        let tensor_peak = match r.dtype {
+            Dtype::Tf32 => peaks.tf32,
+            Dtype::F16 | Dtype::Bf16 => peaks.half,
+            Dtype::F32 => None,
+        };
+        let pct = match tensor_peak {
+            Some(tc) => format!("{:.0}% tc", 100.0 * f / tc),
+            None => format!("{:.0}%", 100.0 * f / peaks.fp32),
         };
         (format!("{:.1} TFLOP/s", f / 1e12), pct)
     } else if r.bytes > 0.0 {
