@@ -208,8 +208,9 @@ fn tf32_matmuls_stay_close_to_the_f32_reference() {
             .map(|(_, label, _, _)| label.clone())
             .unwrap_or_else(|| panic!("no {role} kernel for {rows}: {choices:?}"))
     };
-    assert!(family_of("fc", "M=100").contains("matmul_wmma"), "{choices:?}");
-    assert!(!family_of("fc", "M=1 ").contains("matmul_wmma"), "{choices:?}");
+    let tensor_core = |label: String| label.contains("matmul_wmma") || label.contains("matmul_wgmma");
+    assert!(tensor_core(family_of("fc", "M=100")), "{choices:?}");
+    assert!(!tensor_core(family_of("fc", "M=1 ")), "{choices:?}");
 }
 
 /// f16 / bf16 storage (weights converted at load, activations and KV cache in 16 bits, f32
