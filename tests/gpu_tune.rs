@@ -246,3 +246,35 @@ fn gpu_tune_tf32_is_keyed_by_dtype() {
     assert_eq!(s.choice, Choice::Default);
     assert_eq!(s.variant.dtype, Dtype::F32);
 }
+
+/// Timing measures GPU time, not launch cost: a call whose host side takes 15 µs but whose GPU
+/// work is a tiny copy times far below 15 µs (the hold queued before it covers the host's
+/// share), and a call that keeps the GPU busy for 100 µs times at about 100 µs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_timing_counts_gpu_time_not_launch_cost() {
+    use kernelforge::tune::time::{time_with, TimingPlan};
+    let gpu = Gpu::new(0).expect("a CUDA GPU");
+    let mut buffer = gpu.stream.alloc_zeros::<f32>(256).unwrap();
+    let plan = TimingPlan {
+        warmup: 3,
+        min_runs: 20,
+        max_runs: 20,
+        target_ms: 0.0,
+    };
+    let slow_host = time_with(&gpu, 1, &plan, |_| {
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_micros(15) {}
+        gpu.stream.memset_zeros(&mut buffer).unwrap();
+        Ok(())
+    })
+    .unwrap();
+    eprintln!(
+        "15 µs of host work + a 1 KB memset: {:.1} µs",
+        slow_host.median_ms * 1e3
+    );
+    assert!(slow_host.median_ms < 0.010, "{slow_host:?}");
+    let busy_gpu = time_with(&gpu, 1, &plan, |_| Ok(gpu.hold(100_000)?)).unwrap();
+    eprintln!("a 100 µs GPU hold: {:.1} µs", busy_gpu.median_ms * 1e3);
+    assert!((0.095..0.150).contains(&busy_gpu.median_ms), "{busy_gpu:?}");
+}

@@ -1,9 +1,9 @@
 //! Device discovery: the CUDA context and stream kernelforge uses, and the limits specs see.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys::CUdevice_attribute as Attr;
-use cudarc::driver::{CudaContext, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 
 use crate::spec::DeviceLimits;
 
@@ -49,7 +49,30 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub info: DeviceInfo,
+    /// The [`Gpu::hold`] kernel, loaded on first use.
+    hold_kernel: OnceLock<CudaFunction>,
 }
+
+/// One thread spinning on the GPU's nanosecond clock until `nanoseconds` have passed. Plain PTX
+/// (the driver JIT-compiles it for any GPU since Volta), so it needs neither NVRTC nor headers.
+const HOLD_PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry kernelforge_hold(.param .u64 nanoseconds)
+{
+    .reg .pred %p;
+    .reg .u64 %limit, %start, %now;
+    ld.param.u64 %limit, [nanoseconds];
+    mov.u64 %start, %globaltimer;
+SPIN:
+    mov.u64 %now, %globaltimer;
+    sub.u64 %now, %now, %start;
+    setp.lt.u64 %p, %now, %limit;
+    @%p bra SPIN;
+    ret;
+}
+"#;
 
 /// Whether the CUDA driver library can be loaded (false on machines without a GPU).
 pub fn driver_present() -> bool {
@@ -96,7 +119,43 @@ impl Gpu {
             total_memory_bytes: ctx.total_mem().map_err(GpuError::cuda("reading the memory size"))?,
             limits,
         };
-        Ok(Gpu { ctx, stream, info })
+        Ok(Gpu {
+            ctx,
+            stream,
+            info,
+            hold_kernel: OnceLock::new(),
+        })
+    }
+
+    /// Queues a kernel that keeps the GPU busy for `nanoseconds`. Queued just before a timed
+    /// region, it lets the host enqueue the whole region while the GPU is still busy, so the
+    /// events around the region measure GPU time only: without it a short kernel's time also
+    /// counts the host's cost of launching it (a library's heuristics, argument packing),
+    /// because the start event fires as soon as it is queued on an idle GPU.
+    pub fn hold(&self, nanoseconds: u64) -> Result<(), GpuError> {
+        let kernel = match self.hold_kernel.get() {
+            Some(k) => k,
+            None => {
+                let module = self
+                    .ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_src(HOLD_PTX))
+                    .map_err(GpuError::cuda("loading the hold kernel"))?;
+                let f = module
+                    .load_function("kernelforge_hold")
+                    .map_err(GpuError::cuda("loading the hold kernel"))?;
+                self.hold_kernel.get_or_init(|| f)
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(kernel);
+        launch.arg(&nanoseconds);
+        // SAFETY: the kernel takes one u64 and touches no memory.
+        unsafe { launch.launch(cfg) }.map_err(GpuError::cuda("launching the hold kernel"))?;
+        Ok(())
     }
 
     /// Waits for all queued work; a kernel fault surfaces here.

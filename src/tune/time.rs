@@ -1,5 +1,6 @@
 //! Timing with CUDA events: warm-up, then many timed launches, each on the next of several
-//! input copies so that small problems are not flattered by a warm L2 cache; the median and the
+//! input copies so that small problems are not flattered by a warm L2 cache, and each queued
+//! behind a short GPU hold so that launch cost on the host is not counted; the median and the
 //! 10th/90th percentiles are reported.
 
 use cudarc::driver::sys::CUevent_flags;
@@ -77,7 +78,12 @@ pub fn rotation_count(problem: &Problem) -> usize {
     (2 * L2_BYTES).div_ceil(bytes).clamp(1, 8)
 }
 
-/// Times `body(i)` (which enqueues the work for copy `i % copies`) with CUDA events.
+/// GPU time [`time_with`] holds the stream for before each timed call (see [`Gpu::hold`]): more
+/// than the host needs to enqueue one call (cuBLAS's host side is a few microseconds).
+pub const HOLD_NS: u64 = 30_000;
+
+/// Times `body(i)` (which enqueues the work for copy `i % copies`) with CUDA events, each call
+/// queued behind a [`Gpu::hold`] so that the events measure GPU time, not launch cost.
 pub fn time_with(
     gpu: &Gpu,
     copies: usize,
@@ -101,6 +107,7 @@ pub fn time_with(
         let mut events = Vec::with_capacity(batch);
         for _ in 0..batch {
             let (start, end) = (event()?, event()?);
+            gpu.hold(HOLD_NS)?;
             start
                 .record(&gpu.stream)
                 .map_err(GpuError::cuda("recording an event"))?;
