@@ -124,6 +124,7 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     if args.budget <= 0.0 {
         bail!("--budget must be positive (seconds)");
     }
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
     let workloads: Vec<Workload> = match (&args.model, &args.op) {
         (Some(model), _) => {
             let cfg = model_config(model)?;
@@ -140,7 +141,6 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
                 .with_context(|| format!("--op {op_name}: unknown op (known: {})", ops::op_names().join(", ")))?;
             let epilogue = args.epilogue.unwrap_or(op.epilogues()[0]);
             let mask = args.mask.unwrap_or(op.masks()[0]);
-            let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
             let dtypes: Vec<Dtype> = Dtype::ALL
                 .into_iter()
                 .filter(|d| catalog.for_op(op.name()).any(|f| f.dtypes.contains(d)))
@@ -169,7 +169,6 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     };
 
     let started = std::time::Instant::now();
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
     let gpu = Gpu::new(0).context("tune measures kernels on the GPU")?;
     let compiler = Compiler::new(&gpu.info.arch())?;
     let renderer = Renderer::new(&catalog.templates_dir)?;
