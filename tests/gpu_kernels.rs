@@ -59,17 +59,32 @@ fn run_variants(catalog: &Catalog, pick: impl FnOnce(u64, &DeviceLimits) -> Vec<
     rows
 }
 
-fn check_op(op: &str) {
+/// The project's catalog, cut down to `families` when some are named (each must exist).
+fn catalog_of(families: &[&str]) -> Catalog {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
-    let rows = run(&catalog, op, |seed| Points::Sample { count: SAMPLE, seed });
-    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
+    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    if !families.is_empty() {
+        catalog.families.retain(|f| families.contains(&f.name.as_str()));
+        assert_eq!(catalog.families.len(), families.len(), "{families:?} exist");
+    }
+    catalog
+}
+
+/// Fails the test with every failing row listed.
+fn assert_no_failures<'a>(rows: impl Iterator<Item = &'a Check> + Clone) {
+    let failures: Vec<_> = rows.clone().filter(|r| matches!(r.status, Status::Fail(_))).collect();
     assert!(
         failures.is_empty(),
         "{} of {} checks failed: {failures:#?}",
         failures.len(),
-        rows.len()
+        rows.count()
     );
+}
+
+fn check_op(op: &str) {
+    let catalog = catalog_of(&[]);
+    let rows = run(&catalog, op, |seed| Points::Sample { count: SAMPLE, seed });
+    assert_no_failures(rows.iter());
     // Every family must actually have run somewhere, in every dtype it lists.
     for f in catalog.for_op(op) {
         for dtype in &f.dtypes {
@@ -104,8 +119,7 @@ fn gpu_layernorm() {
 /// the family lists, the rest of the point at the default: check_op samples only a few points,
 /// so a width (the 16-byte half path, its scalar tail) could go unchecked for a long time.
 fn check_vector_widths(family: &str, others: &[&[(&str, i64)]]) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let catalog = catalog_of(&[]);
     let f = catalog
         .families
         .iter()
@@ -127,8 +141,7 @@ fn check_vector_widths(family: &str, others: &[&[(&str, i64)]]) {
 /// Each of `points` (params that differ from the default) of `family`, in every dtype it
 /// lists: each must pass on some test shape and fail on none.
 fn check_points(family: &str, points: &[Vec<(&str, i64)>]) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let catalog = catalog_of(&[]);
     let f = catalog
         .families
         .iter()
@@ -149,13 +162,7 @@ fn check_points(family: &str, points: &[Vec<(&str, i64)>]) {
         }
         variants
     });
-    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} checks failed: {failures:#?}",
-        failures.len(),
-        rows.len()
-    );
+    assert_no_failures(rows.iter());
     for key in wanted {
         assert!(
             rows.iter()
@@ -198,18 +205,9 @@ fn gpu_matmul() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wmma_tf32() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
-    catalog.families.retain(|f| f.name == "matmul_wmma");
-    assert_eq!(catalog.families.len(), 1, "matmul_wmma exists");
+    let catalog = catalog_of(&["matmul_wmma"]);
     let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 8, seed });
-    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} failed: {failures:#?}",
-        failures.len(),
-        rows.len()
-    );
+    assert_no_failures(rows.iter());
     // The family also lists f16/bf16 (gpu_matmul_half checks those): judge the tf32 rows here.
     let passed: Vec<_> = rows
         .iter()
@@ -234,10 +232,7 @@ fn gpu_matmul_wmma_tf32() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wgmma() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
-    catalog.families.retain(|f| f.name == "matmul_wgmma");
-    assert_eq!(catalog.families.len(), 1, "matmul_wgmma exists");
+    let catalog = catalog_of(&["matmul_wgmma"]);
     let family = catalog.families[0].clone();
     let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 8, seed });
     if Gpu::new(0).expect("a CUDA GPU").info.compute_capability != (9, 0) {
@@ -249,13 +244,7 @@ fn gpu_matmul_wgmma() {
         }
         return;
     }
-    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} failed: {failures:#?}",
-        failures.len(),
-        rows.len()
-    );
+    assert_no_failures(rows.iter());
     let passed: Vec<_> = rows.iter().filter(|r| r.status == Status::Pass).collect();
     for dtype in &family.dtypes {
         for kind in ["matmul_wgmma", "[bias]", "[bias_gelu]", "[bias_residual]", "[qkv]"] {
@@ -284,17 +273,9 @@ fn gpu_matmul_wgmma() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_mma_small() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
-    catalog.families.retain(|f| f.name == "matmul_mma");
+    let catalog = catalog_of(&["matmul_mma"]);
     let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 1, seed });
-    let failures: Vec<_> = rows.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} failed: {failures:#?}",
-        failures.len(),
-        rows.len()
-    );
+    assert_no_failures(rows.iter());
     assert!(rows.iter().filter(|r| r.status == Status::Pass).count() >= 2 * 5 * 3);
 }
 
@@ -305,20 +286,11 @@ fn gpu_matmul_mma_small() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_half() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
     let families = ["matmul_mma", "matmul_wmma", "matmul_gemv"];
-    catalog.families.retain(|f| families.contains(&f.name.as_str()));
-    assert_eq!(catalog.families.len(), 3);
+    let catalog = catalog_of(&families);
     let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 6, seed });
     let half: Vec<_> = rows.iter().filter(|r| r.dtype == "f16" || r.dtype == "bf16").collect();
-    let failures: Vec<_> = half.iter().filter(|r| matches!(r.status, Status::Fail(_))).collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} failed: {failures:#?}",
-        failures.len(),
-        half.len()
-    );
+    assert_no_failures(half.iter().copied());
     for family in families {
         for dtype in ["f16", "bf16"] {
             let passed: Vec<_> = half
@@ -398,8 +370,7 @@ fn gpu_attention() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attention_tensor_core_tilings() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).expect("specs");
+    let catalog = catalog_of(&[]);
     let gpu = Gpu::new(0).expect("a CUDA GPU");
     let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
     let renderer = Renderer::new(&catalog.templates_dir).expect("templates");

@@ -507,9 +507,27 @@ mod tests {
         ] {
             let e = parse(&cmd).unwrap_err();
             assert!(
-                e.contains("--dtype") && e.contains("unknown dtype `fp16`") && e.contains("f32, tf32"),
+                e.contains("--dtype") && e.contains("unknown dtype `fp16`") && e.contains("f32, tf32, f16, bf16"),
                 "{e}"
             );
         }
+    }
+
+    /// An op whose families lack the dtype is refused before any GPU is needed, with the
+    /// dtypes it does have.
+    #[test]
+    fn a_dtype_no_family_of_the_op_lists_is_refused() {
+        let Command::Tune(args) =
+            parse(&["tune", "--op", "encoder", "--shape", "B=1,T=4,C=8", "--dtype", "tf32"]).unwrap()
+        else {
+            panic!("not tune")
+        };
+        let e = super::run(std::path::Path::new(env!("CARGO_MANIFEST_DIR")), args)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--dtype tf32 --op encoder") && e.contains("pick one of: f32, f16, bf16"),
+            "{e}"
+        );
     }
 }
