@@ -5,8 +5,8 @@
 //!
 //! GPU tests are `#[ignore = "needs a CUDA GPU"]`; run them on a GPU machine from the project
 //! folder (they find specs/ and templates/ there) with `-- --ignored`. They take a lock so they
-//! never share the GPU. The last test runs everywhere: without a GPU, asking for one is a clear
-//! error, not a panic.
+//! never share the GPU. Two tests run everywhere: without a GPU, asking for one is a clear
+//! error, not a panic; and a dtype some op has no kernels for is refused before the GPU is used.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -444,4 +444,41 @@ fn asking_for_cuda_without_a_gpu_is_a_clear_error() {
         Err(e) => format!("{e:#}"),
     };
     assert!(err.contains("CUDA"), "{err}");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// A dtype that some forward op has no family for is refused before the GPU is touched, naming
+/// the op; so is `--unfused` (the f32 baseline) with a 16-bit dtype. Runs with or without a GPU.
+#[test]
+fn a_dtype_without_kernels_is_refused_naming_the_op() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&root.join("specs"), &dir.path().join("specs"));
+    copy_dir(&root.join("templates"), &dir.path().join("templates"));
+    std::fs::remove_file(dir.path().join("specs/attention_flash_mma.toml")).unwrap();
+    let err = match GpuBackend::with_root(dir.path(), tiny_model(), 1, false, Dtype::Bf16) {
+        Ok(_) => panic!("bf16 without a bf16 attention family"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        err.contains("--dtype bf16") && err.contains("attention (bf16)") && err.contains("dtypes = [...]"),
+        "{err}"
+    );
+    let err = match GpuBackend::with_root(root, tiny_model(), 1, true, Dtype::F16) {
+        Ok(_) => panic!("--unfused in f16"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("--unfused") && err.contains("f16"), "{err}");
 }

@@ -293,31 +293,10 @@ impl GpuBackend {
         if unfused && storage != Storage::F32 {
             bail!("--unfused is the f32 baseline of the seeds; it has no {dtype} kernels (drop --unfused or use --dtype f32)");
         }
-        let gpu = Gpu::new(0).context("the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")?;
-        let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
         let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))
             .with_context(|| format!("loading the kernel specs under {}", root.display()))?;
-        let mut notes = Vec::new();
-        let header = DbHeader::for_device(&gpu, &compiler);
-        let db_path = default_path(&header);
-        let db = if db_path.exists() {
-            match TuningDb::open(&db_path, header) {
-                Ok(db) => {
-                    if let Some(w) = &db.warning {
-                        notes.push(w.clone());
-                    }
-                    Some(db)
-                }
-                Err(e) => {
-                    notes.push(format!("not using the tuning database: {e}"));
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        // Every op must have a family in the dtype it runs in: the forward pass's ops now, the
-        // decode ops when a decode step comes.
+        // Every op must have a family in the dtype it runs in: the forward pass's ops now (before
+        // touching the GPU), the decode ops when a decode step comes.
         let lacking = |op_list: &[&str]| -> Vec<String> {
             op_list
                 .iter()
@@ -343,6 +322,27 @@ impl GpuBackend {
                 decode_missing.join(" and ")
             )
         });
+        let gpu = Gpu::new(0).context("the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")?;
+        let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
+        let mut notes = Vec::new();
+        let header = DbHeader::for_device(&gpu, &compiler);
+        let db_path = default_path(&header);
+        let db = if db_path.exists() {
+            match TuningDb::open(&db_path, header) {
+                Ok(db) => {
+                    if let Some(w) = &db.warning {
+                        notes.push(w.clone());
+                    }
+                    Some(db)
+                }
+                Err(e) => {
+                    notes.push(format!("not using the tuning database: {e}"));
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let registry = Registry::new(catalog, db, compiler)?;
 
         // Weights, once.
