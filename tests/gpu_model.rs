@@ -1,7 +1,8 @@
 //! The GPU GPT-2 backend against the f32 CPU reference on a tiny random model (L=2, NH=2,
 //! C=128 so the head size is 64 as flash and decode attention need, V=300, n_ctx=128, every
 //! bias and layernorm parameter perturbed): prefill logits, KV-cached decode steps, greedy
-//! generation, a batch of three prompts, the unfused path, and both checkpoint formats.
+//! generation, a batch of three prompts, the unfused path, tf32 matmuls, f16/bf16 storage, and
+//! both checkpoint formats.
 //!
 //! GPU tests are `#[ignore = "needs a CUDA GPU"]`; run them on a GPU machine from the project
 //! folder (they find specs/ and templates/ there) with `-- --ignored`. They take a lock so they
