@@ -143,7 +143,7 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             let mask = args.mask.unwrap_or(op.masks()[0]);
             let dtypes: Vec<Dtype> = Dtype::ALL
                 .into_iter()
-                .filter(|d| catalog.for_op(op.name()).any(|f| f.dtypes.contains(d)))
+                .filter(|&d| catalog.has_dtype(op.name(), d))
                 .collect();
             if !dtypes.contains(&args.dtype) {
                 bail!(

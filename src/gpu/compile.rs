@@ -160,9 +160,21 @@ impl Compiler {
         })
     }
 
-    /// Compiles many sources in parallel (NVRTC is thread-safe across programs).
-    pub fn compile_all(&self, sources: &[Source]) -> Vec<Result<Compiled, CompileError>> {
-        sources.par_iter().map(|s| self.compile(s)).collect()
+    /// Compiles many (family, source) pairs in parallel (NVRTC is thread-safe across programs),
+    /// each for its family's target (see [`Compiler::for_family`]); `on_done` sees each source
+    /// as it finishes (progress bars).
+    pub fn compile_all(
+        &self,
+        jobs: &[(&crate::spec::Family, &Source)],
+        on_done: impl Fn(&Source) + Sync,
+    ) -> Vec<Result<Compiled, CompileError>> {
+        jobs.par_iter()
+            .map(|(family, source)| {
+                let result = self.for_family(family).compile(source);
+                on_done(source);
+                result
+            })
+            .collect()
     }
 
     /// PTX for reading (`inspect --ptx`): compiled for the virtual architecture `compute_XY`

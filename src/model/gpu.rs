@@ -215,10 +215,9 @@ pub struct GpuBackend {
     sync_each: bool,
     launch_mode: LaunchMode,
     /// The dtype asked for: f32; tf32 (f32 storage, the compute-bound matmuls on tensor cores,
-    /// see [`matmul_dtype`]); or f16 / bf16 (every tensor stored in it, f32 math inside).
+    /// see [`matmul_dtype`]); or f16 / bf16 (weights, activations and KV cache stored in it,
+    /// f32 math inside).
     dtype: Dtype,
-    /// How the weights, activations and KV cache are stored (from `dtype`).
-    storage: Storage,
     /// Whether decode steps run as CUDA graphs (see the module docs).
     decode_graphs_on: bool,
     /// The recorded decode-step graph of each batch size.
@@ -302,7 +301,7 @@ impl GpuBackend {
                 .iter()
                 .filter_map(|&op| {
                     let want = if op == "matmul" { dtype } else { op_dtype(dtype) };
-                    let found = ops::op_by_name(op).is_some() && catalog.for_op(op).any(|f| f.dtypes.contains(&want));
+                    let found = ops::op_by_name(op).is_some() && catalog.has_dtype(op, want);
                     (!found).then(|| format!("{op} ({want})"))
                 })
                 .collect()
@@ -418,7 +417,6 @@ impl GpuBackend {
             sync_each,
             launch_mode: LaunchMode::Direct,
             dtype,
-            storage,
             decode_graphs_on: true,
             decode_graphs: HashMap::new(),
             prepared: None,
@@ -522,11 +520,6 @@ impl GpuBackend {
     /// Why decode steps are unavailable in this build, if they are.
     pub fn decode_unavailable(&self) -> Option<&str> {
         self.decode_missing.as_deref()
-    }
-
-    /// The dtype it computes in (see the `dtype` field).
-    pub fn dtype(&self) -> Dtype {
-        self.dtype
     }
 
     /// Run decode steps as CUDA graphs (the default) or kernel by kernel.
@@ -820,13 +813,8 @@ impl GpuBackend {
             mm(vp, c, m, ti)
         };
         let lm_head = self.kernel("lm_head", "matmul", Epilogue::None, Mask::None, head_shape, None)?;
-        let argmax_dtype = op_dtype(self.dtype);
-        let argmax_available = ops::op_by_name(ARGMAX_OP).is_some()
-            && self
-                .registry
-                .catalog
-                .for_op(ARGMAX_OP)
-                .any(|f| f.dtypes.contains(&argmax_dtype));
+        let argmax_available =
+            ops::op_by_name(ARGMAX_OP).is_some() && self.registry.catalog.has_dtype(ARGMAX_OP, op_dtype(self.dtype));
         let argmax = if decode && argmax_available {
             let s = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
             Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, s, None)?)
@@ -970,7 +958,7 @@ impl GpuBackend {
             .ctx
             .bind_to_thread()
             .map_err(GpuError::cuda("binding the CUDA context"))?;
-        let bytes = elems * self.storage.bytes();
+        let bytes = elems * self.dtype.storage().bytes();
         // SAFETY: both pointers address live buffers of this backend with room for `elems`
         // values (the caller computes them from the buffer shapes), on our stream.
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.stream.cu_stream()) }
@@ -983,14 +971,14 @@ impl GpuBackend {
         let cfg = self.model.config.clone();
         if b * t > self.act.rows || b > self.act.last.len / cfg.n_embd {
             let rows = (b * cfg.n_ctx).max(self.act.rows);
-            let storage = self.storage;
+            let storage = self.dtype.storage();
             self.act = Self::alloc_activations(&self.gpu, storage, &cfg, 0, 1, false)?; // free the old ones first
             self.act = Self::alloc_activations(&self.gpu, storage, &cfg, rows, b, self.unfused)?;
             self.buffers_generation += 1;
         }
         if b > self.kv_batch {
             self.kv.clear();
-            self.kv = Self::alloc_kv(&self.gpu, self.storage, &cfg, b)?;
+            self.kv = Self::alloc_kv(&self.gpu, self.dtype.storage(), &cfg, b)?;
             self.kv_batch = b;
             self.buffers_generation += 1;
         }
@@ -1040,7 +1028,7 @@ impl GpuBackend {
         let last = self.act.last.ptr(g);
         let logits = self.act.logits.ptr(g);
         let kv: Vec<(u64, u64)> = self.kv.iter().map(|(k, v)| (k.ptr(g), v.ptr(g))).collect();
-        let e = self.storage.bytes(); // bytes per element, for pointer offsets
+        let e = self.dtype.storage().bytes(); // bytes per element, for pointer offsets
         let (k_new, v_new) = (qkv + (rows * c * e) as u64, qkv + (2 * rows * c * e) as u64);
         let scale = 1.0 / (hs as f32).sqrt();
 
@@ -1193,7 +1181,7 @@ impl GpuBackend {
     fn read_logits(&mut self, b: usize, seq: usize, rows: usize) -> AnyResult<Logits> {
         let cfg = &self.model.config;
         let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
-        let e = self.storage.bytes();
+        let e = self.dtype.storage().bytes();
         let n = rows * vp * e; // bytes
         let src = self.act.logits.bytes.slice(0..n);
         let copy_err = || GpuError::cuda(format!("copying {rows} x {vp} logits back"));
@@ -1229,7 +1217,7 @@ impl GpuBackend {
         };
         let mut data = Vec::with_capacity(rows * v);
         for r in 0..rows {
-            data.extend(self.storage.decode(&host[r * vp * e..(r * vp + v) * e]));
+            data.extend(self.dtype.storage().decode(&host[r * vp * e..(r * vp + v) * e]));
         }
         self.finish_step_timing()?;
         self.flush_profile()?;

@@ -901,6 +901,11 @@ impl Catalog {
     pub fn for_op<'a>(&'a self, op: &'a str) -> impl Iterator<Item = &'a Arc<Family>> + 'a {
         self.families.iter().filter(move |f| f.op.name() == op)
     }
+
+    /// Whether some family implements `op` in `dtype`.
+    pub fn has_dtype(&self, op: &str, dtype: Dtype) -> bool {
+        self.for_op(op).any(|f| f.dtypes.contains(&dtype))
+    }
 }
 
 /// Which variants of a family to produce.

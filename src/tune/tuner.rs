@@ -17,7 +17,7 @@ use super::workloads::Workload;
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
 use crate::ops::{self, Problem, Shape};
-use crate::spec::{expand, variant_with, Catalog, Dtype, Points, Variant};
+use crate::spec::{expand, variant_with, Catalog, Dtype, Family, Points, Variant};
 
 /// Knobs of a tuning run.
 #[derive(Debug, Clone)]
@@ -167,15 +167,14 @@ struct Context<'a> {
 impl Context<'_> {
     /// Renders and compiles (in parallel) every variant not compiled yet.
     fn compile(&mut self, variants: &[Variant], progress: &dyn Progress) {
-        // Each with the compiler for its family (its exact `[family] arch`, if any).
-        let mut sources: Vec<(Source, Compiler)> = Vec::new();
+        let mut sources: Vec<(&Family, Source)> = Vec::new();
         for v in variants {
             let name = v.kernel_name();
-            if self.compiled.contains_key(&name) || sources.iter().any(|(s, _)| s.kernel_name == name) {
+            if self.compiled.contains_key(&name) || sources.iter().any(|(_, s)| s.kernel_name == name) {
                 continue;
             }
             match self.renderer.render(v) {
-                Ok(s) => sources.push((s, self.compiler.for_family(&v.family))),
+                Ok(s) => sources.push((&v.family, s)),
                 Err(e) => {
                     self.compiled.insert(name, Err(e.to_string()));
                 }
@@ -185,17 +184,11 @@ impl Context<'_> {
             return;
         }
         progress.stage("compiling", sources.len() as u64);
-        use rayon::prelude::*;
-        let results: Vec<_> = sources
-            .par_iter()
-            .map(|(s, compiler)| {
-                let r = compiler.compile(s).map_err(|e| e.to_string());
-                progress.advance(&s.kernel_name);
-                r
-            })
-            .collect();
-        for ((s, _), r) in sources.iter().zip(results) {
-            self.compiled.insert(s.kernel_name.clone(), r);
+        let jobs: Vec<_> = sources.iter().map(|(f, s)| (*f, s)).collect();
+        let results = self.compiler.compile_all(&jobs, |s| progress.advance(&s.kernel_name));
+        for ((_, s), r) in sources.iter().zip(results) {
+            self.compiled
+                .insert(s.kernel_name.clone(), r.map_err(|e| e.to_string()));
         }
     }
 

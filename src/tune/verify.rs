@@ -87,18 +87,13 @@ pub fn verify(
         .iter()
         .zip(&sources)
         .filter(|(v, _)| v.check_device(&gpu.info.limits).is_ok())
-        .filter_map(|(v, s)| s.as_ref().ok().map(|s| (v, s)))
+        .filter_map(|(v, s)| s.as_ref().ok().map(|s| (&*v.family, s)))
         .collect();
-    let compiled: HashMap<String, Result<Compiled, String>> = {
-        use rayon::prelude::*;
-        to_compile
-            .par_iter()
-            .map(|(v, s)| {
-                let result = compiler.for_family(&v.family).compile(s);
-                (s.kernel_name.clone(), result.map_err(|e| e.to_string()))
-            })
-            .collect()
-    };
+    let compiled: HashMap<String, Result<Compiled, String>> = to_compile
+        .iter()
+        .zip(compiler.compile_all(&to_compile, |_| {}))
+        .map(|((_, s), result)| (s.kernel_name.clone(), result.map_err(|e| e.to_string())))
+        .collect();
 
     // Group variants by the problem they need so every group shares inputs and reference.
     // Half-storage variants need their own problem (inputs rounded, tensors stored as halves).
