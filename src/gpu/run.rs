@@ -28,17 +28,15 @@ pub struct DeviceProblem {
 }
 
 enum DeviceBuffer {
-    F32(CudaSlice<f32>),
-    /// f16 or bf16 bit patterns.
-    Half(CudaSlice<u16>, Storage),
+    /// Floating-point values in the problem's storage type, as [`Storage::encode`] lays them out.
+    Float(CudaSlice<u8>, Storage),
     I32(CudaSlice<i32>),
 }
 
 impl DeviceBuffer {
     fn ptr(&self, gpu: &Gpu) -> u64 {
         match self {
-            DeviceBuffer::F32(s) => s.device_ptr(&gpu.stream).0,
-            DeviceBuffer::Half(s, _) => s.device_ptr(&gpu.stream).0,
+            DeviceBuffer::Float(s, _) => s.device_ptr(&gpu.stream).0,
             DeviceBuffer::I32(s) => s.device_ptr(&gpu.stream).0,
         }
     }
@@ -53,12 +51,11 @@ impl DeviceProblem {
             .map(|t| {
                 let what = format!("uploading `{}` ({} elements)", t.name, t.data.len());
                 Ok(match &t.data {
-                    HostData::F32(v) if problem.storage != Storage::F32 => {
-                        let bits: Vec<u16> = v.iter().map(|&x| problem.storage.to_bits(x)).collect();
-                        let slice = gpu.stream.clone_htod(&bits).map_err(GpuError::cuda(what))?;
-                        DeviceBuffer::Half(slice, problem.storage)
+                    HostData::F32(v) => {
+                        let bytes = problem.storage.encode(v);
+                        let slice = gpu.stream.clone_htod(&bytes).map_err(GpuError::cuda(what))?;
+                        DeviceBuffer::Float(slice, problem.storage)
                     }
-                    HostData::F32(v) => DeviceBuffer::F32(gpu.stream.clone_htod(v).map_err(GpuError::cuda(what))?),
                     HostData::I32(v) => DeviceBuffer::I32(gpu.stream.clone_htod(v).map_err(GpuError::cuda(what))?),
                 })
             })
@@ -87,12 +84,8 @@ impl DeviceProblem {
             }
             let what = format!("poisoning `{}`", t.name);
             match buf {
-                DeviceBuffer::F32(s) => {
-                    let nan = vec![f32::NAN; s.len()];
-                    gpu.stream.memcpy_htod(&nan, s).map_err(GpuError::cuda(what))?;
-                }
-                DeviceBuffer::Half(s, storage) => {
-                    let nan = vec![storage.to_bits(f32::NAN); s.len()];
+                DeviceBuffer::Float(s, storage) => {
+                    let nan = storage.encode(&vec![f32::NAN; s.len() / storage.bytes()]);
                     gpu.stream.memcpy_htod(&nan, s).map_err(GpuError::cuda(what))?;
                 }
                 DeviceBuffer::I32(s) => {
@@ -107,17 +100,11 @@ impl DeviceProblem {
     /// Copies tensor `index` back to the host as f32.
     pub fn download(&self, gpu: &Gpu, index: usize) -> Result<Vec<f32>, GpuError> {
         match &self.buffers[index] {
-            DeviceBuffer::F32(s) => gpu
-                .stream
-                .clone_dtoh(s)
-                .map_err(GpuError::cuda("downloading an output")),
-            DeviceBuffer::Half(s, storage) => Ok(gpu
-                .stream
-                .clone_dtoh(s)
-                .map_err(GpuError::cuda("downloading an output"))?
-                .into_iter()
-                .map(|bits| storage.from_bits(bits))
-                .collect()),
+            DeviceBuffer::Float(s, storage) => Ok(storage.decode(
+                &gpu.stream
+                    .clone_dtoh(s)
+                    .map_err(GpuError::cuda("downloading an output"))?,
+            )),
             DeviceBuffer::I32(s) => Ok(gpu
                 .stream
                 .clone_dtoh(s)
