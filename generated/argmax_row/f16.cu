@@ -38,12 +38,26 @@ __device__ __forceinline__ float2 to_float2(storage2_t x) { return __half22float
 __device__ __forceinline__ storage2_t from_float2(float a, float b) { return __floats2half2_rn(a, b); }
 constexpr int STORAGE_BYTES = sizeof(storage_t);
 
-// Four halves are 8 bytes: one uint2 load, two packed pair conversions.
-__device__ __forceinline__ float4 load4(const storage_t* ptr) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(ptr);
+// Halves travel as raw 32-bit words of two (uint2 = 4 halves, uint4 = 8) and are widened a pair
+// at a time (to_float2: one conversion instruction per pair).
+__device__ __forceinline__ float4 unpack4(uint2 raw) {
     const float2 lo = to_float2(*reinterpret_cast<const storage2_t*>(&raw.x));
     const float2 hi = to_float2(*reinterpret_cast<const storage2_t*>(&raw.y));
     return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void unpack8(uint4 raw, float (&v)[8]) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 pair = to_float2(*reinterpret_cast<const storage2_t*>(&words[i]));
+        v[2 * i] = pair.x;
+        v[2 * i + 1] = pair.y;
+    }
+}
+
+// Four halves are 8 bytes: one uint2 load.
+__device__ __forceinline__ float4 load4(const storage_t* ptr) {
+    return unpack4(*reinterpret_cast<const uint2*>(ptr));
 }
 __device__ __forceinline__ void store4(storage_t* ptr, float4 v) {
     const storage2_t lo = from_float2(v.x, v.y), hi = from_float2(v.z, v.w);
@@ -54,14 +68,7 @@ __device__ __forceinline__ void store4(storage_t* ptr, float4 v) {
 }
 // Eight halves are 16 bytes: one uint4 access, the widest a thread can issue.
 __device__ __forceinline__ void load8(const storage_t* ptr, float (&v)[8]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 pair = to_float2(*reinterpret_cast<const storage2_t*>(&words[i]));
-        v[2 * i] = pair.x;
-        v[2 * i + 1] = pair.y;
-    }
+    unpack8(*reinterpret_cast<const uint4*>(ptr), v);
 }
 __device__ __forceinline__ void store8(storage_t* ptr, const float (&v)[8]) {
     unsigned words[4];
@@ -73,26 +80,14 @@ __device__ __forceinline__ void store8(storage_t* ptr, const float (&v)[8]) {
     *reinterpret_cast<uint4*>(ptr) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 // Vectors of storage_t as f32 arrays: the overload is chosen by the array length (1, 4, 8).
-// Halves travel as raw 32-bit words (two halves each: uint2 = 4, uint4 = 8) and are widened
-// a pair at a time (to_float2: one conversion instruction per pair).
-__device__ __forceinline__ float2 unpack_pair(unsigned word) {
-    return to_float2(*reinterpret_cast<const storage2_t*>(&word));
-}
+// The read-only path loads the raw words; common/storage.cu.tera's unpack4 / unpack8 widen them.
 __device__ __forceinline__ float ldg_element(const storage_t* ptr) { return to_float(__ldg(ptr)); }
 __device__ __forceinline__ void ldg_vector(const storage_t* ptr, float (&v)[4]) {
-    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(ptr));  // 8 bytes
-    const float2 lo = unpack_pair(raw.x), hi = unpack_pair(raw.y);
-    v[0] = lo.x; v[1] = lo.y; v[2] = hi.x; v[3] = hi.y;
+    const float4 q = unpack4(__ldg(reinterpret_cast<const uint2*>(ptr)));  // 8 bytes
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
 }
 __device__ __forceinline__ void ldg_vector(const storage_t* ptr, float (&v)[8]) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(ptr));  // 16 bytes
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 pair = unpack_pair(words[i]);
-        v[2 * i] = pair.x;
-        v[2 * i + 1] = pair.y;
-    }
+    unpack8(__ldg(reinterpret_cast<const uint4*>(ptr)), v);  // 16 bytes
 }
 __device__ __forceinline__ void ldg_vector(const storage_t* ptr, float (&v)[1]) { v[0] = ldg_element(ptr); }
 

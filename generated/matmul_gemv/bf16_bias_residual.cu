@@ -97,12 +97,26 @@ __device__ __forceinline__ float2 to_float2(storage2_t x) { return __bfloat1622f
 __device__ __forceinline__ storage2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
 constexpr int STORAGE_BYTES = sizeof(storage_t);
 
-// Four halves are 8 bytes: one uint2 load, two packed pair conversions.
-__device__ __forceinline__ float4 load4(const storage_t* ptr) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(ptr);
+// Halves travel as raw 32-bit words of two (uint2 = 4 halves, uint4 = 8) and are widened a pair
+// at a time (to_float2: one conversion instruction per pair).
+__device__ __forceinline__ float4 unpack4(uint2 raw) {
     const float2 lo = to_float2(*reinterpret_cast<const storage2_t*>(&raw.x));
     const float2 hi = to_float2(*reinterpret_cast<const storage2_t*>(&raw.y));
     return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void unpack8(uint4 raw, float (&v)[8]) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 pair = to_float2(*reinterpret_cast<const storage2_t*>(&words[i]));
+        v[2 * i] = pair.x;
+        v[2 * i + 1] = pair.y;
+    }
+}
+
+// Four halves are 8 bytes: one uint2 load.
+__device__ __forceinline__ float4 load4(const storage_t* ptr) {
+    return unpack4(*reinterpret_cast<const uint2*>(ptr));
 }
 __device__ __forceinline__ void store4(storage_t* ptr, float4 v) {
     const storage2_t lo = from_float2(v.x, v.y), hi = from_float2(v.z, v.w);
@@ -113,14 +127,7 @@ __device__ __forceinline__ void store4(storage_t* ptr, float4 v) {
 }
 // Eight halves are 16 bytes: one uint4 access, the widest a thread can issue.
 __device__ __forceinline__ void load8(const storage_t* ptr, float (&v)[8]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 pair = to_float2(*reinterpret_cast<const storage2_t*>(&words[i]));
-        v[2 * i] = pair.x;
-        v[2 * i + 1] = pair.y;
-    }
+    unpack8(*reinterpret_cast<const uint4*>(ptr), v);
 }
 __device__ __forceinline__ void store8(storage_t* ptr, const float (&v)[8]) {
     unsigned words[4];
