@@ -225,17 +225,21 @@ fn gpu_matmul_wmma_tf32() {
     }
 }
 
-/// The Hopper wgmma family on its own (sm_90a: only on compute capability 9.0), with a larger
-/// sample than the per-op test: every dtype it lists, every epilogue, on the awkward shapes its
-/// `K % 8 == 0` constraint allows (M=37, N=100, K=72; QKV with HS=12, ...). On another GPU every
-/// row must be a skip that names the target.
+/// The Hopper wgmma families on their own (sm_90a: only on compute capability 9.0), with a
+/// larger sample than the per-op test: every dtype they list, every epilogue, on the awkward
+/// shapes their `K % 8 == 0` constraint allows (M=37, N=100, K=72; QKV with HS=12, ...). On
+/// another GPU every row must be a skip that names the target. Then the persistent TMA family on
+/// a shape with more tiles than blocks (M=4099, N=1000, K=264: at least two tiles per block even
+/// for its largest tiles on 132 SMs), where the ring runs across tile boundaries and clusters
+/// get an odd number of tile rows, and on partial tiles its staged epilogue must clip.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wgmma() {
-    let catalog = catalog_of(&["matmul_wgmma"]);
-    let family = catalog.families[0].clone();
+    let families = ["matmul_wgmma", "matmul_wgmma_tma"];
+    let catalog = catalog_of(&families);
     let rows = run(&catalog, "matmul", |seed| Points::Sample { count: 8, seed });
-    if Gpu::new(0).expect("a CUDA GPU").info.compute_capability != (9, 0) {
+    let gpu = Gpu::new(0).expect("a CUDA GPU");
+    if gpu.info.compute_capability != (9, 0) {
         for r in &rows {
             assert!(
                 matches!(&r.status, Status::Skip(why) if why.contains("sm_90a")),
@@ -246,14 +250,15 @@ fn gpu_matmul_wgmma() {
     }
     assert_no_failures(rows.iter());
     let passed: Vec<_> = rows.iter().filter(|r| r.status == Status::Pass).collect();
-    for dtype in &family.dtypes {
-        for kind in ["matmul_wgmma", "[bias]", "[bias_gelu]", "[bias_residual]", "[qkv]"] {
-            assert!(
-                passed
-                    .iter()
-                    .any(|r| r.dtype == dtype.as_str() && r.kernel.ends_with(kind)),
-                "no {dtype} {kind} row passed"
-            );
+    for family in &catalog.families {
+        for dtype in &family.dtypes {
+            for kind in ["", "[bias]", "[bias_gelu]", "[bias_residual]", "[qkv]"] {
+                let kernel = format!("{}{kind}", family.name);
+                assert!(
+                    passed.iter().any(|r| r.dtype == dtype.as_str() && r.kernel == kernel),
+                    "no {dtype} {kernel} row passed"
+                );
+            }
         }
     }
     assert!(passed
@@ -264,6 +269,41 @@ fn gpu_matmul_wgmma() {
             r.tolerance,
             kernelforge::tune::verify::tolerance(r.dtype.parse().unwrap()),
             "{r:?}"
+        );
+    }
+
+    // Several tiles per block: the persistent loop, the ring across tiles, ping-pong turns.
+    let tma = catalog.family("matmul_wgmma_tma").expect("the TMA family");
+    let mut variants = expand(tma, Points::Sample { count: 6, seed: seed() }, &gpu.info.limits).expect("expand");
+    variants.retain(|v| v.epilogue == Epilogue::None || v.epilogue == Epilogue::BiasResidual);
+    let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
+    let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
+    // Then partial tiles in both directions with N % 8 == 0, where the staged epilogue's TMA
+    // stores (which need it) clip the edges: 333 rows, 264 = 2 x 128 + 8 columns.
+    for (m, n, k) in [(4099, 1000, 264), (333, 264, 136)] {
+        let shape: Shape = [("M", m), ("N", n), ("K", k)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let rows = verify(
+            &gpu,
+            &compiler,
+            &renderer,
+            &variants,
+            &Shapes::Given(shape),
+            seed(),
+            |_| {},
+        );
+        for r in &rows {
+            eprintln!(
+                "{:40} {:42} {:?} {:?} {}",
+                r.kernel, r.shape, r.error, r.status, r.variant
+            );
+        }
+        assert_no_failures(rows.iter());
+        assert!(
+            rows.iter().filter(|r| r.status == Status::Pass).count() >= 2 * 2,
+            "both dtypes, both epilogues, the default at least: {rows:#?}"
         );
     }
 }

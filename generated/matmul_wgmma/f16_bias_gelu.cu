@@ -235,14 +235,20 @@ __device__ __forceinline__ long long output_index(int m, int n, int M, int N, in
     return (long long)m * N + n;
 }
 
+// The epilogue's arithmetic before the store: + bias (b0, b1: bias[n], bias[n + 1]), GELU.
+// (bias_residual adds the residual at the store.)
+__device__ __forceinline__ void finish_pair(float& v0, float& v1, float b0, float b1) {
+    v0 += b0;
+    v1 += b1;
+    v0 = gelu_fast(v0);
+    v1 = gelu_fast(v1);
+}
+
 __device__ __forceinline__ void store_output_pair(storage_t* out, const storage_t* bias, const storage_t* residual,
                                                   int m, int n, float v0, float v1,
                                                   int M, int N, int T, int n_head, bool pairs) {
     const bool second = n + 1 < N;
-    v0 += to_float(bias[n]);
-    if (second) v1 += to_float(bias[n + 1]);
-    v0 = gelu_fast(v0);
-    v1 = gelu_fast(v1);
+    finish_pair(v0, v1, to_float(bias[n]), second ? to_float(bias[n + 1]) : 0.0f);
     const long long idx = output_index(m, n, M, N, T, n_head);
     if (pairs && second) {
         store2(out + idx, v0, v1);
@@ -307,12 +313,13 @@ __device__ __forceinline__ void copy_tile(unsigned tile_base, const storage_t* s
     }
 }
 
-// The MMAs of one K tile for one warpgroup (rows a_rows .. a_rows + WG_M of the A tile, all
-// BLOCK_N columns), committed as one wgmma group. The descriptor of m64 tile i starts at row
-// a_rows + 64 i of each A panel; B always starts at row 0. Within a panel, K step k is 32 bytes
+// The MMAs of one K tile for one warpgroup (rows a_rows .. a_rows + 64 M_TILES of the A tile,
+// columns b_rows .. b_rows + WGMMA_N of the B tile), committed as one wgmma group. The
+// descriptor of m64 tile i starts at row a_rows + 64 i of each A panel, B's at row b_rows (both
+// multiples of 8: whole swizzle atoms). Within a panel, K step k is 32 bytes
 // further along every row (the swizzle is applied by the hardware to the full address).
 __device__ __forceinline__ void issue_mmas(float (&acc)[M_TILES][ACC_REGS], unsigned a_stage, unsigned b_stage,
-                                           int a_rows) {
+                                           int a_rows, int b_rows) {
     // Pin the accumulators first: their last definition (the zeroing, or the previous tile's
     // MMAs) must precede wgmma.fence, or ptxas serialises the pipeline (warning C7515).
 #pragma unroll
@@ -321,7 +328,7 @@ __device__ __forceinline__ void issue_mmas(float (&acc)[M_TILES][ACC_REGS], unsi
 #pragma unroll
     for (int p = 0; p < PANELS; ++p) {
         const unsigned a_panel = a_stage + p * A_PANEL_BYTES + a_rows * 128;
-        const unsigned b_panel = b_stage + p * B_PANEL_BYTES;
+        const unsigned b_panel = b_stage + p * B_PANEL_BYTES + b_rows * 128;
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k) {
             const unsigned long long desc_b = smem_desc_sw128(b_panel + k * 32);
@@ -344,8 +351,29 @@ __device__ __forceinline__ void store_accumulators(const float (&acc)[M_TILES][A
     const int row_base = wg_row0 + warp_in_group * 16 + lane / 4;
     const int col_base = n0 + 2 * (lane % 4);
     const bool pairs = pair_store_ok(out, residual, N, n_head);
+    // Interior tiles (all but the last row and column of tiles) need no bounds checks: every
+    // store is then one paired access at a constant offset from one base pointer, and the bias
+    // pair is read once per column block instead of once per store (out may alias bias as far
+    // as the compiler knows, so it would not hoist the loads itself).
+    if (pairs && wg_row0 + 64 * M_TILES <= M && n0 + WGMMA_N <= N) {
+        const long long base = (long long)row_base * N + col_base;
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        for (int j = 0; j < WGMMA_N / 8; ++j) {
+            const float2 b = make_float2(to_float(bias[col_base + 8 * j]), to_float(bias[col_base + 8 * j + 1]));
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const long long at = base + (long long)(64 * i + 8 * h) * N + 8 * j;
+                    float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
+                    finish_pair(v0, v1, b.x, b.y);
+                    store2(out + at, v0, v1);
+                }
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < WGMMA_N / 8; ++j) {
         const int n = col_base + 8 * j;
         if (n >= N) continue;
 #pragma unroll
@@ -414,7 +442,7 @@ matmul_wgmma_bias_gelu_413e5984_main(storage_t* out, const storage_t* __restrict
         __syncthreads();
 
         // (4) The MMAs of tile t, one group.
-        issue_mmas(acc, a_tile(read_stage), b_tile(read_stage), warpgroup * WG_M);
+        issue_mmas(acc, a_tile(read_stage), b_tile(read_stage), warpgroup * WG_M, 0);
 
         // (5) Refill the stage of tile t - 1 - IN_FLIGHT with tile t + PREFETCH.
         if (t + PREFETCH < tiles) {

@@ -16,6 +16,12 @@ pub enum GpuError {
     NoDevice { ordinal: usize, source: DriverError },
     #[error("CUDA error while {what}: {source}")]
     Cuda { what: String, source: DriverError },
+    #[error("cannot build the TMA tensor map of `{arg}` for {function}: {message}")]
+    TensorMap {
+        function: String,
+        arg: String,
+        message: String,
+    },
 }
 
 impl GpuError {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
 
-use super::{ArgValue, GpuError};
+use super::{tensor_map, ArgValue, GpuError};
 use crate::spec::Launch;
 
 /// One kernel node and what it was last set to.
@@ -46,24 +46,14 @@ pub struct GraphMismatch {
 /// Kernel arguments laid out as `cuLaunchKernel` wants them: one pointer per argument to a
 /// value of the argument's own size. The pointers are only valid while `self` lives.
 struct ArgBuffer {
-    values: Vec<[u8; 8]>,
+    values: Vec<Vec<u8>>,
 }
 
 impl ArgBuffer {
     fn new(args: &[ArgValue]) -> ArgBuffer {
-        let values = args
-            .iter()
-            .map(|a| {
-                let mut bytes = [0u8; 8];
-                match a {
-                    ArgValue::Ptr(p) => bytes.copy_from_slice(&p.to_ne_bytes()),
-                    ArgValue::I32(v) => bytes[..4].copy_from_slice(&v.to_ne_bytes()),
-                    ArgValue::F32(v) => bytes[..4].copy_from_slice(&v.to_ne_bytes()),
-                }
-                bytes
-            })
-            .collect();
-        ArgBuffer { values }
+        ArgBuffer {
+            values: args.iter().map(ArgValue::bytes).collect(),
+        }
     }
 
     fn pointers(&mut self) -> Vec<*mut std::ffi::c_void> {
@@ -71,16 +61,16 @@ impl ArgBuffer {
     }
 }
 
-/// Calls `f` with the kernel-node parameters of a launch of `function` with `launch` and
-/// `args`; the argument pointers in them are valid only during the call (the driver copies
-/// what they point at).
+/// Calls `f` with the kernel-node parameters of a launch of `function` with `launch` and the
+/// op arguments `args` (plus the launch's tensor maps); the argument pointers in them are valid
+/// only during the call (the driver copies what they point at).
 fn with_node_params<R>(
     function: sys::CUfunction,
     launch: &Launch,
     args: &[ArgValue],
     f: impl FnOnce(&sys::CUDA_KERNEL_NODE_PARAMS) -> R,
-) -> R {
-    let mut buffer = ArgBuffer::new(args);
+) -> Result<R, GpuError> {
+    let mut buffer = ArgBuffer::new(&tensor_map::kernel_args(args, launch)?);
     let mut pointers = buffer.pointers();
     let params = sys::CUDA_KERNEL_NODE_PARAMS {
         func: function,
@@ -96,7 +86,7 @@ fn with_node_params<R>(
         kern: ptr::null_mut(),
         ctx: ptr::null_mut(),
     };
-    f(&params)
+    Ok(f(&params))
 }
 
 impl KernelGraph {
@@ -139,7 +129,7 @@ impl KernelGraph {
         // argument values that outlive the call (the driver copies them).
         with_node_params(function.cu_function(), launch, args, |params| unsafe {
             sys::cuGraphAddKernelNode_v2(&mut handle, graph, deps, n_deps, params).result()
-        })
+        })?
         .map_err(GpuError::cuda(format!("adding {} to the CUDA graph", launch.function)))?;
         self.nodes.push(Node {
             handle,
@@ -193,7 +183,7 @@ impl KernelGraph {
         // the driver copies the argument values before returning.
         with_node_params(node.function, launch, args, |params| unsafe {
             sys::cuGraphExecKernelNodeSetParams_v2(exec, node.handle, params).result()
-        })
+        })?
         .map_err(GpuError::cuda(format!(
             "updating {} in the CUDA graph",
             launch.function

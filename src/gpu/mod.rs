@@ -1,14 +1,17 @@
 //! The CUDA side: find the device and its limits ([`device`]), compile rendered sources with
 //! NVRTC behind an on-disk cache ([`compile`]), and run a variant on a problem: buffers,
 //! constant memory, launch geometry from the spec, poisoned outputs ([`run`]); replay a fixed
-//! sequence of launches as one CUDA graph ([`graph`]).
+//! sequence of launches as one CUDA graph ([`graph`]); build the TMA descriptors some kernels take
+//! ([`tensor_map`]).
 
 pub mod compile;
 pub mod device;
 pub mod graph;
 pub mod run;
+pub mod tensor_map;
 
 pub use compile::{CompileError, Compiled, Compiler};
 pub use device::{Gpu, GpuError};
 pub use graph::{GraphMismatch, GraphUpdateError, KernelGraph};
 pub use run::{ArgValue, DeviceProblem, LoadedVariant, RunError};
+pub use tensor_map::TensorMap;

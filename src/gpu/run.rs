@@ -6,7 +6,7 @@ use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
-use super::{Compiled, Gpu, GpuError};
+use super::{tensor_map, Compiled, Gpu, GpuError, TensorMap};
 use crate::ops::{Arg, HostData, Problem, Role, Shape, Storage};
 use crate::spec::{Launch, SpecError, Variant};
 
@@ -316,12 +316,14 @@ impl LoadedVariant {
     pub fn launch_args(&self, gpu: &Gpu, values: &[ArgValue], launches: &[Launch]) -> Result<(), RunError> {
         self.allow_shared_memory(launches)?;
         for (function, l) in self.functions.iter().zip(launches) {
+            let args = tensor_map::kernel_args(values, l)?;
             let mut builder = gpu.stream.launch_builder(function);
-            for v in values {
+            for v in &args {
                 match v {
                     ArgValue::Ptr(p) => builder.arg(p),
                     ArgValue::I32(x) => builder.arg(x),
                     ArgValue::F32(x) => builder.arg(x),
+                    ArgValue::TensorMap(m) => builder.arg(m),
                 };
             }
             let config = LaunchConfig {
@@ -341,12 +343,26 @@ impl LoadedVariant {
     }
 }
 
-/// A kernel argument value: a raw device pointer or a scalar.
+/// A kernel argument value: a raw device pointer, a scalar, or a TMA tensor map (which
+/// [`tensor_map::kernel_args`] appends from the spec; the op's own arguments are the others).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ArgValue {
     Ptr(u64),
     I32(i32),
     F32(f32),
+    TensorMap(TensorMap),
+}
+
+impl ArgValue {
+    /// The value's bytes, as `cuLaunchKernel` reads a parameter of its type.
+    pub fn bytes(&self) -> Vec<u8> {
+        match self {
+            ArgValue::Ptr(p) => p.to_ne_bytes().to_vec(),
+            ArgValue::I32(v) => v.to_ne_bytes().to_vec(),
+            ArgValue::F32(v) => v.to_ne_bytes().to_vec(),
+            ArgValue::TensorMap(m) => m.bytes(),
+        }
+    }
 }
 
 /// Resource usage of one compiled kernel.

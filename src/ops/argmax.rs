@@ -25,6 +25,9 @@ impl OpContract for Argmax {
     fn summary(&self) -> &'static str {
         "index of the largest entry of each row (first on ties, -1 for NaN): greedy decoding"
     }
+    fn signature(&self) -> &'static str {
+        "int* out, const float* logits, int B, int V, int stride"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "V"]
     }

@@ -27,6 +27,9 @@ impl OpContract for Attention {
     fn summary(&self) -> &'static str {
         "multi-head scaled dot-product attention, q/k/v [B,NH,T,HS] -> out [B,T,NH*HS], causal/full/window mask"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const float* q, const float* k, const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "NH", "T", "HS"]
     }

@@ -24,6 +24,9 @@ impl OpContract for AttentionDecode {
     fn summary(&self) -> &'static str {
         "one query per sequence against the KV cache: q [B,NH,HS], caches [B,NH,max_T,HS] -> out [B,NH*HS]"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const float* q, const float* k_cache, const float* v_cache, float* workspace, int B, int NH, int T, int max_T, int HS, float scale"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "NH", "T", "HS"]
     }

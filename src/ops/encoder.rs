@@ -25,6 +25,9 @@ impl OpContract for Encoder {
     fn summary(&self) -> &'static str {
         "token + position embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t+pos_offset,:]"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C, int pos_offset"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "T", "C"]
     }

@@ -18,6 +18,9 @@ impl OpContract for Gelu {
     fn summary(&self) -> &'static str {
         "elementwise GELU (tanh approximation): out = gelu(inp)"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const float* inp, int N"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["N"]
     }

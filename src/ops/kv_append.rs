@@ -22,6 +22,9 @@ impl OpContract for KvAppend {
     fn summary(&self) -> &'static str {
         "append k, v [B,NH,T,HS] to the KV cache [B,NH,max_T,HS] at position pos"
     }
+    fn signature(&self) -> &'static str {
+        "float* k_cache, float* v_cache, const float* k, const float* v, int B, int NH, int T, int max_T, int HS, int pos"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "NH", "T", "HS"]
     }

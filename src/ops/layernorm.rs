@@ -25,6 +25,9 @@ impl OpContract for LayerNorm {
     fn summary(&self) -> &'static str {
         "row-wise layer normalization of an [N,C] matrix with gamma/beta (eps 1e-5)"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const float* inp, const float* gamma, const float* beta, int N, int C"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["N", "C"]
     }

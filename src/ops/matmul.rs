@@ -58,6 +58,9 @@ impl OpContract for Matmul {
     fn summary(&self) -> &'static str {
         "out[M,N] = inp[M,K] @ weight[N,K]^T with a fused epilogue (bias, gelu, residual, qkv split)"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const float* inp, const float* weight, const float* bias, const float* residual, float* workspace, int M, int N, int K, int T, int n_head"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["M", "N", "K"]
     }

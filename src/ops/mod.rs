@@ -342,6 +342,10 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// One line for --help.
     fn summary(&self) -> &'static str;
+    /// The kernel parameter list every template of the op implements, as C (`float* out, ...,
+    /// int N`), in storage-generic spelling (`float` is the storage type). Also in
+    /// templates/README.md, which a test keeps equal.
+    fn signature(&self) -> &'static str;
     /// Shape variables `--shape` lists, in order (matmul: ["M","N","K"]).
     fn dims(&self) -> &'static [&'static str];
     /// Further shape variables that `--shape` may name (`T`, `n_head`, `pos_offset`, ...); they
@@ -391,6 +395,13 @@ static ALL_OPS: [&dyn OpContract; 10] = [
     &kv_append::KvAppend,
     &argmax::Argmax,
 ];
+
+/// Position of the kernel parameter called `name` in `op`'s [`OpContract::signature`].
+pub fn arg_index(op: &dyn OpContract, name: &str) -> Option<usize> {
+    op.signature()
+        .split(", ")
+        .position(|param| param.rsplit(' ').next() == Some(name))
+}
 
 /// Every op contract.
 pub fn all_ops() -> &'static [&'static dyn OpContract] {
@@ -603,20 +614,6 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
 
-    /// The op signatures of templates/README.md, verbatim.
-    const SIGNATURES: &[(&str, &str)] = &[
-        ("encoder", "float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C, int pos_offset"),
-        ("layernorm", "float* out, const float* inp, const float* gamma, const float* beta, int N, int C"),
-        ("matmul", "float* out, const float* inp, const float* weight, const float* bias, const float* residual, float* workspace, int M, int N, int K, int T, int n_head"),
-        ("attention", "float* out, const float* q, const float* k, const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale"),
-        ("softmax", "float* out, const float* inp, int N, int C"),
-        ("gelu", "float* out, const float* inp, int N"),
-        ("residual", "float* out, const float* a, const float* b, int N"),
-        ("attention_decode", "float* out, const float* q, const float* k_cache, const float* v_cache, float* workspace, int B, int NH, int T, int max_T, int HS, float scale"),
-        ("kv_append", "float* k_cache, float* v_cache, const float* k, const float* v, int B, int NH, int T, int max_T, int HS, int pos"),
-        ("argmax", "int* out, const float* logits, int B, int V, int stride"),
-    ];
-
     #[test]
     fn half_storage_rounds_float_tensors_and_keeps_integers() {
         let shape: Shape = [("B", 2), ("V", 37), ("stride", 40)]
@@ -698,10 +695,15 @@ mod tests {
 
     #[test]
     fn args_match_readme_signatures() {
-        assert_eq!(SIGNATURES.len(), all_ops().len());
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/templates/README.md")).unwrap();
         let mut rng = StdRng::seed_from_u64(7);
-        for &(name, sig) in SIGNATURES {
-            let op = op_by_name(name).unwrap();
+        for &op in all_ops() {
+            let (name, sig) = (op.name(), op.signature());
+            assert!(
+                readme.contains(&format!("| {name} | `{sig}` |")),
+                "templates/README.md must list `{name}` as `{sig}`"
+            );
+            assert_eq!(arg_index(op, "out").is_some(), name != "kv_append", "{name}");
             for (e, m) in variants(op) {
                 let shape = &op.test_shapes(e, m)[1];
                 let p = op.problem(shape, e, m, &mut rng).unwrap();

@@ -18,6 +18,9 @@ impl OpContract for Residual {
     fn summary(&self) -> &'static str {
         "elementwise residual add: out = a + b"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const float* a, const float* b, int N"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["N"]
     }

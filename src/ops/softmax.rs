@@ -29,6 +29,9 @@ impl OpContract for Softmax {
     fn summary(&self) -> &'static str {
         "row-wise numerically stable softmax of an [N,C] matrix"
     }
+    fn signature(&self) -> &'static str {
+        "float* out, const float* inp, int N, int C"
+    }
     fn dims(&self) -> &'static [&'static str] {
         &["N", "C"]
     }

@@ -282,6 +282,21 @@ struct RawKernel {
     block: [String; 3],
     #[serde(default = "zero")]
     smem: String,
+    #[serde(default)]
+    tensor_maps: Vec<RawTensorMap>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTensorMap {
+    arg: String,
+    rows: String,
+    cols: String,
+    box_rows: String,
+    box_bytes: String,
+    #[serde(default = "zero")]
+    swizzle: String,
+    when: Option<String>,
 }
 
 fn default_rank() -> i64 {
@@ -314,6 +329,44 @@ pub struct KernelSpec {
     pub grid: [Expr; 3],
     pub block: [Expr; 3],
     pub smem: Expr,
+    /// TMA descriptors passed after the op's arguments, in this order.
+    pub tensor_maps: Vec<TensorMapSpec>,
+}
+
+/// `[[kernels.tensor_maps]]`: a TMA tensor map (`CUtensorMap`) the kernel takes as an extra
+/// `const __grid_constant__` parameter after the op's arguments. It describes one op tensor as
+/// a row-major `rows x cols` matrix of the variant's storage type and the box (tile) one TMA
+/// copy moves: `box_rows` rows of `box_bytes` bytes, stored in shared memory with the given
+/// swizzle. Built on the host at every launch from the argument's device pointer.
+#[derive(Debug, Clone)]
+pub struct TensorMapSpec {
+    /// The op argument the map describes, and its position in the op's signature.
+    pub arg: String,
+    pub arg_index: usize,
+    pub rows: Expr,
+    pub cols: Expr,
+    pub box_rows: Expr,
+    pub box_bytes: Expr,
+    /// Shared-memory swizzle span in bytes: 0 (none), 32, 64 or 128.
+    pub swizzle: Expr,
+    /// Only variants for which this holds take the map (the template declares the parameter
+    /// under the same condition).
+    pub when: Option<Expr>,
+}
+
+/// A tensor map to build for one launch (see [`TensorMapSpec`]), all sizes evaluated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorMapLaunch {
+    /// The op argument (its name and position) that holds the tensor's device pointer.
+    pub arg: String,
+    pub arg_index: usize,
+    pub storage: ops::Storage,
+    pub rows: u64,
+    pub cols: u64,
+    pub box_rows: u32,
+    /// Elements of the contiguous dimension per box (`box_bytes / element size`).
+    pub box_cols: u32,
+    pub swizzle: u32,
 }
 
 /// A `__constant__` symbol filled from an op tensor before launch.
@@ -397,6 +450,8 @@ pub struct Launch {
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub smem_bytes: u32,
+    /// TMA descriptors to build and pass after the op's arguments.
+    pub tensor_maps: Vec<TensorMapLaunch>,
 }
 
 impl Family {
@@ -576,11 +631,46 @@ impl Family {
                     parse(format!("kernels[{i}].{what}[2]"), &exprs[2])?,
                 ])
             };
+            let tensor_maps = k
+                .tensor_maps
+                .iter()
+                .enumerate()
+                .map(|(j, m)| {
+                    let field = |what: &str| format!("kernels[{i}].tensor_maps[{j}].{what}");
+                    let signature = op.signature();
+                    let arg_index = ops::arg_index(op, &m.arg)
+                        .filter(|&a| {
+                            let param = signature.split(", ").nth(a).unwrap_or_default();
+                            param.contains('*') && m.arg != "workspace"
+                        })
+                        .ok_or_else(|| {
+                            field_err(
+                                &field("arg"),
+                                format!(
+                                    "`{}` is not a tensor argument of op `{}` (`{signature}`)",
+                                    m.arg,
+                                    op.name()
+                                ),
+                            )
+                        })?;
+                    Ok(TensorMapSpec {
+                        arg: m.arg.clone(),
+                        arg_index,
+                        rows: parse(field("rows"), &m.rows)?,
+                        cols: parse(field("cols"), &m.cols)?,
+                        box_rows: parse(field("box_rows"), &m.box_rows)?,
+                        box_bytes: parse(field("box_bytes"), &m.box_bytes)?,
+                        swizzle: parse(field("swizzle"), &m.swizzle)?,
+                        when: m.when.as_ref().map(|w| parse(field("when"), w)).transpose()?,
+                    })
+                })
+                .collect::<Result<Vec<_>, SpecError>>()?;
             kernels.push(KernelSpec {
                 name: k.name.clone(),
                 grid: three("grid", &k.grid)?,
                 block: three("block", &k.block)?,
                 smem: parse(format!("kernels[{i}].smem"), &k.smem)?,
+                tensor_maps,
             });
         }
         let workspace = raw
@@ -703,6 +793,17 @@ impl Family {
                 all.push((format!("kernels[{i}].block[{d}]"), &k.block[d]));
             }
             all.push((format!("kernels[{i}].smem"), &k.smem));
+            for (j, m) in k.tensor_maps.iter().enumerate() {
+                let field = |what: &str| format!("kernels[{i}].tensor_maps[{j}].{what}");
+                all.push((field("rows"), &m.rows));
+                all.push((field("cols"), &m.cols));
+                all.push((field("box_rows"), &m.box_rows));
+                all.push((field("box_bytes"), &m.box_bytes));
+                all.push((field("swizzle"), &m.swizzle));
+                if let Some(w) = &m.when {
+                    all.push((field("when"), w));
+                }
+            }
         }
         if let Some(w) = &self.workspace {
             all.push(("workspace.elems".into(), w));
@@ -1095,6 +1196,19 @@ impl Variant {
                     .smem
                     .eval(&vars)
                     .map_err(|e| self.family.expr_error(format!("kernels[{i}].smem"), e))?;
+                let mut tensor_maps = Vec::new();
+                for (j, m) in k.tensor_maps.iter().enumerate() {
+                    let field = format!("kernels[{i}].tensor_maps[{j}]");
+                    let wanted = match &m.when {
+                        Some(w) => w
+                            .holds(&vars)
+                            .map_err(|e| self.family.expr_error(format!("{field}.when"), e))?,
+                        None => true,
+                    };
+                    if wanted {
+                        tensor_maps.push(self.tensor_map_launch(m, &vars, shape, &field)?);
+                    }
+                }
                 Ok(Launch {
                     function: format!("{prefix}_{}", k.name),
                     grid: [
@@ -1111,9 +1225,84 @@ impl Variant {
                         self.family
                             .field_error(format!("kernels[{i}].smem"), format!("`{}` gives {smem}", k.smem))
                     })?,
+                    tensor_maps,
                 })
             })
             .collect()
+    }
+
+    /// Evaluates one `[[kernels.tensor_maps]]` entry for `shape`, checking the box against
+    /// what TMA accepts (at most 256 elements per box dimension, the contiguous box extent
+    /// within the swizzle span, whole elements).
+    fn tensor_map_launch(
+        &self,
+        m: &TensorMapSpec,
+        vars: &Vars,
+        shape: &Shape,
+        field: &str,
+    ) -> Result<TensorMapLaunch, SpecError> {
+        let eval = |what: &str, e: &Expr| {
+            e.eval(vars)
+                .map_err(|err| self.family.expr_error(format!("{field}.{what}"), err))
+        };
+        let bad = |what: &str, message: String| self.family.field_error(format!("{field}.{what}"), message);
+        let storage = self.dtype.storage();
+        let element = storage.bytes() as i64;
+        let (rows, cols) = (eval("rows", &m.rows)?, eval("cols", &m.cols)?);
+        let (box_rows, box_bytes) = (eval("box_rows", &m.box_rows)?, eval("box_bytes", &m.box_bytes)?);
+        let swizzle = eval("swizzle", &m.swizzle)?;
+        if ![0, 32, 64, 128].contains(&swizzle) {
+            return Err(bad(
+                "swizzle",
+                format!(
+                    "`{}` gives {swizzle} bytes; TMA swizzles 0 (none), 32, 64 or 128 bytes",
+                    m.swizzle
+                ),
+            ));
+        }
+        if rows < 1 || cols < 1 {
+            return Err(bad(
+                "rows",
+                format!(
+                    "`{}` x `{}` gives {rows} x {cols} for {}",
+                    m.rows,
+                    m.cols,
+                    shape_text(shape)
+                ),
+            ));
+        }
+        if !(1..=256).contains(&box_rows) {
+            return Err(bad(
+                "box_rows",
+                format!("`{}` gives {box_rows}; TMA boxes hold 1 to 256 rows", m.box_rows),
+            ));
+        }
+        let box_cols = box_bytes / element;
+        if box_bytes % element != 0 || !(1..=256).contains(&box_cols) || (swizzle > 0 && box_bytes > swizzle) {
+            return Err(bad(
+                "box_bytes",
+                format!(
+                    "`{}` gives {box_bytes} bytes of {element}-byte elements; a box row holds 1 to 256 whole \
+                     elements{}",
+                    m.box_bytes,
+                    if swizzle > 0 {
+                        format!(" within the {swizzle}-byte swizzle")
+                    } else {
+                        String::new()
+                    }
+                ),
+            ));
+        }
+        Ok(TensorMapLaunch {
+            arg: m.arg.clone(),
+            arg_index: m.arg_index,
+            storage,
+            rows: rows as u64,
+            cols: cols as u64,
+            box_rows: box_rows as u32,
+            box_cols: box_cols as u32,
+            swizzle: swizzle as u32,
+        })
     }
 
     /// f32 elements of scratch the kernels need for `shape` (0 without a `[workspace]`).
