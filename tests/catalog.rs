@@ -372,3 +372,90 @@ fn wgmma_family_targets_sm_90a() {
         assert!(code.contains(want), "missing {want}");
     }
 }
+
+/// The TMA family: sm_90a only; every valid point keeps the consumers' accumulators inside the
+/// registers setmaxnreg gives them, the ring and staging inside shared memory, whole TMA boxes
+/// and atom-aligned multicast slices; its launches carry the tensor maps the template declares;
+/// the rendered sources use TMA, mbarriers, clusters and the tf32 rounding where they should.
+#[test]
+fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
+    let c = catalog();
+    let f = c.family("matmul_wgmma_tma").unwrap();
+    assert_eq!(f.arch.as_ref().expect("[family] arch").name, "sm_90a");
+    let limits = DeviceLimits::default();
+    let all = expand(f, Points::All, &limits).unwrap();
+    assert!(all.len() > 1000, "{}", all.len());
+    for v in &all {
+        let d = &v.derived;
+        assert!(
+            v.params["m_tiles"] * d["acc_regs"] + 48 <= d["consumer_regs"],
+            "{}",
+            v.key()
+        );
+        assert!(d["smem_bytes"] <= limits.max_smem_dynamic, "{}", v.key());
+        assert!(d["block_m"] <= 256 && d["block_n"] <= 256, "{}", v.key());
+        assert_eq!((d["block_n"] / v.params["cluster_m"]) % 8, 0, "{}", v.key());
+    }
+    let shape: kernelforge::ops::Shape = [("M", 1000), ("N", 2304), ("K", 768), ("T", 1000), ("n_head", 1)]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let renderer = Renderer::new(&c.templates_dir).unwrap();
+    let variant = |dtype: Dtype, params: &[(&str, i64)]| {
+        let params: Vec<(String, i64)> = params.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        variant_with(
+            f,
+            &params,
+            dtype,
+            kernelforge::ops::Epilogue::Bias,
+            kernelforge::ops::Mask::None,
+            &limits,
+        )
+        .unwrap()
+    };
+    // Default (staged epilogue): inp, weight and out maps, boxes of 128 bytes; persistent grid.
+    let v = variant(Dtype::Bf16, &[]);
+    let launch = v.launches(&shape, &limits).unwrap().remove(0);
+    let maps: Vec<_> = launch
+        .tensor_maps
+        .iter()
+        .map(|m| (m.arg.as_str(), m.box_rows, m.box_cols))
+        .collect();
+    assert_eq!(maps, [("inp", 128, 64), ("weight", 192, 64), ("out", 64, 64)]);
+    assert_eq!(launch.grid, [96, 1, 1], "8 x 12 tiles, fewer than 132 SMs");
+    let code = renderer.render(&v).unwrap().code;
+    for want in [
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group",
+        "mbarrier.arrive.expect_tx",
+        "const __grid_constant__ TensorMap out_map",
+        "setmaxnreg.inc.sync.aligned.u32 232",
+    ] {
+        assert!(code.contains(want), "default: missing {want}");
+    }
+    assert!(!code.contains("__cluster_dims__") && !code.contains("cvt.rna.tf32"));
+    // Clusters of two: B slices of half the tile, multicast, whole clusters in the grid.
+    let v = variant(Dtype::F16, &[("cluster_m", 2), ("staged_epilogue", 0)]);
+    let launch = v.launches(&shape, &limits).unwrap().remove(0);
+    let maps: Vec<_> = launch
+        .tensor_maps
+        .iter()
+        .map(|m| (m.arg.as_str(), m.box_rows))
+        .collect();
+    assert_eq!(maps, [("inp", 128), ("weight", 96)]);
+    assert_eq!(launch.grid, [96, 1, 1]);
+    let code = renderer.render(&v).unwrap().code;
+    for want in [
+        "__cluster_dims__(CLUSTER_M, 1, 1)",
+        ".multicast::cluster",
+        "mapa.shared::cluster",
+        "barrier.cluster.wait",
+    ] {
+        assert!(code.contains(want), "cluster: missing {want}");
+    }
+    // tf32: f32 boxes of 32 elements and the rounding pass.
+    let v = variant(Dtype::Tf32, &[]);
+    assert_eq!(v.launches(&shape, &limits).unwrap()[0].tensor_maps[0].box_cols, 32);
+    let code = renderer.render(&v).unwrap().code;
+    assert!(code.contains("cvt.rna.tf32.f32") && code.contains("m64n192k8.f32.tf32.tf32"));
+}

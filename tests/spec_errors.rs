@@ -257,3 +257,70 @@ fn arch_targets() {
     assert_eq!(compiler.for_family(&hopper).arch, "sm_90a");
     assert_eq!(compiler.for_family(&parse(GOOD, t.path()).unwrap()).arch, "sm_90");
 }
+
+/// `[[kernels.tensor_maps]]`: the argument must be one of the op's tensors, the swizzle one TMA
+/// knows, and the box one TMA accepts; a map whose `when` fails is left out of the launch.
+#[test]
+fn tensor_maps() {
+    let with_map = |map: &str| {
+        GOOD.replace(
+            "block = [\"threads\", \"1\", \"1\"]\n",
+            &format!("block = [\"threads\", \"1\", \"1\"]\n\n[[kernels.tensor_maps]]\n{map}\n"),
+        )
+    };
+    let good = "arg = \"inp\"\nrows = \"1\"\ncols = \"N\"\nbox_rows = \"1\"\nbox_bytes = \"vector_width * 16\"\nswizzle = \"64\"";
+    let e = error_of(&with_map(&good.replace("\"inp\"", "\"weight\"")));
+    assert!(
+        e.contains("kernels[0].tensor_maps[0].arg") && e.contains("`weight` is not a tensor argument of op `gelu`"),
+        "{e}"
+    );
+    let e = error_of(&with_map(&good.replace("\"inp\"", "\"N\"")));
+    assert!(e.contains("`N` is not a tensor argument"), "{e}");
+
+    let t = templates();
+    let family = std::sync::Arc::new(parse(&with_map(good), t.path()).unwrap());
+    let limits = DeviceLimits::default();
+    let shape: kernelforge::ops::Shape = [("N".to_string(), 1000)].into_iter().collect();
+    let variants = expand(&family, Points::All, &limits).unwrap();
+    let launch = |width: i64| {
+        let v = variants.iter().find(|v| v.params["vector_width"] == width).unwrap();
+        v.launches(&shape, &limits).map_err(|e| e.to_string())
+    };
+    // 4 x 16 = 64 bytes: 16 floats per box row, within the 64-byte swizzle.
+    let maps = launch(4).unwrap().remove(0).tensor_maps;
+    assert_eq!(maps.len(), 1);
+    assert_eq!((maps[0].arg.as_str(), maps[0].arg_index), ("inp", 1));
+    assert_eq!(
+        (maps[0].rows, maps[0].cols, maps[0].box_rows, maps[0].box_cols),
+        (1, 1000, 1, 16)
+    );
+    assert_eq!(maps[0].swizzle, 64);
+    // 16 bytes is fine too; a swizzle TMA does not have is refused at launch planning.
+    assert_eq!(launch(1).unwrap()[0].tensor_maps[0].box_cols, 4);
+    let bad = std::sync::Arc::new(parse(&with_map(&good.replace("\"64\"", "\"48\"")), t.path()).unwrap());
+    let e = expand(&bad, Points::Default, &limits).unwrap()[0]
+        .launches(&shape, &limits)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tensor_maps[0].swizzle") && e.contains("0 (none), 32, 64 or 128"),
+        "{e}"
+    );
+    // A box row wider than the swizzle span.
+    let wide = std::sync::Arc::new(parse(&with_map(&good.replace("\"64\"", "\"32\"")), t.path()).unwrap());
+    let e = expand(&wide, Points::Default, &limits).unwrap()[0]
+        .launches(&shape, &limits)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tensor_maps[0].box_bytes") && e.contains("within the 32-byte swizzle"),
+        "{e}"
+    );
+    // `when`: only some variants take the map.
+    let when =
+        std::sync::Arc::new(parse(&with_map(&format!("{good}\nwhen = \"vector_width == 4\"")), t.path()).unwrap());
+    for v in expand(&when, Points::All, &limits).unwrap() {
+        let n = v.launches(&shape, &limits).unwrap()[0].tensor_maps.len();
+        assert_eq!(n, (v.params["vector_width"] == 4) as usize, "{}", v.key());
+    }
+}

@@ -56,9 +56,13 @@
 // hand stages to each other through two mbarriers per stage (see the kernel) and never wait for
 // the whole block. setmaxnreg moves registers from the producer (which needs few) to the
 // consumers' accumulators. This is the structure of cuBLAS's Hopper kernels, with cp.async in place of the TMA
-// engine (a TMA copy needs a tensor map built on the host, which this launch system does not
-// provide). Measured on the H100 it is no faster than PRODUCER = 0 (within ~5% either way,
+// engine. Measured on the H100 it is no faster than PRODUCER = 0 (within ~5% either way,
 // numbers in the spec): the block barrier was not what kept this family at ~0.6x cuBLAS.
+// What did is the epilogue: stored straight from the registers, its partial-sector stores
+// fill the load/store queues while the tensor cores wait. matmul_wgmma_tma (TMA loads, a
+// persistent grid, the epilogue staged through shared memory and written by TMA stores)
+// reaches ~1.0x cuBLAS on the same shapes; this family stays as the step before it (and still
+// wins some tf32 shapes, where the TMA family pays for rounding its tiles in shared memory).
 //
 // Edges: rows >= M (N) and k >= K are zero-filled by the copies themselves (cp.async with
 // src-size 0), so partial tiles run the same MMAs and the zeros add nothing. K % 8 == 0 (the

@@ -56,9 +56,13 @@
 // hand stages to each other through two mbarriers per stage (see the kernel) and never wait for
 // the whole block. setmaxnreg moves registers from the producer (which needs few) to the
 // consumers' accumulators. This is the structure of cuBLAS's Hopper kernels, with cp.async in place of the TMA
-// engine (a TMA copy needs a tensor map built on the host, which this launch system does not
-// provide). Measured on the H100 it is no faster than PRODUCER = 0 (within ~5% either way,
+// engine. Measured on the H100 it is no faster than PRODUCER = 0 (within ~5% either way,
 // numbers in the spec): the block barrier was not what kept this family at ~0.6x cuBLAS.
+// What did is the epilogue: stored straight from the registers, its partial-sector stores
+// fill the load/store queues while the tensor cores wait. matmul_wgmma_tma (TMA loads, a
+// persistent grid, the epilogue staged through shared memory and written by TMA stores)
+// reaches ~1.0x cuBLAS on the same shapes; this family stays as the step before it (and still
+// wins some tf32 shapes, where the TMA family pays for rounding its tiles in shared memory).
 //
 // Edges: rows >= M (N) and k >= K are zero-filled by the copies themselves (cp.async with
 // src-size 0), so partial tiles run the same MMAs and the zeros add nothing. K % 8 == 0 (the
@@ -117,6 +121,22 @@ __device__ __forceinline__ void cp_async_wait() {
 // ---- wgmma (sm_90a): m64n96k8 tf32 from shared-memory descriptors, f32 accumulators ----
 #define WGMMA_K_STEP 8
 #define WGMMA_N 96
+// tf32: wgmma reads the f32 bits in shared memory and ignores the low 13 mantissa bits
+// (truncation, a bias toward zero with ~3x the error of rounding). Rounds the four floats at
+// shared address `smem_addr` to TF32 in place (cvt.rna); the caller fences toward the async
+// proxy before publishing them.
+__device__ __forceinline__ void round_tf32_in_place(unsigned smem_addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr));
+    unsigned r[4];
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[0]) : "f"(v.x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[1]) : "f"(v.y));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[2]) : "f"(v.z));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[3]) : "f"(v.w));
+    asm volatile("st.shared.v4.b32 [%0], { %1, %2, %3, %4 };\n"
+                 :: "r"(smem_addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
 
 __device__ __forceinline__ unsigned long long smem_desc_sw128(unsigned smem_addr) {
     const unsigned long long start = (smem_addr & 0x3FFFF) >> 4;       // bits 0-13
@@ -264,10 +284,8 @@ __device__ __forceinline__ void copy_tile(unsigned tile_base, const storage_t* s
     }
 }
 
-// tf32: wgmma reads the f32 bits in shared memory and ignores the low 13 mantissa bits
-// (truncation, a bias toward zero that costs ~3x the error of rounding; see matmul_wmma). Each
-// thread rounds the chunks it copied itself, after they landed and before the fence and barrier
-// that publish them.
+// tf32: each thread rounds the chunks it copied itself, after they landed and before the fence
+// and barrier that publish them (round_tf32_in_place, common/wgmma.cu.tera).
 template <int ROWS>
 __device__ __forceinline__ void round_tile(unsigned tile_base) {
     const int chunk = (threadIdx.x % COPY_THREADS) % 8;
@@ -276,19 +294,7 @@ __device__ __forceinline__ void round_tile(unsigned tile_base) {
 #pragma unroll
     for (int p = 0; p < PANELS; ++p)
 #pragma unroll
-        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-            const unsigned a = dst0 + p * ROWS * 128 + i * ROW_STEP * 128;
-            float4 v;
-            asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n"
-                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
-            unsigned r[4];
-            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[0]) : "f"(v.x));
-            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[1]) : "f"(v.y));
-            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[2]) : "f"(v.z));
-            asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[3]) : "f"(v.w));
-            asm volatile("st.shared.v4.b32 [%0], { %1, %2, %3, %4 };\n"
-                         :: "r"(a), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-        }
+        for (int i = 0; i < ROWS / ROW_STEP; ++i) round_tf32_in_place(dst0 + p * ROWS * 128 + i * ROW_STEP * 128);
 }
 
 // The MMAs of one K tile for one warpgroup (rows a_rows .. a_rows + 64 M_TILES of the A tile,

@@ -49,7 +49,7 @@ pub struct InspectArgs {
     /// Mask (attention families): causal, full, window. Default: the first listed.
     #[arg(long, value_parser = parse_mask)]
     pub mask: Option<Mask>,
-    /// Dtype: f32 or tf32 (among the family's `dtypes`). Default: the first listed.
+    /// Dtype: f32, tf32, f16 or bf16 (among the family's `dtypes`). Default: the first listed.
     #[arg(long, value_parser = parse_dtype)]
     pub dtype: Option<Dtype>,
     /// Also print the PTX (needs NVRTC, not a GPU).
@@ -71,18 +71,18 @@ pub struct InspectArgs {
 /// Run kernel variants on the GPU against the f64 CPU reference and print a pass/fail table.
 ///
 /// Inputs are fresh random numbers (seeded; the seed is printed), outputs are poisoned with NaN
-/// before every run, and the relative L2 error must stay under 1e-5 (f32) or 1e-3 (tf32). Exit
-/// status 1 if any variant fails.
+/// before every run, and the relative L2 error must stay under 1e-5 (f32), 1e-3 (tf32) or 1e-2
+/// (f16, bf16). Exit status 1 if any variant fails.
 #[derive(Debug, Args)]
 pub struct VerifyArgs {
     /// Only families of this op (encoder, layernorm, matmul, attention, attention_decode, kv_append,
-    /// softmax, gelu, residual).
+    /// softmax, gelu, residual, argmax).
     #[arg(long)]
     pub op: Option<String>,
     /// Only this family.
     #[arg(long)]
     pub family: Option<String>,
-    /// Only variants of this dtype: f32 or tf32 (default: every dtype each family lists).
+    /// Only variants of this dtype: f32, tf32, f16 or bf16 (default: every dtype each family lists).
     #[arg(long, value_parser = parse_dtype)]
     pub dtype: Option<Dtype>,
     /// One shape instead of the op's awkward test shapes: positional (37,100,72 for M,N,K) or
