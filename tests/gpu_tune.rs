@@ -208,9 +208,9 @@ fn gpu_tune_tf32_is_keyed_by_dtype() {
     let r = &results[0];
     assert_eq!(r.dtype, Dtype::Tf32);
     let winner = r.winner.as_ref().expect("a winner");
-    // A tensor-core family (the wgmma one only exists on compute capability 9.0).
+    // A tensor-core family (the wgmma ones only exist on compute capability 9.0).
     assert!(
-        ["matmul_wmma", "matmul_wgmma"].contains(&winner.family.as_str()),
+        ["matmul_wmma", "matmul_wgmma", "matmul_wgmma_tma"].contains(&winner.family.as_str()),
         "{}",
         winner.family
     );
