@@ -318,7 +318,7 @@ impl LoadedVariant {
         for (function, l) in self.functions.iter().zip(launches) {
             let args = tensor_map::kernel_args(values, l)?;
             let mut builder = gpu.stream.launch_builder(function);
-            for v in &args {
+            for v in args.iter() {
                 match v {
                     ArgValue::Ptr(p) => builder.arg(p),
                     ArgValue::I32(x) => builder.arg(x),

@@ -3,6 +3,8 @@
 //! `[[kernels.tensor_maps]]` entries and the device pointers of the op's arguments, and passed
 //! to the kernel after the op's arguments.
 
+use std::borrow::Cow;
+
 use cudarc::driver::sys;
 use cudarc::driver::DeviceRepr;
 
@@ -28,11 +30,7 @@ impl TensorMap {
 
 /// Encodes the map `plan` describes for the tensor at device address `address`.
 pub fn encode(plan: &TensorMapLaunch, address: u64, function: &str) -> Result<TensorMap, GpuError> {
-    let error = |message: String| GpuError::TensorMap {
-        function: function.to_string(),
-        arg: plan.arg.clone(),
-        message,
-    };
+    let error = |message: String| map_error(plan, function, message);
     let element = plan.storage.bytes() as u64;
     let row_bytes = plan.cols * element;
     // The driver's own rules, checked here so the error can say which tensor and what to change.
@@ -96,22 +94,31 @@ pub fn encode(plan: &TensorMapLaunch, address: u64, function: &str) -> Result<Te
     Ok(TensorMap(unsafe { map.assume_init() }))
 }
 
+fn map_error(plan: &TensorMapLaunch, function: &str, message: String) -> GpuError {
+    GpuError::TensorMap {
+        function: function.to_string(),
+        arg: plan.arg.clone(),
+        message,
+    }
+}
+
 /// The kernel arguments of `launch`: the op's `values`, then one tensor map per
-/// `[[kernels.tensor_maps]]` entry, built from the pointer argument it names.
-pub fn kernel_args(values: &[ArgValue], launch: &Launch) -> Result<Vec<ArgValue>, GpuError> {
+/// `[[kernels.tensor_maps]]` entry, built from the pointer argument it names. Borrows `values`
+/// when the kernel takes no maps (every family but the TMA ones), so launches copy nothing.
+pub fn kernel_args<'a>(values: &'a [ArgValue], launch: &Launch) -> Result<Cow<'a, [ArgValue]>, GpuError> {
+    if launch.tensor_maps.is_empty() {
+        return Ok(Cow::Borrowed(values));
+    }
     let mut args = values.to_vec();
     for plan in &launch.tensor_maps {
         let address = match values.get(plan.arg_index) {
             Some(ArgValue::Ptr(p)) => *p,
             other => {
-                return Err(GpuError::TensorMap {
-                    function: launch.function.clone(),
-                    arg: plan.arg.clone(),
-                    message: format!("kernel argument {} is {other:?}, not a device pointer", plan.arg_index),
-                })
+                let message = format!("kernel argument {} is {other:?}, not a device pointer", plan.arg_index);
+                return Err(map_error(plan, &launch.function, message));
             }
         };
         args.push(ArgValue::TensorMap(encode(plan, address, &launch.function)?));
     }
-    Ok(args)
+    Ok(Cow::Owned(args))
 }

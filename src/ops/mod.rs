@@ -396,11 +396,16 @@ static ALL_OPS: [&dyn OpContract; 10] = [
     &argmax::Argmax,
 ];
 
-/// Position of the kernel parameter called `name` in `op`'s [`OpContract::signature`].
-pub fn arg_index(op: &dyn OpContract, name: &str) -> Option<usize> {
+/// Position of the tensor parameter (a pointer other than `workspace`) called `name` in `op`'s
+/// [`OpContract::signature`]; `None` when there is no such tensor.
+pub fn tensor_arg_index(op: &dyn OpContract, name: &str) -> Option<usize> {
     op.signature()
         .split(", ")
         .position(|param| param.rsplit(' ').next() == Some(name))
+        .filter(|&i| {
+            let param = op.signature().split(", ").nth(i).unwrap_or_default();
+            param.contains('*') && name != "workspace"
+        })
 }
 
 /// Every op contract.
@@ -703,7 +708,8 @@ mod tests {
                 readme.contains(&format!("| {name} | `{sig}` |")),
                 "templates/README.md must list `{name}` as `{sig}`"
             );
-            assert_eq!(arg_index(op, "out").is_some(), name != "kv_append", "{name}");
+            assert_eq!(tensor_arg_index(op, "out").is_some(), name != "kv_append", "{name}");
+            assert_eq!(tensor_arg_index(op, "workspace"), None, "{name}");
             for (e, m) in variants(op) {
                 let shape = &op.test_shapes(e, m)[1];
                 let p = op.problem(shape, e, m, &mut rng).unwrap();

@@ -637,22 +637,17 @@ impl Family {
                 .enumerate()
                 .map(|(j, m)| {
                     let field = |what: &str| format!("kernels[{i}].tensor_maps[{j}].{what}");
-                    let signature = op.signature();
-                    let arg_index = ops::arg_index(op, &m.arg)
-                        .filter(|&a| {
-                            let param = signature.split(", ").nth(a).unwrap_or_default();
-                            param.contains('*') && m.arg != "workspace"
-                        })
-                        .ok_or_else(|| {
-                            field_err(
-                                &field("arg"),
-                                format!(
-                                    "`{}` is not a tensor argument of op `{}` (`{signature}`)",
-                                    m.arg,
-                                    op.name()
-                                ),
-                            )
-                        })?;
+                    let arg_index = ops::tensor_arg_index(op, &m.arg).ok_or_else(|| {
+                        field_err(
+                            &field("arg"),
+                            format!(
+                                "`{}` is not a tensor argument of op `{}` (`{}`)",
+                                m.arg,
+                                op.name(),
+                                op.signature()
+                            ),
+                        )
+                    })?;
                     Ok(TensorMapSpec {
                         arg: m.arg.clone(),
                         arg_index,
@@ -741,6 +736,15 @@ impl Family {
         };
         family.check_points(&DeviceLimits::default(), &test_shape)?;
         Ok(family)
+    }
+
+    /// Whether an optional `when` condition holds in `vars` (true without one); `field` names
+    /// it in the error.
+    fn when_holds(&self, when: Option<&Expr>, vars: &Vars, field: impl FnOnce() -> String) -> Result<bool, SpecError> {
+        match when {
+            Some(w) => w.holds(vars).map_err(|e| self.expr_error(field(), e)),
+            None => Ok(true),
+        }
     }
 
     fn field_error(&self, field: impl Into<String>, message: String) -> SpecError {
@@ -1199,13 +1203,10 @@ impl Variant {
                 let mut tensor_maps = Vec::new();
                 for (j, m) in k.tensor_maps.iter().enumerate() {
                     let field = format!("kernels[{i}].tensor_maps[{j}]");
-                    let wanted = match &m.when {
-                        Some(w) => w
-                            .holds(&vars)
-                            .map_err(|e| self.family.expr_error(format!("{field}.when"), e))?,
-                        None => true,
-                    };
-                    if wanted {
+                    if self
+                        .family
+                        .when_holds(m.when.as_ref(), &vars, || format!("{field}.when"))?
+                    {
                         tensor_maps.push(self.tensor_map_launch(m, &vars, shape, &field)?);
                     }
                 }
@@ -1329,13 +1330,10 @@ impl Variant {
             .point_scope(&self.params, &self.derived, &DeviceLimits::default());
         let mut out = Vec::new();
         for (i, c) in self.family.constants.iter().enumerate() {
-            let active = match &c.when {
-                None => true,
-                Some(w) => w
-                    .holds(&vars)
-                    .map_err(|e| self.family.expr_error(format!("constants[{i}].when"), e))?,
-            };
-            if active {
+            if self
+                .family
+                .when_holds(c.when.as_ref(), &vars, || format!("constants[{i}].when"))?
+            {
                 out.push((c.symbol.as_str(), c.tensor.as_str()));
             }
         }
