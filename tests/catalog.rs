@@ -453,9 +453,17 @@ fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
     ] {
         assert!(code.contains(want), "cluster: missing {want}");
     }
-    // tf32: f32 boxes of 32 elements and the rounding pass.
+    // tf32: f32 boxes of 32 elements; A through registers (ldmatrix, rounded, register-A
+    // wgmma), no rounding pass over shared memory.
     let v = variant(Dtype::Tf32, &[]);
     assert_eq!(v.launches(&shape, &limits).unwrap()[0].tensor_maps[0].box_cols, 32);
     let code = renderer.render(&v).unwrap().code;
-    assert!(code.contains("cvt.rna.tf32.f32") && code.contains("m64n192k8.f32.tf32.tf32"));
+    for want in [
+        "ldmatrix.sync.aligned.m8n8.x4",
+        "cvt.rna.tf32.f32",
+        "wgmma_m64_rs(acc[i]",
+    ] {
+        assert!(code.contains(want), "tf32: missing {want}");
+    }
+    assert!(!code.contains("round_tf32_in_place("));
 }

@@ -61,8 +61,9 @@
 // What did is the epilogue: stored straight from the registers, its partial-sector stores
 // fill the load/store queues while the tensor cores wait. matmul_wgmma_tma (TMA loads, a
 // persistent grid, the epilogue staged through shared memory and written by TMA stores)
-// reaches ~1.0x cuBLAS on the same shapes; this family stays as the step before it (and still
-// wins some tf32 shapes, where the TMA family pays for rounding its tiles in shared memory).
+// reaches ~1.0x cuBLAS on the same shapes; this family stays as the step before it. (For tf32
+// it rounds both tiles in shared memory, the most exact and the slowest way: the TMA family
+// rounds A in registers instead.)
 //
 // Edges: rows >= M (N) and k >= K are zero-filled by the copies themselves (cp.async with
 // src-size 0), so partial tiles run the same MMAs and the zeros add nothing. K % 8 == 0 (the

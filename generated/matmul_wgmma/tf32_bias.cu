@@ -61,8 +61,9 @@
 // What did is the epilogue: stored straight from the registers, its partial-sector stores
 // fill the load/store queues while the tensor cores wait. matmul_wgmma_tma (TMA loads, a
 // persistent grid, the epilogue staged through shared memory and written by TMA stores)
-// reaches ~1.0x cuBLAS on the same shapes; this family stays as the step before it (and still
-// wins some tf32 shapes, where the TMA family pays for rounding its tiles in shared memory).
+// reaches ~1.0x cuBLAS on the same shapes; this family stays as the step before it. (For tf32
+// it rounds both tiles in shared memory, the most exact and the slowest way: the TMA family
+// rounds A in registers instead.)
 //
 // Edges: rows >= M (N) and k >= K are zero-filled by the copies themselves (cp.async with
 // src-size 0), so partial tiles run the same MMAs and the zeros add nothing. K % 8 == 0 (the
@@ -121,21 +122,38 @@ __device__ __forceinline__ void cp_async_wait() {
 // ---- wgmma (sm_90a): m64n96k8 tf32 from shared-memory descriptors, f32 accumulators ----
 #define WGMMA_K_STEP 8
 #define WGMMA_N 96
-// tf32: wgmma reads the f32 bits in shared memory and ignores the low 13 mantissa bits
-// (truncation, a bias toward zero with ~3x the error of rounding). Rounds the four floats at
-// shared address `smem_addr` to TF32 in place (cvt.rna); the caller fences toward the async
-// proxy before publishing them.
-__device__ __forceinline__ void round_tf32_in_place(unsigned smem_addr) {
-    float4 v;
-    asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr));
-    unsigned r[4];
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[0]) : "f"(v.x));
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[1]) : "f"(v.y));
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[2]) : "f"(v.z));
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[3]) : "f"(v.w));
-    asm volatile("st.shared.v4.b32 [%0], { %1, %2, %3, %4 };\n"
-                 :: "r"(smem_addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+
+// tf32: wgmma reads f32 bits and ignores the low 13 mantissa bits (truncation toward zero, with
+// about 3x the error of rounding). This rounds to nearest instead (cvt.rna: ties away from
+// zero), giving the f32 bit pattern of the TF32 value.
+__device__ __forceinline__ unsigned round_to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// tf32 with A from registers (wgmma's "RS" form, used by matmul_wgmma_tma): the rounding costs
+// no shared-memory traffic at all. Loads this warp's 16 x 8 slice of A for K step `k_step` of
+// the panel at `panel` (rows `row0` .. row0 + 64 of the warpgroup; row0 a multiple of 8) and
+// rounds it to TF32. The fragment is mma.sync's m16n8k8 A layout, per warp of the warpgroup
+// (warp w: rows 16 w ..): with lane = 4 group + quad,
+//     a[0]: (group, quad)   a[1]: (group + 8, quad)   a[2]: (group, quad + 4)   a[3]: (group + 8, quad + 4)
+// ldmatrix.x4 delivers exactly that when each 4-float column chunk is read as an 8 x 8 matrix
+// of 16-bit halves: matrix j gives lane l the 32-bit word l % 4 of row l / 4, and lane
+// 8 j + r supplies the address of row r of matrix j: rows r (+ 8 for j = 1, 3) of 16-byte chunk
+// 2 k_step (+ 1 for j = 2, 3), found through the 128-byte swizzle (chunk ^ row % 8). The eight
+// rows of one matrix sit in eight different chunk positions: no bank conflicts.
+__device__ __forceinline__ void load_a_tf32(unsigned (&a)[4], unsigned panel, int row0, int k_step) {
+    const int lane = threadIdx.x % 32;
+    const int r = lane % 8, j = lane / 8;
+    const int row = row0 + 16 * ((threadIdx.x / 32) % 4) + r + 8 * (j & 1);
+    const int chunk = 2 * k_step + (j >> 1);
+    const unsigned at = panel + row * 128 + ((chunk ^ r) << 4);
+    unsigned raw[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
+                 : "=r"(raw[0]), "=r"(raw[1]), "=r"(raw[2]), "=r"(raw[3]) : "r"(at));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = round_to_tf32(__uint_as_float(raw[i]));
 }
 
 __device__ __forceinline__ unsigned long long smem_desc_sw128(unsigned smem_addr) {
@@ -185,6 +203,23 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[48], unsigned long long des
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
         : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// The same with A from registers (load_a_tf32): d += A (64 x 8, rounded) * B (8 x 96,
+// shared memory, truncated by the tensor cores). The A registers, like the accumulators, must
+// not be written again until a wait_group has retired this instruction; ptxas does not enforce
+// that (it hands the same registers to the next fragments), the caller must.
+__device__ __forceinline__ void wgmma_m64_rs(float (&d)[48], const unsigned (&a)[4], unsigned long long desc_b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 "
+        "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47 }, "
+        "{ %48, %49, %50, %51 }, %52, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 // Epilogue `bias` for two adjacent columns n, n + 1 (n even) of row m, in the storage
 // type. Indices in 64 bits (M * N can approach 2^31).
@@ -286,8 +321,20 @@ __device__ __forceinline__ void copy_tile(unsigned tile_base, const storage_t* s
     }
 }
 
-// tf32: each thread rounds the chunks it copied itself, after they landed and before the fence
-// and barrier that publish them (round_tf32_in_place, common/wgmma.cu.tera).
+// tf32: wgmma would truncate the f32 bits it reads (round_to_tf32, common/wgmma.cu.tera). Rounds
+// the four floats at shared address `smem_addr` to TF32 in place; the caller fences toward the
+// async proxy before publishing them.
+__device__ __forceinline__ void round_tf32_in_place(unsigned smem_addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr));
+    asm volatile("st.shared.v4.b32 [%0], { %1, %2, %3, %4 };\n"
+                 :: "r"(smem_addr), "r"(round_to_tf32(v.x)), "r"(round_to_tf32(v.y)), "r"(round_to_tf32(v.z)),
+                    "r"(round_to_tf32(v.w)) : "memory");
+}
+
+// Each thread rounds the chunks it copied itself, after they landed and before the fence and
+// barrier that publish them.
 template <int ROWS>
 __device__ __forceinline__ void round_tile(unsigned tile_base) {
     const int chunk = (threadIdx.x % COPY_THREADS) % 8;

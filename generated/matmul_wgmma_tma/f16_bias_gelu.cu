@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // Hopper GEMM the way cuBLAS builds it (sm_90a only): a persistent grid walks the output tiles; in each block one producer thread feeds a ring of 128-byte-swizzled shared-memory stages with TMA copies (one instruction per tile and operand, edges zero-filled by the hardware) while one or two consumer warpgroups issue wgmma.mma_async straight from those stages, the two sides handing stages over through mbarriers; the producer runs ahead into the next tile while the consumers store the fused epilogue from their registers; two consumers either share a tile or each take their own (ping-pong)
 // Variant: dtype=f16 epilogue=bias_gelu mma_n=192 m_tiles=1 consumers=2 split_n=0 pingpong=0 panels=1 stages=4 min_blocks=1 cluster_m=1 staged_epilogue=1 raster_m=0
-// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197744
+// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197712
 
 // ---------------------------------------------------------------------------------------------
 // matmul_wgmma_tma / matmul_wgmma_tma_bias_gelu_93459189  (op matmul, dtype f16, epilogue bias_gelu)
