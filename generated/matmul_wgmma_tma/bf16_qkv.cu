@@ -428,6 +428,17 @@ __device__ __forceinline__ void release_stage(unsigned empty) {
                  "}\n" :: "r"(empty), "r"(lane0) : "memory");
 }
 
+// Waits until at most IN_FLIGHT of this consumer's wgmma groups still run, pins the
+// accumulators again (wgmma_acc_fence) and, if `release`, frees the stage behind the empty
+// barrier `empty`: the group that read it has retired.
+template <int IN_FLIGHT>
+__device__ __forceinline__ void retire_mmas(float (&acc)[M_TILES][ACC_REGS], bool release, unsigned empty) {
+    wgmma_wait<IN_FLIGHT>();
+#pragma unroll
+    for (int t = 0; t < M_TILES; ++t) wgmma_acc_fence(acc[t]);
+    if (release) release_stage(empty);
+}
+
 // ---- the staged epilogue ----------------------------------------------------------------
 // A chunk holds 64 rows x EPI_BYTES bytes; the TMA unit expects it in its swizzled layout,
 // defined on shared-memory addresses: the 16-byte chunk bits [4:6] (128-byte swizzle; [4:5] for
@@ -628,15 +639,9 @@ matmul_wgmma_tma_qkv_3ef23690_main(storage_t* out, const storage_t* __restrict__
                 issue_mmas(acc, a_tile(ring_stage(i)), b_tile(ring_stage(i)), a_rows, b_rows);
                 // Keep this tile's group running; once the previous one has completed, its
                 // stage can be refilled.
-                wgmma_wait<1>();
-#pragma unroll
-                for (int t = 0; t < M_TILES; ++t) wgmma_acc_fence(acc[t]);
-                if (kt > 0) release_stage(empty_bar + 8 * ring_stage(i - 1));
+                retire_mmas<1>(acc, kt > 0, empty_bar + 8 * ring_stage(i - 1));
             }
-            wgmma_wait<0>();
-#pragma unroll
-            for (int t = 0; t < M_TILES; ++t) wgmma_acc_fence(acc[t]);
-            release_stage(empty_bar + 8 * ring_stage(i - 1));
+            retire_mmas<0>(acc, true, empty_bar + 8 * ring_stage(i - 1));
             // The producer is already filling the freed stages with the next tile.
             store_accumulators_staged(acc, staging + consumer * 2 * EPI_CHUNK_BYTES, consumer, chunks,
                                       m0 + a_rows, n0 + b_rows, out, bias, residual, M, N, T, n_head, out_map);

@@ -416,7 +416,8 @@ __device__ __forceinline__ void issue_mmas(float (&acc)[M_TILES][ACC_REGS], unsi
         for (int k = 0; k < K_STEPS; ++k) {
             const unsigned long long desc_b = smem_desc_sw128(b_panel + k * 32);
 #pragma unroll
-            for (int i = 0; i < M_TILES; ++i) wgmma_m64_rs(acc[i], a_frag[p][k][i], desc_b);
+            for (int i = 0; i < M_TILES; ++i)
+                wgmma_m64_rs(acc[i], a_frag[p][k][i], desc_b);
         }
     }
     wgmma_commit();
@@ -462,6 +463,17 @@ __device__ __forceinline__ void release_stage(unsigned empty) {
                  "setp.ne.u32 p, %1, 0;\n"
                  "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
                  "}\n" :: "r"(empty), "r"(lane0) : "memory");
+}
+
+// Waits until at most IN_FLIGHT of this consumer's wgmma groups still run, pins the
+// accumulators again (wgmma_acc_fence) and, if `release`, frees the stage behind the empty
+// barrier `empty`: the group that read it has retired.
+template <int IN_FLIGHT>
+__device__ __forceinline__ void retire_mmas(float (&acc)[M_TILES][ACC_REGS], bool release, unsigned empty) {
+    wgmma_wait<IN_FLIGHT>();
+#pragma unroll
+    for (int t = 0; t < M_TILES; ++t) wgmma_acc_fence(acc[t]);
+    if (release) release_stage(empty);
 }
 
 // ---- the staged epilogue ----------------------------------------------------------------
@@ -664,16 +676,10 @@ matmul_wgmma_tma_qkv_68015a1d_main(storage_t* out, const storage_t* __restrict__
                 // (it reuses the same ones for the next tile's fragments). So the previous
                 // group must retire before issue_mmas loads new fragments; the other consumer
                 // warpgroup keeps the tensor cores busy meanwhile.
-                wgmma_wait<0>();
-#pragma unroll
-                for (int t = 0; t < M_TILES; ++t) wgmma_acc_fence(acc[t]);
-                if (kt > 0) release_stage(empty_bar + 8 * ring_stage(i - 1));
+                retire_mmas<0>(acc, kt > 0, empty_bar + 8 * ring_stage(i - 1));
                 issue_mmas(acc, a_tile(ring_stage(i)), b_tile(ring_stage(i)), a_rows, b_rows);
             }
-            wgmma_wait<0>();
-#pragma unroll
-            for (int t = 0; t < M_TILES; ++t) wgmma_acc_fence(acc[t]);
-            release_stage(empty_bar + 8 * ring_stage(i - 1));
+            retire_mmas<0>(acc, true, empty_bar + 8 * ring_stage(i - 1));
             // The producer is already filling the freed stages with the next tile.
             store_accumulators_staged(acc, staging + consumer * 2 * EPI_CHUNK_BYTES, consumer, chunks,
                                       m0 + a_rows, n0 + b_rows, out, bias, residual, M, N, T, n_head, out_map);
