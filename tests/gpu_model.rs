@@ -130,7 +130,9 @@ fn decode_graphs_replay_exactly_what_direct_launches_compute() {
     let mut graphed = gpu(&model, 3, false);
     let mut direct = gpu(&model, 3, false);
     assert!(graphed.decode_graphs(), "decode graphs are on by default");
-    direct.set_decode_graphs(false);
+    direct
+        .set_decode_engine(kernelforge::model::DecodeEngine::Launches)
+        .unwrap();
     for (round, batch) in [(0u32, 1usize), (1, 3), (2, 1)] {
         let prompts: Vec<Vec<u32>> = (0..batch)
             .map(|i| prompt(6 + round as usize, 7 + i as u32 + round))

@@ -564,7 +564,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         Device::Cpu => None,
     };
     if let Some(g) = gpu.as_mut() {
-        g.set_decode_graphs(!args.no_cuda_graphs);
+        g.set_decode_engine(if args.no_cuda_graphs {
+            crate::model::DecodeEngine::Launches
+        } else {
+            crate::model::DecodeEngine::Graph
+        })?;
     }
     let mut cpu = CpuBackend::new(model.clone());
     let decode_ok = match &gpu {

@@ -10,6 +10,7 @@
 
 pub mod config;
 pub mod cpu;
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod gpu;
@@ -21,6 +22,7 @@ pub mod weights;
 
 pub use config::GPT2Config;
 pub use cpu::{CpuBackend, KvCache};
+pub use engine::{DecodeEngine, TaskStamp, Timeline};
 pub use error::{ModelError, Result};
 pub use generate::{generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
 pub use gpu::GpuBackend;

@@ -37,6 +37,7 @@ use anyhow::{anyhow, bail, Context, Result as AnyResult};
 use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 
 use super::config::GPT2Config;
+use super::engine::{DecodeEngine, Timeline};
 use super::error::{ModelError, Result};
 use super::generate::{Backend, Logits};
 use super::weights::GPT2Model;
@@ -218,8 +219,12 @@ pub struct GpuBackend {
     /// see [`matmul_dtype`]); or f16 / bf16 (weights, activations and KV cache stored in it,
     /// f32 math inside).
     dtype: Dtype,
-    /// Whether decode steps run as CUDA graphs (see the module docs).
-    decode_graphs_on: bool,
+    /// How decode steps run (see [`DecodeEngine`]).
+    engine: DecodeEngine,
+    /// Whether megakernel steps stamp their tasks (see [`GpuBackend::set_timeline`]).
+    timeline_on: bool,
+    /// The stamps of the last megakernel step, when `timeline_on`.
+    timeline: Option<Timeline>,
     /// The recorded decode-step graph of each batch size.
     decode_graphs: HashMap<usize, KernelGraph>,
     /// (batch, position, buffers generation) the graph of that batch size is set up for.
@@ -417,7 +422,9 @@ impl GpuBackend {
             sync_each,
             launch_mode: LaunchMode::Direct,
             dtype,
-            decode_graphs_on: true,
+            engine: DecodeEngine::Graph,
+            timeline_on: false,
+            timeline: None,
             decode_graphs: HashMap::new(),
             prepared: None,
             buffers_generation: 0,
@@ -522,18 +529,41 @@ impl GpuBackend {
         self.decode_missing.as_deref()
     }
 
-    /// Run decode steps as CUDA graphs (the default) or kernel by kernel.
-    pub fn set_decode_graphs(&mut self, on: bool) {
-        self.decode_graphs_on = on;
-        if !on {
+    /// Choose how decode steps run (the default is [`DecodeEngine::Graph`]). Fails, and keeps
+    /// the engine it had, when this build or GPU cannot run `engine`.
+    pub fn set_decode_engine(&mut self, engine: DecodeEngine) -> AnyResult<()> {
+        if engine == DecodeEngine::Megakernel {
+            bail!("the megakernel decode engine is not available in this build; use --decode-engine graph");
+        }
+        self.engine = engine;
+        if engine != DecodeEngine::Graph {
             self.decode_graphs.clear();
             self.prepared = None;
         }
+        Ok(())
     }
 
-    /// Whether the next decode step runs as a CUDA graph.
+    /// The engine decode steps were asked to run on.
+    pub fn decode_engine(&self) -> DecodeEngine {
+        self.engine
+    }
+
+    /// Whether the next decode step runs as a CUDA graph (the graph engine, unless profiling or
+    /// `KERNELFORGE_SYNC_EACH` needs launches one by one).
     pub fn decode_graphs(&self) -> bool {
-        self.decode_graphs_on && self.profiler.is_none() && !self.sync_each
+        self.engine == DecodeEngine::Graph && self.profiler.is_none() && !self.sync_each
+    }
+
+    /// Megakernel only: stamp every task of each decode step (start, inputs ready, end) so that
+    /// [`GpuBackend::take_timeline`] can return the last step's blocks × time picture.
+    pub fn set_timeline(&mut self, on: bool) {
+        self.timeline_on = on;
+        self.timeline = None;
+    }
+
+    /// The stamps of the last megakernel decode step with the timeline on; clears them.
+    pub fn take_timeline(&mut self) -> Option<Timeline> {
+        self.timeline.take()
     }
 
     /// Turn per-kernel timing on (clearing what was recorded) or off.
