@@ -9,6 +9,7 @@ use rand::rngs::StdRng;
 pub mod argmax;
 pub mod attention;
 pub mod attention_decode;
+pub mod decode_step;
 pub mod encoder;
 pub mod gelu;
 pub mod kv_append;
@@ -364,6 +365,11 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn exact(&self) -> bool {
         false
     }
+    /// `Some(why)` for an op that has no stand-alone random problem and is checked end to end
+    /// elsewhere (`verify` and `tune` skip its families and say why).
+    fn checked_end_to_end(&self) -> Option<&'static str> {
+        None
+    }
     /// The epilogues / masks it supports ([Epilogue::None] / [Mask::None] when not applicable).
     fn epilogues(&self) -> &'static [Epilogue] {
         &[Epilogue::None]
@@ -383,7 +389,7 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)>;
 }
 
-static ALL_OPS: [&dyn OpContract; 10] = [
+static ALL_OPS: [&dyn OpContract; 11] = [
     &encoder::Encoder,
     &layernorm::LayerNorm,
     &matmul::Matmul,
@@ -394,6 +400,7 @@ static ALL_OPS: [&dyn OpContract; 10] = [
     &attention_decode::AttentionDecode,
     &kv_append::KvAppend,
     &argmax::Argmax,
+    &decode_step::DecodeStep,
 ];
 
 /// Position of the tensor parameter (a pointer other than `workspace`) called `name` in `op`'s

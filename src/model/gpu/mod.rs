@@ -41,12 +41,21 @@ use super::engine::{DecodeEngine, Timeline};
 use super::error::{ModelError, Result};
 use super::generate::{Backend, Logits};
 use super::weights::GPT2Model;
-use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, GraphUpdateError, KernelGraph, LoadedVariant};
-use crate::ops::{self, Epilogue, Mask, Shape, Storage};
-use crate::spec::{expand, shape_text, Catalog, Dtype, Launch, Points, Variant};
+use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, KernelGraph};
+use crate::ops::{self, Shape, Storage};
+use crate::spec::{shape_text, Catalog, Dtype};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
-use crate::tune::registry::{variant_kind, Choice, Registry};
-use crate::tune::workloads::{matmul_dtype, op_dtype};
+use crate::tune::registry::{Choice, Registry};
+use crate::tune::workloads::op_dtype;
+
+mod exec;
+mod megakernel;
+mod plan;
+mod select;
+
+use exec::{record_event, LaunchMode};
+use plan::{HeadRows, Plan};
+use select::{Kernel, Kernels};
 
 /// The op (and kernel family) of the decode attention: one query per sequence against the cache.
 pub const ATTENTION_DECODE_OP: &str = "attention_decode";
@@ -62,39 +71,6 @@ const PINNED_LOGITS_ROWS: usize = 8;
 
 const SYNC_HINT: &str =
     "running the forward pass on the GPU (rerun with KERNELFORGE_SYNC_EACH=1 to name the failing kernel)";
-
-/// One selected, loaded kernel and where it is used.
-#[derive(Clone)]
-struct Kernel {
-    /// Where in the model: `qkv`, `attn_proj`, `lm_head`, ...
-    role: &'static str,
-    /// `matmul[bias_gelu] matmul_regtile`.
-    label: String,
-    loaded: Arc<LoadedVariant>,
-    choice: Choice,
-    /// The completed shape it was selected for; launches override a few entries of it.
-    shape: Shape,
-    /// Launch geometry for `shape`, planned once.
-    launches: Arc<Vec<Launch>>,
-}
-
-/// The kernels of one forward shape (a prefill of B×T or a decode step of B).
-struct Kernels {
-    encoder: Kernel,
-    layernorm: Kernel,
-    qkv: Kernel,
-    kv_append: Option<Kernel>,
-    attention: Kernel,
-    attn_proj: Kernel,
-    fc: Kernel,
-    fc_proj: Kernel,
-    /// Unfused only.
-    gelu: Option<Kernel>,
-    residual: Option<Kernel>,
-    lm_head: Kernel,
-    /// Decode steps only: greedy choice of the next tokens on the device.
-    argmax: Option<Kernel>,
-}
 
 /// Device pointers of one layer's parameters.
 #[derive(Clone, Copy)]
@@ -158,32 +134,6 @@ pub struct ProfileRow {
 struct Profiler {
     pending: Vec<(&'static str, String, CudaEvent, CudaEvent)>,
     totals: BTreeMap<(String, String), (usize, f64)>,
-}
-
-/// Where launches go.
-enum LaunchMode {
-    /// Straight to the stream.
-    Direct,
-    /// Appended to a graph being built (nothing runs until it is launched).
-    Record(KernelGraph),
-    /// Replayed into a recorded graph: launch `next` rewrites node `next` if it changed.
-    /// `stale` is set when a launch does not match its node (the graph must be recorded again).
-    Update {
-        graph: KernelGraph,
-        next: usize,
-        stale: bool,
-    },
-}
-
-/// What a prefill leaves behind.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum HeadRows {
-    /// LM head on every position, logits copied back.
-    All,
-    /// LM head on the last position of each sequence only, logits copied back.
-    Last,
-    /// LM head on every position, nothing copied back (benchmarks).
-    AllOnDevice,
 }
 
 /// GPT-2 on one CUDA GPU. See the module docs.
@@ -610,392 +560,6 @@ impl GpuBackend {
         Ok(())
     }
 
-    // -----------------------------------------------------------------------------------------
-    // Kernel selection
-
-    /// Select (tuned winner or default; or the default of `force_family`), load and remember
-    /// the kernel for (op, epilogue, mask, shape), and make the workspace big enough for it.
-    fn kernel(
-        &mut self,
-        role: &'static str,
-        op: &str,
-        epilogue: Epilogue,
-        mask: Mask,
-        mut shape: Shape,
-        force_family: Option<&str>,
-    ) -> AnyResult<Kernel> {
-        let contract = ops::op_by_name(op).ok_or_else(|| anyhow!("op `{op}` does not exist in this build"))?;
-        contract
-            .complete_shape(&mut shape, epilogue, mask)
-            .with_context(|| format!("{role}: shape {}", shape_text(&shape)))?;
-        let dtype = match (op, shape.get("M")) {
-            ("matmul", Some(&rows)) => matmul_dtype(rows, self.dtype),
-            _ => op_dtype(self.dtype),
-        };
-        let key = format!(
-            "{role}|{op}|{dtype}|{}|{}|{}|{}",
-            epilogue.as_str(),
-            mask.as_str(),
-            force_family.unwrap_or(""),
-            shape_text(&shape)
-        );
-        if let Some(k) = self.selected.get(&key) {
-            return Ok(k.clone());
-        }
-        let limits = self.gpu.info.limits;
-        let (mut variant, choice) = match force_family {
-            Some(name) => {
-                let family = self.registry.catalog.family(name)?.clone();
-                (default_variant(&family, epilogue, mask, &limits)?, Choice::Default)
-            }
-            None => {
-                let s = self
-                    .registry
-                    .select(op, dtype, epilogue, mask, &shape, &limits)
-                    .with_context(|| format!("choosing the {role} kernel"))?;
-                (s.variant, s.choice)
-            }
-        };
-        if !variant.constants()?.is_empty() {
-            // __constant__ parameters are per module, but every layer has its own gamma/beta:
-            // take the family default instead (which reads them through pointers).
-            let fallback = default_variant(&variant.family, epilogue, mask, &limits)?;
-            if !fallback.constants()?.is_empty() {
-                bail!(
-                    "{role}: {} reads its parameters from __constant__ memory, which the model \
-                     cannot refill per layer; give the family a default without constants",
-                    variant.family.name
-                );
-            }
-            self.notes.push(format!(
-                "{role}: using the {} default instead of the tuned point ({}): __constant__ \
-                 parameters cannot differ per layer",
-                variant.family.name,
-                variant.key()
-            ));
-            variant = fallback;
-        }
-        variant.check_shape(&shape, &limits).map_err(|why| {
-            anyhow!(
-                "{role}: {} cannot run {}: {why}",
-                variant.family.name,
-                shape_text(&shape)
-            )
-        })?;
-        let ws = variant.workspace_elems(&shape, &limits)?;
-        self.ensure_workspace(ws)?;
-        let loaded = self
-            .registry
-            .load(&self.gpu, &variant)
-            .with_context(|| format!("compiling the {role} kernel {}", variant.kernel_name()))?;
-        let launches = Arc::new(
-            loaded
-                .plan(&self.gpu, &shape)
-                .with_context(|| format!("{role}: planning {} for {}", variant.family.name, shape_text(&shape)))?,
-        );
-        let kind = variant_kind(epilogue, mask);
-        let label = if kind == "none" {
-            format!("{op} {}", variant.family.name)
-        } else {
-            format!("{op}[{kind}] {}", variant.family.name)
-        };
-        let k = Kernel {
-            role,
-            label,
-            loaded,
-            choice,
-            shape,
-            launches,
-        };
-        self.selected.insert(key, k.clone());
-        Ok(k)
-    }
-
-    fn ensure_workspace(&mut self, elems: usize) -> AnyResult<()> {
-        if elems > 0 && self.workspace.as_ref().is_none_or(|w| w.len() < elems) {
-            self.workspace = None; // free first
-            let what = format!("allocating the kernel workspace ({elems} floats)");
-            self.workspace = Some(
-                self.gpu
-                    .stream
-                    .alloc_zeros::<f32>(elems)
-                    .map_err(GpuError::cuda(what))?,
-            );
-            self.buffers_generation += 1;
-        }
-        Ok(())
-    }
-
-    /// The kernels of a prefill (`decode = false`, B sequences of T tokens) or of a decode step
-    /// (`decode = true`, T = 1), selected once per shape.
-    fn kernels(&mut self, b: usize, t: usize, decode: bool, last_only: bool) -> AnyResult<Arc<Kernels>> {
-        let set_key = (b, t, decode, last_only);
-        if let Some(k) = self.sets.get(&set_key) {
-            return Ok(k.clone());
-        }
-        let cfg = self.model.config.clone();
-        let (bi, ti) = (b as i64, t as i64);
-        let (c, nh, hs) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.head_dim() as i64);
-        let (n_ctx, vp) = (cfg.n_ctx as i64, cfg.padded_vocab_size as i64);
-        let m = bi * ti;
-        let mm =
-            |n: i64, k: i64, rows: i64, tt: i64| shape(&[("M", rows), ("N", n), ("K", k), ("T", tt), ("n_head", nh)]);
-        let unfused = self.unfused;
-        let (bias_res, bias_gelu) = if unfused {
-            (Epilogue::Bias, Epilogue::Bias)
-        } else {
-            (Epilogue::BiasResidual, Epilogue::BiasGelu)
-        };
-        let encoder = self.kernel(
-            "embedding",
-            "encoder",
-            Epilogue::None,
-            Mask::None,
-            shape(&[
-                ("B", bi),
-                ("T", ti),
-                ("C", c),
-                ("pos_offset", 0),
-                ("V", cfg.vocab_size as i64),
-                ("max_T", n_ctx),
-            ]),
-            None,
-        )?;
-        let layernorm = self.kernel(
-            "layernorm",
-            "layernorm",
-            Epilogue::None,
-            Mask::None,
-            shape(&[("N", m), ("C", c)]),
-            None,
-        )?;
-        let qkv = self.kernel("qkv", "matmul", Epilogue::Qkv, Mask::None, mm(3 * c, c, m, ti), None)?;
-        let kv_append = if self.decode_missing.is_none() {
-            Some(self.kernel(
-                "kv_append",
-                KV_APPEND_OP,
-                Epilogue::None,
-                Mask::None,
-                shape(&[
-                    ("B", bi),
-                    ("NH", nh),
-                    ("T", ti),
-                    ("HS", hs),
-                    ("max_T", n_ctx),
-                    ("pos", 0),
-                ]),
-                None,
-            )?)
-        } else {
-            None
-        };
-        let attention = if decode {
-            if let Some(why) = &self.decode_missing {
-                bail!("{why}");
-            }
-            // Selected once for the longest cache; launched with the current length.
-            self.kernel(
-                "attention",
-                ATTENTION_DECODE_OP,
-                Epilogue::None,
-                Mask::None,
-                shape(&[("B", bi), ("NH", nh), ("T", n_ctx), ("HS", hs), ("max_T", n_ctx)]),
-                None,
-            )?
-        } else {
-            self.kernel(
-                "attention",
-                "attention",
-                Epilogue::None,
-                Mask::Causal,
-                shape(&[("B", bi), ("NH", nh), ("T", ti), ("HS", hs), ("window", 0)]),
-                unfused.then_some(UNFUSED_ATTENTION_FAMILY),
-            )?
-        };
-        let attn_proj = self.kernel("attn_proj", "matmul", bias_res, Mask::None, mm(c, c, m, ti), None)?;
-        let fc = self.kernel("fc", "matmul", bias_gelu, Mask::None, mm(4 * c, c, m, ti), None)?;
-        let fc_proj = self.kernel("fc_proj", "matmul", bias_res, Mask::None, mm(c, 4 * c, m, ti), None)?;
-        let (gelu, residual) = if unfused {
-            (
-                Some(self.kernel(
-                    "gelu",
-                    "gelu",
-                    Epilogue::None,
-                    Mask::None,
-                    shape(&[("N", m * 4 * c)]),
-                    None,
-                )?),
-                Some(self.kernel(
-                    "residual",
-                    "residual",
-                    Epilogue::None,
-                    Mask::None,
-                    shape(&[("N", m * c)]),
-                    None,
-                )?),
-            )
-        } else {
-            (None, None)
-        };
-        let head_shape = if last_only && t > 1 {
-            mm(vp, c, bi, 1)
-        } else {
-            mm(vp, c, m, ti)
-        };
-        let lm_head = self.kernel("lm_head", "matmul", Epilogue::None, Mask::None, head_shape, None)?;
-        let argmax_available =
-            ops::op_by_name(ARGMAX_OP).is_some() && self.registry.catalog.has_dtype(ARGMAX_OP, op_dtype(self.dtype));
-        let argmax = if decode && argmax_available {
-            let s = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
-            Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, s, None)?)
-        } else {
-            None
-        };
-        let set = Arc::new(Kernels {
-            encoder,
-            layernorm,
-            qkv,
-            kv_append,
-            attention,
-            attn_proj,
-            fc,
-            fc_proj,
-            gelu,
-            residual,
-            lm_head,
-            argmax,
-        });
-        self.sets.insert(set_key, set.clone());
-        Ok(set)
-    }
-
-    // -----------------------------------------------------------------------------------------
-    // Launching
-
-    /// The workspace pointer for `k` launched on `launch_shape` (`None`: its selection shape,
-    /// whose need was met when it was selected); 0 when nothing was ever needed.
-    fn ws_ptr(&mut self, k: &Kernel, launch_shape: Option<&Shape>) -> AnyResult<u64> {
-        if let Some(s) = launch_shape {
-            let need = k.loaded.variant.workspace_elems(s, &self.gpu.info.limits)?;
-            self.ensure_workspace(need)?;
-        }
-        Ok(self.workspace.as_ref().map_or(0, |w| ptr(&self.gpu, w)))
-    }
-
-    /// Launch geometry of `k` on `shape` (another position or cache length than it was
-    /// selected for).
-    fn plan(&self, k: &Kernel, shape: &Shape) -> AnyResult<Vec<Launch>> {
-        k.loaded
-            .plan(&self.gpu, shape)
-            .with_context(|| format!("{} ({}): planning {}", k.role, k.label, shape_text(shape)))
-    }
-
-    /// Launch `k` with `args` on the shape it was selected for (geometry planned once).
-    fn launch(&mut self, k: &Kernel, args: &[ArgValue]) -> AnyResult<()> {
-        let launches = k.launches.clone();
-        self.launch_with(k, &k.shape, &launches, args)
-    }
-
-    /// A CUDA event for timing (profiles, decode steps).
-    fn timing_event(&self) -> AnyResult<CudaEvent> {
-        Ok(self
-            .gpu
-            .ctx
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(GpuError::cuda("creating a timing event"))?)
-    }
-
-    /// Launch `k` with `args` and the geometry `launches` planned for `shape`.
-    fn launch_with(&mut self, k: &Kernel, shape: &Shape, launches: &[Launch], args: &[ArgValue]) -> AnyResult<()> {
-        let events = match &self.profiler {
-            Some(_) => {
-                let (start, end) = (self.timing_event()?, self.timing_event()?);
-                record_event(&start, &self.gpu)?;
-                Some((start, end))
-            }
-            None => None,
-        };
-        let what = || format!("{} ({}) on {}", k.role, k.label, shape_text(shape));
-        match &mut self.launch_mode {
-            LaunchMode::Direct => k.loaded.launch_args(&self.gpu, args, launches).with_context(what)?,
-            LaunchMode::Record(graph) => {
-                k.loaded.allow_shared_memory(launches).with_context(what)?;
-                for (function, l) in k.loaded.functions().iter().zip(launches) {
-                    graph.add(function, l, args).with_context(what)?;
-                }
-            }
-            LaunchMode::Update { graph, next, stale } => {
-                k.loaded.allow_shared_memory(launches).with_context(what)?;
-                for (function, l) in k.loaded.functions().iter().zip(launches) {
-                    if *stale {
-                        break;
-                    }
-                    match graph.update(*next, function, l, args) {
-                        Ok(_) => *next += 1,
-                        Err(GraphUpdateError::Mismatch(_)) => *stale = true,
-                        Err(GraphUpdateError::Gpu(e)) => return Err(anyhow::Error::new(e).context(what())),
-                    }
-                }
-            }
-        }
-        if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
-            record_event(&end, &self.gpu)?;
-            p.pending.push((k.role, k.label.clone(), start, end));
-        }
-        if self.sync_each {
-            self.gpu
-                .synchronize()
-                .with_context(|| format!("{} ({}) on {} failed", k.role, k.label, shape_text(shape)))?;
-        }
-        Ok(())
-    }
-
-    fn matmul(&mut self, k: &Kernel, out: u64, inp: u64, weight: u64, bias: u64, residual: u64) -> AnyResult<()> {
-        let ws = self.ws_ptr(k, None)?;
-        let s = &k.shape;
-        let args = [
-            ArgValue::Ptr(out),
-            ArgValue::Ptr(inp),
-            ArgValue::Ptr(weight),
-            ArgValue::Ptr(bias),
-            ArgValue::Ptr(residual),
-            ArgValue::Ptr(ws),
-            i32_arg(s["M"] as usize, "M")?,
-            i32_arg(s["N"] as usize, "N")?,
-            i32_arg(s["K"] as usize, "K")?,
-            i32_arg(s["T"] as usize, "T")?,
-            i32_arg(s["n_head"] as usize, "n_head")?,
-        ];
-        self.launch(k, &args)
-    }
-
-    fn layernorm(&mut self, k: &Kernel, out: u64, inp: u64, gamma: u64, beta: u64) -> AnyResult<()> {
-        let s = &k.shape;
-        let args = [
-            ArgValue::Ptr(out),
-            ArgValue::Ptr(inp),
-            ArgValue::Ptr(gamma),
-            ArgValue::Ptr(beta),
-            i32_arg(s["N"] as usize, "N")?,
-            i32_arg(s["C"] as usize, "C")?,
-        ];
-        self.launch(k, &args)
-    }
-
-    /// Device-to-device copy of `elems` values of the storage type between raw pointers.
-    fn copy_d2d(&self, dst: u64, src: u64, elems: usize) -> AnyResult<()> {
-        self.gpu
-            .ctx
-            .bind_to_thread()
-            .map_err(GpuError::cuda("binding the CUDA context"))?;
-        let bytes = elems * self.dtype.storage().bytes();
-        // SAFETY: both pointers address live buffers of this backend with room for `elems`
-        // values (the caller computes them from the buffer shapes), on our stream.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.stream.cu_stream()) }
-            .map_err(GpuError::cuda(format!("copying {elems} values on the device")))?;
-        Ok(())
-    }
-
     /// Grow the activations / KV cache for a batch of `b` sequences of `t` tokens.
     fn ensure_capacity(&mut self, b: usize, t: usize) -> AnyResult<()> {
         let cfg = self.model.config.clone();
@@ -1037,174 +601,6 @@ impl GpuBackend {
             .memcpy_htod(&ids, &mut dst)
             .map_err(GpuError::cuda(format!("uploading {} token ids", ids.len())))?;
         Ok(())
-    }
-
-    /// Everything from the embedding to the LM head for B sequences of T new tokens at
-    /// positions `pos..pos+T` (the cache holds `pos` tokens). Returns how many logits rows
-    /// the LM head wrote.
-    fn run(&mut self, ks: &Kernels, b: usize, t: usize, pos: usize, decode: bool, head: HeadRows) -> AnyResult<usize> {
-        let cfg = self.model.config.clone();
-        let (c, nh, hs, n_ctx) = (cfg.n_embd, cfg.n_head, cfg.head_dim(), cfg.n_ctx);
-        let rows = b * t;
-        let g = &self.gpu;
-        let ids = ptr(g, &self.act.ids);
-        let mut x = self.act.x[0].ptr(g);
-        let mut y = self.act.x[1].ptr(g);
-        let ln = self.act.ln.ptr(g);
-        let qkv = self.act.qkv.ptr(g);
-        let att = self.act.att.ptr(g);
-        let fc = self.act.fc.ptr(g);
-        let fc_pre = self.act.fc_pre.ptr(g);
-        let last = self.act.last.ptr(g);
-        let logits = self.act.logits.ptr(g);
-        let kv: Vec<(u64, u64)> = self.kv.iter().map(|(k, v)| (k.ptr(g), v.ptr(g))).collect();
-        let e = self.dtype.storage().bytes(); // bytes per element, for pointer offsets
-        let (k_new, v_new) = (qkv + (rows * c * e) as u64, qkv + (2 * rows * c * e) as u64);
-        let scale = 1.0 / (hs as f32).sqrt();
-
-        // Embedding.
-        let enc_shape = with(&ks.encoder.shape, &[("pos_offset", pos as i64)]);
-        let enc_launches = self.plan(&ks.encoder, &enc_shape)?;
-        let args = [
-            ArgValue::Ptr(x),
-            ArgValue::Ptr(ids),
-            ArgValue::Ptr(self.wte),
-            ArgValue::Ptr(self.wpe),
-            i32_arg(b, "B")?,
-            i32_arg(t, "T")?,
-            i32_arg(c, "C")?,
-            i32_arg(pos, "pos_offset")?,
-        ];
-        self.launch_with(&ks.encoder, &enc_shape, &enc_launches, &args)?;
-
-        // Shapes that differ from the selection ones (position, cache length): planned once per
-        // call, the same for every layer.
-        let kv_plan = match &ks.kv_append {
-            Some(k) => {
-                let s = with(&k.shape, &[("pos", pos as i64)]);
-                let l = self.plan(k, &s)?;
-                Some((s, l))
-            }
-            None => None,
-        };
-        let (att_shape, att_launches, att_ws) = if decode {
-            let k = &ks.attention;
-            let s = with(&k.shape, &[("T", (pos + t) as i64)]);
-            let l = self.plan(k, &s)?;
-            let ws = self.ws_ptr(k, Some(&s))?;
-            (s, l, ws)
-        } else {
-            let ws = self.ws_ptr(&ks.attention, None)?;
-            (ks.attention.shape.clone(), ks.attention.launches.to_vec(), ws)
-        };
-        for (l, &(kc, vc)) in kv.iter().enumerate() {
-            let lw = self.layers[l];
-            self.layernorm(&ks.layernorm, ln, x, lw.ln1_w, lw.ln1_b)?;
-            self.matmul(&ks.qkv, qkv, ln, lw.qkv_w, lw.qkv_b, 0)?;
-            if let (Some(k), Some((s, launches))) = (&ks.kv_append, &kv_plan) {
-                let args = [
-                    ArgValue::Ptr(kc),
-                    ArgValue::Ptr(vc),
-                    ArgValue::Ptr(k_new),
-                    ArgValue::Ptr(v_new),
-                    i32_arg(b, "B")?,
-                    i32_arg(nh, "NH")?,
-                    i32_arg(t, "T")?,
-                    i32_arg(n_ctx, "max_T")?,
-                    i32_arg(hs, "HS")?,
-                    i32_arg(pos, "pos")?,
-                ];
-                self.launch_with(k, s, launches, &args)?;
-            }
-            if decode {
-                let args = [
-                    ArgValue::Ptr(att),
-                    ArgValue::Ptr(qkv),
-                    ArgValue::Ptr(kc),
-                    ArgValue::Ptr(vc),
-                    ArgValue::Ptr(att_ws),
-                    i32_arg(b, "B")?,
-                    i32_arg(nh, "NH")?,
-                    i32_arg(pos + t, "T")?,
-                    i32_arg(n_ctx, "max_T")?,
-                    i32_arg(hs, "HS")?,
-                    ArgValue::F32(scale),
-                ];
-                self.launch_with(&ks.attention, &att_shape, &att_launches, &args)?;
-            } else {
-                let args = [
-                    ArgValue::Ptr(att),
-                    ArgValue::Ptr(qkv),
-                    ArgValue::Ptr(k_new),
-                    ArgValue::Ptr(v_new),
-                    ArgValue::Ptr(att_ws),
-                    i32_arg(b, "B")?,
-                    i32_arg(nh, "NH")?,
-                    i32_arg(t, "T")?,
-                    i32_arg(hs, "HS")?,
-                    ArgValue::I32(0),
-                    ArgValue::F32(scale),
-                ];
-                self.launch_with(&ks.attention, &att_shape, &att_launches, &args)?;
-            }
-            // Attention projection + residual: y = x + att @ W^T + b.
-            self.residual_matmul(ks, &ks.attn_proj, y, att, x, lw.attn_proj_w, lw.attn_proj_b, ln)?;
-            std::mem::swap(&mut x, &mut y);
-            self.layernorm(&ks.layernorm, ln, x, lw.ln2_w, lw.ln2_b)?;
-            match &ks.gelu {
-                None => self.matmul(&ks.fc, fc, ln, lw.fc_w, lw.fc_b, 0)?,
-                Some(gelu) => {
-                    self.matmul(&ks.fc, fc_pre, ln, lw.fc_w, lw.fc_b, 0)?;
-                    let args = [ArgValue::Ptr(fc), ArgValue::Ptr(fc_pre), i32_arg(rows * 4 * c, "N")?];
-                    self.launch(gelu, &args)?;
-                }
-            }
-            self.residual_matmul(ks, &ks.fc_proj, y, fc, x, lw.fc_proj_w, lw.fc_proj_b, ln)?;
-            std::mem::swap(&mut x, &mut y);
-        }
-
-        self.layernorm(&ks.layernorm, ln, x, self.lnf_w, self.lnf_b)?;
-        let (head_in, head_rows) = if head == HeadRows::Last && t > 1 {
-            for s in 0..b {
-                self.copy_d2d(last + (s * c * e) as u64, ln + (((s + 1) * t - 1) * c * e) as u64, c)?;
-            }
-            (last, b)
-        } else {
-            (ln, rows)
-        };
-        debug_assert_eq!(ks.lm_head.shape["M"] as usize, head_rows);
-        self.matmul(&ks.lm_head, logits, head_in, self.wte, 0, 0)?;
-        Ok(head_rows)
-    }
-
-    /// `out = residual + inp @ W^T + bias`: fused (`bias_residual`) or, unfused, a `bias`
-    /// matmul into `scratch` followed by the `residual` kernel.
-    #[allow(clippy::too_many_arguments)]
-    fn residual_matmul(
-        &mut self,
-        ks: &Kernels,
-        k: &Kernel,
-        out: u64,
-        inp: u64,
-        residual: u64,
-        weight: u64,
-        bias: u64,
-        scratch: u64,
-    ) -> AnyResult<()> {
-        match &ks.residual {
-            None => self.matmul(k, out, inp, weight, bias, residual),
-            Some(add) => {
-                self.matmul(k, scratch, inp, weight, bias, 0)?;
-                let n = add.shape["N"] as usize;
-                let args = [
-                    ArgValue::Ptr(out),
-                    ArgValue::Ptr(residual),
-                    ArgValue::Ptr(scratch),
-                    i32_arg(n, "N")?,
-                ];
-                self.launch(add, &args)
-            }
-        }
     }
 
     /// Copy `rows` logits rows back, keeping the real vocabulary, and finish the call.
@@ -1301,7 +697,9 @@ impl GpuBackend {
         self.ensure_capacity(b, t)?;
         self.upload_ids(tokens)?;
         let ks = self.kernels(b, t, false, head == HeadRows::Last)?;
-        let rows = self.run(&ks, b, t, 0, false, head)?;
+        let plan = self.build_plan(&ks, b, t, 0, false, head)?;
+        self.execute(&plan)?;
+        let rows = plan.head_rows;
         if ks.kv_append.is_some() {
             self.batch = b;
             self.len = t;
@@ -1314,6 +712,7 @@ impl GpuBackend {
             }
             HeadRows::Last => Ok(Some(self.read_logits(b, 1, rows)?)),
             HeadRows::All => Ok(Some(self.read_logits(b, t, rows)?)),
+            HeadRows::Greedy => unreachable!("a prefill is not a greedy decode step"),
         }
     }
 
@@ -1346,30 +745,27 @@ impl GpuBackend {
         let pos = self.len;
         let (start, end) = (self.timing_event()?, self.timing_event()?);
         let graphs = self.decode_graphs();
-        if graphs {
+        if self.engine == DecodeEngine::Megakernel {
+            record_event(&start, &self.gpu)?;
+            self.megakernel_step(&ks, b, pos)?;
+        } else if graphs {
             if self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
             }
             record_event(&start, &self.gpu)?;
             self.decode_graphs[&b].launch(&self.gpu.stream)?;
+            if greedy {
+                let argmax = Plan {
+                    steps: vec![self.argmax_step(&ks, b)?],
+                    head_rows: b,
+                };
+                self.execute(&argmax)?;
+            }
         } else {
             record_event(&start, &self.gpu)?;
-            self.run(&ks, b, 1, pos, true, HeadRows::All)?;
-        }
-        if greedy {
-            let Some(k) = ks.argmax.as_ref() else {
-                bail!("greedy decode on the device needs the {ARGMAX_OP} op and a family for it");
-            };
-            let (ids, logits) = (ptr(&self.gpu, &self.act.next_ids), self.act.logits.ptr(&self.gpu));
-            let (v, vp) = (cfg.vocab_size, cfg.padded_vocab_size);
-            let args = [
-                ArgValue::Ptr(ids),
-                ArgValue::Ptr(logits),
-                i32_arg(b, "B")?,
-                i32_arg(v, "V")?,
-                i32_arg(vp, "stride")?,
-            ];
-            self.launch(k, &args)?;
+            let head = if greedy { HeadRows::Greedy } else { HeadRows::All };
+            let plan = self.build_plan(&ks, b, 1, pos, true, head)?;
+            self.execute(&plan)?;
         }
         record_event(&end, &self.gpu)?;
         self.step_events = Some((start, end));
@@ -1423,46 +819,6 @@ impl GpuBackend {
             .collect()
     }
 
-    /// Points the graph of batch size `b` at the decode step at position `pos`: replays the
-    /// step's launches into it, rewriting the nodes whose arguments changed, or records it
-    /// (again) when there is none or the launches no longer match it.
-    fn prepare_decode_graph(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<()> {
-        // The cache-length-dependent workspace is sized for the longest cache up front, so
-        // that no step reallocates it under the graph's pointers.
-        let longest = with(&ks.attention.shape, &[("T", self.model.config.n_ctx as i64)]);
-        self.ws_ptr(&ks.attention, Some(&longest))?;
-        if let Some(graph) = self.decode_graphs.remove(&b) {
-            self.launch_mode = LaunchMode::Update {
-                graph,
-                next: 0,
-                stale: false,
-            };
-            let walked = self.run(ks, b, 1, pos, true, HeadRows::All);
-            let LaunchMode::Update { graph, next, stale } =
-                std::mem::replace(&mut self.launch_mode, LaunchMode::Direct)
-            else {
-                unreachable!("the launch mode is only changed here")
-            };
-            walked?;
-            if !stale && next == graph.len() {
-                self.decode_graphs.insert(b, graph);
-                self.prepared = Some((b, pos, self.buffers_generation));
-                return Ok(());
-            }
-            // The kernels changed under the graph (a reselection): record it again.
-        }
-        self.launch_mode = LaunchMode::Record(KernelGraph::new(&self.gpu.ctx)?);
-        let walked = self.run(ks, b, 1, pos, true, HeadRows::All);
-        let LaunchMode::Record(mut graph) = std::mem::replace(&mut self.launch_mode, LaunchMode::Direct) else {
-            unreachable!("the launch mode is only changed here")
-        };
-        walked?;
-        graph.instantiate()?;
-        self.decode_graphs.insert(b, graph);
-        self.prepared = Some((b, pos, self.buffers_generation));
-        Ok(())
-    }
-
     /// A full forward pass (LM head on every position) that leaves the logits on the device:
     /// what `bench` times. Fills the KV cache like a prefill.
     pub fn forward_on_device(&mut self, tokens: &[Vec<u32>]) -> Result<()> {
@@ -1480,26 +836,6 @@ impl GpuBackend {
             },
         }
     }
-}
-
-/// Records `event` on the GPU's stream.
-fn record_event(event: &CudaEvent, gpu: &Gpu) -> AnyResult<()> {
-    Ok(event
-        .record(&gpu.stream)
-        .map_err(GpuError::cuda("recording a timing event"))?)
-}
-
-/// The default point of `family` for this epilogue and mask.
-fn default_variant(
-    family: &Arc<crate::spec::Family>,
-    epilogue: Epilogue,
-    mask: Mask,
-    limits: &crate::spec::DeviceLimits,
-) -> AnyResult<Variant> {
-    expand(family, Points::Default, limits)?
-        .into_iter()
-        .find(|v| v.epilogue == epilogue && v.mask == mask)
-        .ok_or_else(|| anyhow!("{} has no {} variant", family.name, variant_kind(epilogue, mask)))
 }
 
 impl Backend for GpuBackend {

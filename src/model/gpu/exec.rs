@@ -1,0 +1,167 @@
+//! The kernel-by-kernel and CUDA-graph executors of a step [`Plan`]: every node launched on the
+//! stream in order, or recorded once into a [`KernelGraph`] and replayed, with only the nodes
+//! whose arguments changed (the position, the cache length) rewritten between steps. Profiling
+//! (a CUDA event pair around every launch) and `KERNELFORGE_SYNC_EACH` live here too.
+
+use anyhow::{bail, Context, Result as AnyResult};
+use cudarc::driver::CudaEvent;
+
+use super::plan::{HeadRows, Node, Plan, Step};
+use super::select::Kernels;
+use super::{with, GpuBackend};
+use crate::gpu::{Gpu, GpuError, GraphUpdateError, KernelGraph};
+use crate::spec::shape_text;
+
+/// Where launches go.
+pub(super) enum LaunchMode {
+    /// Straight to the stream.
+    Direct,
+    /// Appended to a graph being built (nothing runs until it is launched).
+    Record(KernelGraph),
+    /// Replayed into a recorded graph: launch `next` rewrites node `next` if it changed.
+    /// `stale` is set when a launch does not match its node (the graph must be recorded again).
+    Update {
+        graph: KernelGraph,
+        next: usize,
+        stale: bool,
+    },
+}
+
+impl GpuBackend {
+    /// A CUDA event for timing (profiles, decode steps).
+    pub(super) fn timing_event(&self) -> AnyResult<CudaEvent> {
+        Ok(self
+            .gpu
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(GpuError::cuda("creating a timing event"))?)
+    }
+
+    /// Runs `plan` in the current [`LaunchMode`]: launched kernel by kernel, or recorded into /
+    /// replayed against a CUDA graph.
+    pub(super) fn execute(&mut self, plan: &Plan) -> AnyResult<()> {
+        for step in &plan.steps {
+            match step {
+                Step::Launch(node) => self.launch_node(node)?,
+                Step::Copy { dst, src, elems } => {
+                    if !matches!(self.launch_mode, LaunchMode::Direct) {
+                        bail!("a plan with device copies cannot be recorded as a CUDA graph");
+                    }
+                    self.copy_d2d(*dst, *src, *elems)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Launches one node (or adds it to / checks it against the graph being built).
+    fn launch_node(&mut self, node: &Node) -> AnyResult<()> {
+        let (k, shape, launches, args) = (&node.kernel, &node.shape, &node.launches[..], &node.args[..]);
+        let events = match &self.profiler {
+            Some(_) => {
+                let (start, end) = (self.timing_event()?, self.timing_event()?);
+                record_event(&start, &self.gpu)?;
+                Some((start, end))
+            }
+            None => None,
+        };
+        let what = || format!("{} ({}) on {}", k.role, k.label, shape_text(shape));
+        match &mut self.launch_mode {
+            LaunchMode::Direct => k.loaded.launch_args(&self.gpu, args, launches).with_context(what)?,
+            LaunchMode::Record(graph) => {
+                k.loaded.allow_shared_memory(launches).with_context(what)?;
+                for (function, l) in k.loaded.functions().iter().zip(launches) {
+                    graph.add(function, l, args).with_context(what)?;
+                }
+            }
+            LaunchMode::Update { graph, next, stale } => {
+                k.loaded.allow_shared_memory(launches).with_context(what)?;
+                for (function, l) in k.loaded.functions().iter().zip(launches) {
+                    if *stale {
+                        break;
+                    }
+                    match graph.update(*next, function, l, args) {
+                        Ok(_) => *next += 1,
+                        Err(GraphUpdateError::Mismatch(_)) => *stale = true,
+                        Err(GraphUpdateError::Gpu(e)) => return Err(anyhow::Error::new(e).context(what())),
+                    }
+                }
+            }
+        }
+        if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
+            record_event(&end, &self.gpu)?;
+            p.pending.push((k.role, k.label.clone(), start, end));
+        }
+        if self.sync_each {
+            self.gpu
+                .synchronize()
+                .with_context(|| format!("{} ({}) on {} failed", k.role, k.label, shape_text(shape)))?;
+        }
+        Ok(())
+    }
+
+    /// Device-to-device copy of `elems` values of the storage type between raw pointers.
+    fn copy_d2d(&self, dst: u64, src: u64, elems: usize) -> AnyResult<()> {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(GpuError::cuda("binding the CUDA context"))?;
+        let bytes = elems * self.dtype.storage().bytes();
+        // SAFETY: both pointers address live buffers of this backend with room for `elems`
+        // values (the caller computes them from the buffer shapes), on our stream.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.stream.cu_stream()) }
+            .map_err(GpuError::cuda(format!("copying {elems} values on the device")))?;
+        Ok(())
+    }
+
+    /// Points the graph of batch size `b` at the decode step at position `pos`: replays the
+    /// step's launches into it, rewriting the nodes whose arguments changed, or records it
+    /// (again) when there is none or the launches no longer match it.
+    pub(super) fn prepare_decode_graph(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<()> {
+        // The cache-length-dependent workspace is sized for the longest cache up front, so
+        // that no step reallocates it under the graph's pointers.
+        let longest = with(&ks.attention.shape, &[("T", self.model.config.n_ctx as i64)]);
+        self.ws_ptr(&ks.attention, Some(&longest))?;
+        if let Some(graph) = self.decode_graphs.remove(&b) {
+            self.launch_mode = LaunchMode::Update {
+                graph,
+                next: 0,
+                stale: false,
+            };
+            let walked = self
+                .build_plan(ks, b, 1, pos, true, HeadRows::All)
+                .and_then(|p| self.execute(&p));
+            let LaunchMode::Update { graph, next, stale } =
+                std::mem::replace(&mut self.launch_mode, LaunchMode::Direct)
+            else {
+                unreachable!("the launch mode is only changed here")
+            };
+            walked?;
+            if !stale && next == graph.len() {
+                self.decode_graphs.insert(b, graph);
+                self.prepared = Some((b, pos, self.buffers_generation));
+                return Ok(());
+            }
+            // The kernels changed under the graph (a reselection): record it again.
+        }
+        self.launch_mode = LaunchMode::Record(KernelGraph::new(&self.gpu.ctx)?);
+        let walked = self
+            .build_plan(ks, b, 1, pos, true, HeadRows::All)
+            .and_then(|p| self.execute(&p));
+        let LaunchMode::Record(mut graph) = std::mem::replace(&mut self.launch_mode, LaunchMode::Direct) else {
+            unreachable!("the launch mode is only changed here")
+        };
+        walked?;
+        graph.instantiate()?;
+        self.decode_graphs.insert(b, graph);
+        self.prepared = Some((b, pos, self.buffers_generation));
+        Ok(())
+    }
+}
+
+/// Records `event` on the GPU's stream.
+pub(super) fn record_event(event: &CudaEvent, gpu: &Gpu) -> AnyResult<()> {
+    Ok(event
+        .record(&gpu.stream)
+        .map_err(GpuError::cuda("recording a timing event"))?)
+}

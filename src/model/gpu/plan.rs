@@ -1,0 +1,387 @@
+//! The step plan: what one forward pass or decode step runs, as data. An ordered list of op
+//! nodes (the selected kernel, the shape it runs on, its launch geometry and its arguments,
+//! pointers into the backend's persistent buffers) and device copies. Built once per step
+//! shape and position by [`GpuBackend::build_plan`]; the executors (`exec.rs`: kernel by kernel
+//! or as a CUDA graph; `megakernel.rs`: lowered to one persistent kernel) only run it.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result as AnyResult};
+
+use super::select::{Kernel, Kernels};
+use super::{i32_arg, ptr, with, GpuBackend, ARGMAX_OP};
+use crate::gpu::ArgValue;
+use crate::ops::Shape;
+use crate::spec::{shape_text, Launch};
+
+/// One kernel launch of a plan.
+#[derive(Clone)]
+pub(super) struct Node {
+    pub kernel: Kernel,
+    /// The shape it runs on (the selection shape with the position or cache length of this step).
+    pub shape: Shape,
+    pub launches: Arc<Vec<Launch>>,
+    /// In the op's signature order.
+    pub args: Vec<ArgValue>,
+    /// The transformer layer it belongs to (`None`: embedding, final layernorm, LM head).
+    pub layer: Option<usize>,
+}
+
+/// One step of a plan.
+#[derive(Clone)]
+pub(super) enum Step {
+    Launch(Node),
+    /// A device-to-device copy of `elems` values of the storage type.
+    Copy {
+        dst: u64,
+        src: u64,
+        elems: usize,
+    },
+}
+
+/// Everything one forward pass or decode step runs, in order.
+pub(super) struct Plan {
+    pub steps: Vec<Step>,
+    /// Logits rows the LM head writes.
+    pub head_rows: usize,
+}
+
+impl Plan {
+    /// The launches, in order.
+    pub fn nodes(&self) -> impl Iterator<Item = &Node> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Launch(n) => Some(n),
+            Step::Copy { .. } => None,
+        })
+    }
+}
+
+/// What a plan ends with.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum HeadRows {
+    /// LM head on every position, logits copied back.
+    All,
+    /// LM head on the last position of each sequence only, logits copied back.
+    Last,
+    /// LM head on every position, nothing copied back (benchmarks).
+    AllOnDevice,
+    /// Decode steps only: the LM head and the greedy argmax into the next-token ids.
+    Greedy,
+}
+
+/// Collects the steps of a plan.
+#[derive(Default)]
+pub(super) struct Builder {
+    steps: Vec<Step>,
+    /// The layer the next launches belong to.
+    layer: Option<usize>,
+}
+
+impl Builder {
+    /// `k` with `args` on the shape it was selected for (geometry planned once).
+    fn launch(&mut self, k: &Kernel, args: &[ArgValue]) {
+        self.launch_on(k, k.shape.clone(), k.launches.clone(), args);
+    }
+
+    /// `k` with `args` and the geometry `launches` planned for `shape`.
+    fn launch_on(&mut self, k: &Kernel, shape: Shape, launches: Arc<Vec<Launch>>, args: &[ArgValue]) {
+        self.steps.push(Step::Launch(Node {
+            kernel: k.clone(),
+            shape,
+            launches,
+            args: args.to_vec(),
+            layer: self.layer,
+        }));
+    }
+}
+
+impl GpuBackend {
+    /// The workspace pointer for `k` launched on `launch_shape` (`None`: its selection shape,
+    /// whose need was met when it was selected); 0 when nothing was ever needed.
+    pub(super) fn ws_ptr(&mut self, k: &Kernel, launch_shape: Option<&Shape>) -> AnyResult<u64> {
+        if let Some(s) = launch_shape {
+            let need = k.loaded.variant.workspace_elems(s, &self.gpu.info.limits)?;
+            self.ensure_workspace(need)?;
+        }
+        Ok(self.workspace.as_ref().map_or(0, |w| ptr(&self.gpu, w)))
+    }
+
+    /// Launch geometry of `k` on `shape` (another position or cache length than it was
+    /// selected for).
+    pub(super) fn plan(&self, k: &Kernel, shape: &Shape) -> AnyResult<Vec<Launch>> {
+        k.loaded
+            .plan(&self.gpu, shape)
+            .with_context(|| format!("{} ({}): planning {}", k.role, k.label, shape_text(shape)))
+    }
+
+    /// The plan of everything from the embedding to the LM head (and, for greedy decode steps,
+    /// the argmax) for B sequences of T new tokens at positions `pos..pos+T` (the cache holds
+    /// `pos` tokens).
+    pub(super) fn build_plan(
+        &mut self,
+        ks: &Kernels,
+        b: usize,
+        t: usize,
+        pos: usize,
+        decode: bool,
+        head: HeadRows,
+    ) -> AnyResult<Plan> {
+        let mut plan = Builder::default();
+        let cfg = self.model.config.clone();
+        let (c, nh, hs, n_ctx) = (cfg.n_embd, cfg.n_head, cfg.head_dim(), cfg.n_ctx);
+        let rows = b * t;
+        let g = &self.gpu;
+        let ids = ptr(g, &self.act.ids);
+        let mut x = self.act.x[0].ptr(g);
+        let mut y = self.act.x[1].ptr(g);
+        let ln = self.act.ln.ptr(g);
+        let qkv = self.act.qkv.ptr(g);
+        let att = self.act.att.ptr(g);
+        let fc = self.act.fc.ptr(g);
+        let fc_pre = self.act.fc_pre.ptr(g);
+        let last = self.act.last.ptr(g);
+        let logits = self.act.logits.ptr(g);
+        let kv: Vec<(u64, u64)> = self.kv.iter().map(|(k, v)| (k.ptr(g), v.ptr(g))).collect();
+        let e = self.dtype.storage().bytes(); // bytes per element, for pointer offsets
+        let (k_new, v_new) = (qkv + (rows * c * e) as u64, qkv + (2 * rows * c * e) as u64);
+        let scale = 1.0 / (hs as f32).sqrt();
+
+        // Embedding.
+        let enc_shape = with(&ks.encoder.shape, &[("pos_offset", pos as i64)]);
+        let enc_launches = Arc::new(self.plan(&ks.encoder, &enc_shape)?);
+        let args = [
+            ArgValue::Ptr(x),
+            ArgValue::Ptr(ids),
+            ArgValue::Ptr(self.wte),
+            ArgValue::Ptr(self.wpe),
+            i32_arg(b, "B")?,
+            i32_arg(t, "T")?,
+            i32_arg(c, "C")?,
+            i32_arg(pos, "pos_offset")?,
+        ];
+        plan.launch_on(&ks.encoder, enc_shape, enc_launches, &args);
+
+        // Shapes that differ from the selection ones (position, cache length): planned once per
+        // call, the same for every layer.
+        let kv_plan = match &ks.kv_append {
+            Some(k) => {
+                let s = with(&k.shape, &[("pos", pos as i64)]);
+                let l = Arc::new(self.plan(k, &s)?);
+                Some((s, l))
+            }
+            None => None,
+        };
+        let (att_shape, att_launches, att_ws) = if decode {
+            let k = &ks.attention;
+            let s = with(&k.shape, &[("T", (pos + t) as i64)]);
+            let l = Arc::new(self.plan(k, &s)?);
+            let ws = self.ws_ptr(k, Some(&s))?;
+            (s, l, ws)
+        } else {
+            let ws = self.ws_ptr(&ks.attention, None)?;
+            (ks.attention.shape.clone(), ks.attention.launches.clone(), ws)
+        };
+        for (l, &(kc, vc)) in kv.iter().enumerate() {
+            let lw = self.layers[l];
+            plan.layer = Some(l);
+            self.layernorm(&mut plan, &ks.layernorm, ln, x, lw.ln1_w, lw.ln1_b)?;
+            self.matmul(&mut plan, &ks.qkv, qkv, ln, lw.qkv_w, lw.qkv_b, 0)?;
+            if let (Some(k), Some((s, launches))) = (&ks.kv_append, &kv_plan) {
+                let args = [
+                    ArgValue::Ptr(kc),
+                    ArgValue::Ptr(vc),
+                    ArgValue::Ptr(k_new),
+                    ArgValue::Ptr(v_new),
+                    i32_arg(b, "B")?,
+                    i32_arg(nh, "NH")?,
+                    i32_arg(t, "T")?,
+                    i32_arg(n_ctx, "max_T")?,
+                    i32_arg(hs, "HS")?,
+                    i32_arg(pos, "pos")?,
+                ];
+                plan.launch_on(k, s.clone(), launches.clone(), &args);
+            }
+            if decode {
+                let args = [
+                    ArgValue::Ptr(att),
+                    ArgValue::Ptr(qkv),
+                    ArgValue::Ptr(kc),
+                    ArgValue::Ptr(vc),
+                    ArgValue::Ptr(att_ws),
+                    i32_arg(b, "B")?,
+                    i32_arg(nh, "NH")?,
+                    i32_arg(pos + t, "T")?,
+                    i32_arg(n_ctx, "max_T")?,
+                    i32_arg(hs, "HS")?,
+                    ArgValue::F32(scale),
+                ];
+                plan.launch_on(&ks.attention, att_shape.clone(), att_launches.clone(), &args);
+            } else {
+                let args = [
+                    ArgValue::Ptr(att),
+                    ArgValue::Ptr(qkv),
+                    ArgValue::Ptr(k_new),
+                    ArgValue::Ptr(v_new),
+                    ArgValue::Ptr(att_ws),
+                    i32_arg(b, "B")?,
+                    i32_arg(nh, "NH")?,
+                    i32_arg(t, "T")?,
+                    i32_arg(hs, "HS")?,
+                    ArgValue::I32(0),
+                    ArgValue::F32(scale),
+                ];
+                plan.launch_on(&ks.attention, att_shape.clone(), att_launches.clone(), &args);
+            }
+            // Attention projection + residual: y = x + att @ W^T + b.
+            self.residual_matmul(
+                &mut plan,
+                ks,
+                &ks.attn_proj,
+                y,
+                att,
+                x,
+                lw.attn_proj_w,
+                lw.attn_proj_b,
+                ln,
+            )?;
+            std::mem::swap(&mut x, &mut y);
+            self.layernorm(&mut plan, &ks.layernorm, ln, x, lw.ln2_w, lw.ln2_b)?;
+            match &ks.gelu {
+                None => self.matmul(&mut plan, &ks.fc, fc, ln, lw.fc_w, lw.fc_b, 0)?,
+                Some(gelu) => {
+                    self.matmul(&mut plan, &ks.fc, fc_pre, ln, lw.fc_w, lw.fc_b, 0)?;
+                    let args = [ArgValue::Ptr(fc), ArgValue::Ptr(fc_pre), i32_arg(rows * 4 * c, "N")?];
+                    plan.launch(gelu, &args);
+                }
+            }
+            self.residual_matmul(&mut plan, ks, &ks.fc_proj, y, fc, x, lw.fc_proj_w, lw.fc_proj_b, ln)?;
+            std::mem::swap(&mut x, &mut y);
+        }
+
+        plan.layer = None;
+        self.layernorm(&mut plan, &ks.layernorm, ln, x, self.lnf_w, self.lnf_b)?;
+        let (head_in, head_rows) = if head == HeadRows::Last && t > 1 {
+            for s in 0..b {
+                plan.steps.push(Step::Copy {
+                    dst: last + (s * c * e) as u64,
+                    src: ln + (((s + 1) * t - 1) * c * e) as u64,
+                    elems: c,
+                });
+            }
+            (last, b)
+        } else {
+            (ln, rows)
+        };
+        debug_assert_eq!(ks.lm_head.shape["M"] as usize, head_rows);
+        self.matmul(&mut plan, &ks.lm_head, logits, head_in, self.wte, 0, 0)?;
+        if decode && head == HeadRows::Greedy {
+            plan.steps.push(self.argmax_step(ks, b)?);
+        }
+        Ok(Plan {
+            steps: plan.steps,
+            head_rows,
+        })
+    }
+
+    /// `out = residual + inp @ W^T + bias`: fused (`bias_residual`) or, unfused, a `bias`
+    /// matmul into `scratch` followed by the `residual` kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_matmul(
+        &mut self,
+        plan: &mut Builder,
+        ks: &Kernels,
+        k: &Kernel,
+        out: u64,
+        inp: u64,
+        residual: u64,
+        weight: u64,
+        bias: u64,
+        scratch: u64,
+    ) -> AnyResult<()> {
+        match &ks.residual {
+            None => self.matmul(plan, k, out, inp, weight, bias, residual),
+            Some(add) => {
+                self.matmul(plan, k, scratch, inp, weight, bias, 0)?;
+                let n = add.shape["N"] as usize;
+                let args = [
+                    ArgValue::Ptr(out),
+                    ArgValue::Ptr(residual),
+                    ArgValue::Ptr(scratch),
+                    i32_arg(n, "N")?,
+                ];
+                plan.launch(add, &args);
+                Ok(())
+            }
+        }
+    }
+
+    /// The greedy argmax of a decode step's logits into `act.next_ids`.
+    pub(super) fn argmax_step(&self, ks: &Kernels, b: usize) -> AnyResult<Step> {
+        let Some(k) = ks.argmax.as_ref() else {
+            bail!("greedy decode on the device needs the {ARGMAX_OP} op and a family for it");
+        };
+        let cfg = &self.model.config;
+        let args = [
+            ArgValue::Ptr(ptr(&self.gpu, &self.act.next_ids)),
+            ArgValue::Ptr(self.act.logits.ptr(&self.gpu)),
+            i32_arg(b, "B")?,
+            i32_arg(cfg.vocab_size, "V")?,
+            i32_arg(cfg.padded_vocab_size, "stride")?,
+        ];
+        let mut one = Builder::default();
+        one.launch(k, &args);
+        Ok(one.steps.remove(0))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &mut self,
+        plan: &mut Builder,
+        k: &Kernel,
+        out: u64,
+        inp: u64,
+        weight: u64,
+        bias: u64,
+        residual: u64,
+    ) -> AnyResult<()> {
+        let ws = self.ws_ptr(k, None)?;
+        let s = &k.shape;
+        let args = [
+            ArgValue::Ptr(out),
+            ArgValue::Ptr(inp),
+            ArgValue::Ptr(weight),
+            ArgValue::Ptr(bias),
+            ArgValue::Ptr(residual),
+            ArgValue::Ptr(ws),
+            i32_arg(s["M"] as usize, "M")?,
+            i32_arg(s["N"] as usize, "N")?,
+            i32_arg(s["K"] as usize, "K")?,
+            i32_arg(s["T"] as usize, "T")?,
+            i32_arg(s["n_head"] as usize, "n_head")?,
+        ];
+        plan.launch(k, &args);
+        Ok(())
+    }
+
+    fn layernorm(
+        &mut self,
+        plan: &mut Builder,
+        k: &Kernel,
+        out: u64,
+        inp: u64,
+        gamma: u64,
+        beta: u64,
+    ) -> AnyResult<()> {
+        let s = &k.shape;
+        let args = [
+            ArgValue::Ptr(out),
+            ArgValue::Ptr(inp),
+            ArgValue::Ptr(gamma),
+            ArgValue::Ptr(beta),
+            i32_arg(s["N"] as usize, "N")?,
+            i32_arg(s["C"] as usize, "C")?,
+        ];
+        plan.launch(k, &args);
+        Ok(())
+    }
+}

@@ -1,0 +1,317 @@
+//! Kernel selection for the model: for each op of a step shape, the tuned winner from the
+//! tuning database (or the family default), compiled, loaded and planned once, and remembered.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result as AnyResult};
+
+use super::{shape, GpuBackend, ARGMAX_OP, ATTENTION_DECODE_OP, KV_APPEND_OP, UNFUSED_ATTENTION_FAMILY};
+use crate::gpu::{GpuError, LoadedVariant};
+use crate::ops::{self, Epilogue, Mask, Shape};
+use crate::spec::{expand, shape_text, Launch, Points, Variant};
+use crate::tune::registry::{variant_kind, Choice};
+use crate::tune::workloads::{matmul_dtype, op_dtype};
+
+/// One selected, loaded kernel and where it is used.
+#[derive(Clone)]
+pub(super) struct Kernel {
+    /// Where in the model: `qkv`, `attn_proj`, `lm_head`, ...
+    pub role: &'static str,
+    /// `matmul[bias_gelu] matmul_regtile`.
+    pub label: String,
+    pub loaded: Arc<LoadedVariant>,
+    pub choice: Choice,
+    /// The completed shape it was selected for; launches override a few entries of it.
+    pub shape: Shape,
+    /// Launch geometry for `shape`, planned once.
+    pub launches: Arc<Vec<Launch>>,
+}
+
+/// The kernels of one forward shape (a prefill of B×T or a decode step of B).
+pub(super) struct Kernels {
+    pub encoder: Kernel,
+    pub layernorm: Kernel,
+    pub qkv: Kernel,
+    pub kv_append: Option<Kernel>,
+    pub attention: Kernel,
+    pub attn_proj: Kernel,
+    pub fc: Kernel,
+    pub fc_proj: Kernel,
+    /// Unfused only.
+    pub gelu: Option<Kernel>,
+    pub residual: Option<Kernel>,
+    pub lm_head: Kernel,
+    /// Decode steps only: greedy choice of the next tokens on the device.
+    pub argmax: Option<Kernel>,
+}
+
+impl GpuBackend {
+    /// Select (tuned winner or default; or the default of `force_family`), load and remember
+    /// the kernel for (op, epilogue, mask, shape), and make the workspace big enough for it.
+    pub(super) fn kernel(
+        &mut self,
+        role: &'static str,
+        op: &str,
+        epilogue: Epilogue,
+        mask: Mask,
+        mut shape: Shape,
+        force_family: Option<&str>,
+    ) -> AnyResult<Kernel> {
+        let contract = ops::op_by_name(op).ok_or_else(|| anyhow!("op `{op}` does not exist in this build"))?;
+        contract
+            .complete_shape(&mut shape, epilogue, mask)
+            .with_context(|| format!("{role}: shape {}", shape_text(&shape)))?;
+        let dtype = match (op, shape.get("M")) {
+            ("matmul", Some(&rows)) => matmul_dtype(rows, self.dtype),
+            _ => op_dtype(self.dtype),
+        };
+        let key = format!(
+            "{role}|{op}|{dtype}|{}|{}|{}|{}",
+            epilogue.as_str(),
+            mask.as_str(),
+            force_family.unwrap_or(""),
+            shape_text(&shape)
+        );
+        if let Some(k) = self.selected.get(&key) {
+            return Ok(k.clone());
+        }
+        let limits = self.gpu.info.limits;
+        let (mut variant, choice) = match force_family {
+            Some(name) => {
+                let family = self.registry.catalog.family(name)?.clone();
+                (default_variant(&family, epilogue, mask, &limits)?, Choice::Default)
+            }
+            None => {
+                let s = self
+                    .registry
+                    .select(op, dtype, epilogue, mask, &shape, &limits)
+                    .with_context(|| format!("choosing the {role} kernel"))?;
+                (s.variant, s.choice)
+            }
+        };
+        if !variant.constants()?.is_empty() {
+            // __constant__ parameters are per module, but every layer has its own gamma/beta:
+            // take the family default instead (which reads them through pointers).
+            let fallback = default_variant(&variant.family, epilogue, mask, &limits)?;
+            if !fallback.constants()?.is_empty() {
+                bail!(
+                    "{role}: {} reads its parameters from __constant__ memory, which the model \
+                     cannot refill per layer; give the family a default without constants",
+                    variant.family.name
+                );
+            }
+            self.notes.push(format!(
+                "{role}: using the {} default instead of the tuned point ({}): __constant__ \
+                 parameters cannot differ per layer",
+                variant.family.name,
+                variant.key()
+            ));
+            variant = fallback;
+        }
+        variant.check_shape(&shape, &limits).map_err(|why| {
+            anyhow!(
+                "{role}: {} cannot run {}: {why}",
+                variant.family.name,
+                shape_text(&shape)
+            )
+        })?;
+        let ws = variant.workspace_elems(&shape, &limits)?;
+        self.ensure_workspace(ws)?;
+        let loaded = self
+            .registry
+            .load(&self.gpu, &variant)
+            .with_context(|| format!("compiling the {role} kernel {}", variant.kernel_name()))?;
+        let launches = Arc::new(
+            loaded
+                .plan(&self.gpu, &shape)
+                .with_context(|| format!("{role}: planning {} for {}", variant.family.name, shape_text(&shape)))?,
+        );
+        let kind = variant_kind(epilogue, mask);
+        let label = if kind == "none" {
+            format!("{op} {}", variant.family.name)
+        } else {
+            format!("{op}[{kind}] {}", variant.family.name)
+        };
+        let k = Kernel {
+            role,
+            label,
+            loaded,
+            choice,
+            shape,
+            launches,
+        };
+        self.selected.insert(key, k.clone());
+        Ok(k)
+    }
+
+    pub(super) fn ensure_workspace(&mut self, elems: usize) -> AnyResult<()> {
+        if elems > 0 && self.workspace.as_ref().is_none_or(|w| w.len() < elems) {
+            self.workspace = None; // free first
+            let what = format!("allocating the kernel workspace ({elems} floats)");
+            self.workspace = Some(
+                self.gpu
+                    .stream
+                    .alloc_zeros::<f32>(elems)
+                    .map_err(GpuError::cuda(what))?,
+            );
+            self.buffers_generation += 1;
+        }
+        Ok(())
+    }
+
+    /// The kernels of a prefill (`decode = false`, B sequences of T tokens) or of a decode step
+    /// (`decode = true`, T = 1), selected once per shape.
+    pub(super) fn kernels(&mut self, b: usize, t: usize, decode: bool, last_only: bool) -> AnyResult<Arc<Kernels>> {
+        let set_key = (b, t, decode, last_only);
+        if let Some(k) = self.sets.get(&set_key) {
+            return Ok(k.clone());
+        }
+        let cfg = self.model.config.clone();
+        let (bi, ti) = (b as i64, t as i64);
+        let (c, nh, hs) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.head_dim() as i64);
+        let (n_ctx, vp) = (cfg.n_ctx as i64, cfg.padded_vocab_size as i64);
+        let m = bi * ti;
+        let mm =
+            |n: i64, k: i64, rows: i64, tt: i64| shape(&[("M", rows), ("N", n), ("K", k), ("T", tt), ("n_head", nh)]);
+        let unfused = self.unfused;
+        let (bias_res, bias_gelu) = if unfused {
+            (Epilogue::Bias, Epilogue::Bias)
+        } else {
+            (Epilogue::BiasResidual, Epilogue::BiasGelu)
+        };
+        let encoder = self.kernel(
+            "embedding",
+            "encoder",
+            Epilogue::None,
+            Mask::None,
+            shape(&[
+                ("B", bi),
+                ("T", ti),
+                ("C", c),
+                ("pos_offset", 0),
+                ("V", cfg.vocab_size as i64),
+                ("max_T", n_ctx),
+            ]),
+            None,
+        )?;
+        let layernorm = self.kernel(
+            "layernorm",
+            "layernorm",
+            Epilogue::None,
+            Mask::None,
+            shape(&[("N", m), ("C", c)]),
+            None,
+        )?;
+        let qkv = self.kernel("qkv", "matmul", Epilogue::Qkv, Mask::None, mm(3 * c, c, m, ti), None)?;
+        let kv_append = if self.decode_missing.is_none() {
+            Some(self.kernel(
+                "kv_append",
+                KV_APPEND_OP,
+                Epilogue::None,
+                Mask::None,
+                shape(&[
+                    ("B", bi),
+                    ("NH", nh),
+                    ("T", ti),
+                    ("HS", hs),
+                    ("max_T", n_ctx),
+                    ("pos", 0),
+                ]),
+                None,
+            )?)
+        } else {
+            None
+        };
+        let attention = if decode {
+            if let Some(why) = &self.decode_missing {
+                bail!("{why}");
+            }
+            // Selected once for the longest cache; launched with the current length.
+            self.kernel(
+                "attention",
+                ATTENTION_DECODE_OP,
+                Epilogue::None,
+                Mask::None,
+                shape(&[("B", bi), ("NH", nh), ("T", n_ctx), ("HS", hs), ("max_T", n_ctx)]),
+                None,
+            )?
+        } else {
+            self.kernel(
+                "attention",
+                "attention",
+                Epilogue::None,
+                Mask::Causal,
+                shape(&[("B", bi), ("NH", nh), ("T", ti), ("HS", hs), ("window", 0)]),
+                unfused.then_some(UNFUSED_ATTENTION_FAMILY),
+            )?
+        };
+        let attn_proj = self.kernel("attn_proj", "matmul", bias_res, Mask::None, mm(c, c, m, ti), None)?;
+        let fc = self.kernel("fc", "matmul", bias_gelu, Mask::None, mm(4 * c, c, m, ti), None)?;
+        let fc_proj = self.kernel("fc_proj", "matmul", bias_res, Mask::None, mm(c, 4 * c, m, ti), None)?;
+        let (gelu, residual) = if unfused {
+            (
+                Some(self.kernel(
+                    "gelu",
+                    "gelu",
+                    Epilogue::None,
+                    Mask::None,
+                    shape(&[("N", m * 4 * c)]),
+                    None,
+                )?),
+                Some(self.kernel(
+                    "residual",
+                    "residual",
+                    Epilogue::None,
+                    Mask::None,
+                    shape(&[("N", m * c)]),
+                    None,
+                )?),
+            )
+        } else {
+            (None, None)
+        };
+        let head_shape = if last_only && t > 1 {
+            mm(vp, c, bi, 1)
+        } else {
+            mm(vp, c, m, ti)
+        };
+        let lm_head = self.kernel("lm_head", "matmul", Epilogue::None, Mask::None, head_shape, None)?;
+        let argmax_available =
+            ops::op_by_name(ARGMAX_OP).is_some() && self.registry.catalog.has_dtype(ARGMAX_OP, op_dtype(self.dtype));
+        let argmax = if decode && argmax_available {
+            let s = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
+            Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, s, None)?)
+        } else {
+            None
+        };
+        let set = Arc::new(Kernels {
+            encoder,
+            layernorm,
+            qkv,
+            kv_append,
+            attention,
+            attn_proj,
+            fc,
+            fc_proj,
+            gelu,
+            residual,
+            lm_head,
+            argmax,
+        });
+        self.sets.insert(set_key, set.clone());
+        Ok(set)
+    }
+}
+
+/// The default point of `family` for this epilogue and mask.
+fn default_variant(
+    family: &Arc<crate::spec::Family>,
+    epilogue: Epilogue,
+    mask: Mask,
+    limits: &crate::spec::DeviceLimits,
+) -> AnyResult<Variant> {
+    expand(family, Points::Default, limits)?
+        .into_iter()
+        .find(|v| v.epilogue == epilogue && v.mask == mask)
+        .ok_or_else(|| anyhow!("{} has no {} variant", family.name, variant_kind(epilogue, mask)))
+}

@@ -1,0 +1,90 @@
+//! decode_step: one whole GPT-2 decode step (embedding, every layer, LM head, greedy argmax) as
+//! a single persistent kernel that runs a task table the model builds from its step plan (see
+//! `src/model/gpu/megakernel.rs` for the table and `templates/decode/megakernel.cu.tera` for
+//! the kernel).
+//!
+//! Kernel arguments: `const int* stage_table, int n_stages, unsigned* counters, float* workspace,
+//! const int* tokens, int* next_ids, unsigned long long* timeline, int B, int pos, int NH,
+//! int max_T, int V, float scale`.
+//! Shape: `B` (sequences), `C` (embedding width), `NH` (heads), `L` (layers); optional `HS`
+//! (`C / NH`), `Vp` (padded vocabulary, default 50304), `max_T` (context, default 1024) and
+//! `elem_bytes` (bytes of the storage type, default 4) that the launch geometry reads.
+//!
+//! There is no stand-alone random problem for it: its inputs are a model's weights and a task
+//! table that points into them. It is checked end to end instead, against the kernel-by-kernel
+//! decode step and the CPU forward (`tests/gpu_model.rs`); `verify` says so and skips it.
+
+use rand::rngs::StdRng;
+
+use super::*;
+
+#[derive(Debug)]
+pub struct DecodeStep;
+
+impl OpContract for DecodeStep {
+    fn name(&self) -> &'static str {
+        "decode_step"
+    }
+    fn summary(&self) -> &'static str {
+        "a whole GPT-2 decode step from a task table (the megakernel decode engine)"
+    }
+    fn signature(&self) -> &'static str {
+        "const int* stage_table, int n_stages, unsigned* counters, float* workspace, const int* tokens, int* next_ids, unsigned long long* timeline, int B, int pos, int NH, int max_T, int V, float scale"
+    }
+    fn dims(&self) -> &'static [&'static str] {
+        &["B", "C", "NH", "L"]
+    }
+    fn optional_vars(&self) -> &'static [&'static str] {
+        &["HS", "Vp", "max_T", "elem_bytes"]
+    }
+    fn checked_end_to_end(&self) -> Option<&'static str> {
+        Some("decode_step runs a model's task table; it is checked end to end by the GPU model tests (tests/gpu_model.rs), not by verify")
+    }
+    fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
+        check_variant(self, epilogue, mask)?;
+        let (b, c, nh, _l) = (
+            get_dim(self, shape, "B")?,
+            get_dim(self, shape, "C")?,
+            get_dim(self, shape, "NH")?,
+            get_dim(self, shape, "L")?,
+        );
+        if nh == 0 || c % nh != 0 {
+            return Err(OpError::Shape {
+                op: self.name(),
+                msg: format!("C={c} is not a multiple of NH={nh}"),
+            });
+        }
+        shape.entry("HS".into()).or_insert(c / nh);
+        shape.entry("Vp".into()).or_insert(50304);
+        let max_t = *shape.entry("max_T".into()).or_insert(1024);
+        let elem = *shape.entry("elem_bytes".into()).or_insert(4);
+        if ![2, 4].contains(&elem) {
+            return Err(OpError::Shape {
+                op: self.name(),
+                msg: format!("elem_bytes={elem}: the storage types have 2 or 4 bytes"),
+            });
+        }
+        check_i32(self, shape, &[("KV cache [B,NH,max_T,HS]", b * max_t * c)])
+    }
+    fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
+        // GPT-2 124M at batch 1 and 8 (what the catalog summary shows the launch of).
+        [(1, 768, 12, 12), (8, 768, 12, 12)]
+            .iter()
+            .map(|&(b, c, nh, l)| {
+                let mut s = shape_of(&[("B", b), ("C", c), ("NH", nh), ("L", l)]);
+                self.complete_shape(&mut s, Epilogue::None, Mask::None)
+                    .expect("the test shapes are valid");
+                s
+            })
+            .collect()
+    }
+    fn problem(&self, _shape: &Shape, _epilogue: Epilogue, _mask: Mask, _rng: &mut StdRng) -> Result<Problem, OpError> {
+        Err(OpError::Shape {
+            op: self.name(),
+            msg: self.checked_end_to_end().unwrap_or_default().to_string(),
+        })
+    }
+    fn reference(&self, _problem: &Problem) -> Vec<(usize, Vec<f64>)> {
+        Vec::new()
+    }
+}
