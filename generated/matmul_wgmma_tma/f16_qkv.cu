@@ -216,6 +216,20 @@ __device__ __forceinline__ void tma_store_wait_read() {
 __device__ __forceinline__ void tma_store_wait_all() {
     asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
+
+// A plain contiguous copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from
+// global to shared memory by the copy engine, reported to `bar` like a tile: no tensor map, no
+// box, one instruction for any length. The issuing thread is free at once and the load/store
+// units never see the traffic (cp.async would issue one 16-byte request per thread and chunk).
+__device__ __forceinline__ void bulk_load_1d(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Makes freshly initialised mbarriers visible to the copy engine (before the first copy).
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 // ---- wgmma (sm_90a): m64n192k16 f16 from shared-memory descriptors, f32 accumulators ----
 #define WGMMA_K_STEP 16
 #define WGMMA_N 192

@@ -564,11 +564,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         Device::Cpu => None,
     };
     if let Some(g) = gpu.as_mut() {
-        g.set_decode_engine(if args.no_cuda_graphs {
-            crate::model::DecodeEngine::Launches
-        } else {
-            crate::model::DecodeEngine::Graph
-        })?;
+        if args.no_cuda_graphs {
+            g.set_decode_engine(crate::model::DecodeEngine::Launches)?;
+        }
     }
     let mut cpu = CpuBackend::new(model.clone());
     let decode_ok = match &gpu {

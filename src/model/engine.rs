@@ -68,9 +68,12 @@ pub struct TaskStamp {
     pub op: String,
     /// Layer index (`None` for embed and lm_head).
     pub layer: Option<u32>,
-    /// When the task began waiting for its inputs, when they were ready, and when it finished.
+    /// When the task began waiting for its inputs, when they were ready, when its weights had
+    /// landed in shared memory (`ready_ns` for tasks that read no weights), and when it finished.
     pub start_ns: u64,
     pub ready_ns: u64,
+    #[serde(default)]
+    pub data_ns: u64,
     pub end_ns: u64,
 }
 

@@ -175,6 +175,10 @@ pub struct GpuBackend {
     timeline_on: bool,
     /// The stamps of the last megakernel step, when `timeline_on`.
     timeline: Option<Timeline>,
+    /// The megakernel engine's table and buffers for the current batch size.
+    megakernel: Option<megakernel::MegakernelState>,
+    /// A point of the megakernel family to run instead of the selected one (tuning).
+    megakernel_point: Vec<(String, i64)>,
     /// The recorded decode-step graph of each batch size.
     decode_graphs: HashMap<usize, KernelGraph>,
     /// (batch, position, buffers generation) the graph of that batch size is set up for.
@@ -339,7 +343,14 @@ impl GpuBackend {
         let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
         gpu.synchronize()?;
         let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
-        Ok(GpuBackend {
+        // The engine decode steps start with: KERNELFORGE_DECODE_ENGINE, else the graph.
+        let engine = match std::env::var("KERNELFORGE_DECODE_ENGINE") {
+            Ok(name) if !name.is_empty() => name
+                .parse::<DecodeEngine>()
+                .context("KERNELFORGE_DECODE_ENGINE (launches, graph or megakernel)")?,
+            _ => DecodeEngine::Graph,
+        };
+        let mut backend = GpuBackend {
             model,
             name: format!(
                 "cuda:0{}{}",
@@ -375,6 +386,8 @@ impl GpuBackend {
             engine: DecodeEngine::Graph,
             timeline_on: false,
             timeline: None,
+            megakernel: None,
+            megakernel_point: Vec::new(),
             decode_graphs: HashMap::new(),
             prepared: None,
             buffers_generation: 0,
@@ -383,7 +396,9 @@ impl GpuBackend {
             step_events: None,
             decode_gpu_ms: (0.0, 0),
             notes,
-        })
+        };
+        backend.set_decode_engine(engine)?;
+        Ok(backend)
     }
 
     fn alloc_activations(
@@ -483,7 +498,17 @@ impl GpuBackend {
     /// the engine it had, when this build or GPU cannot run `engine`.
     pub fn set_decode_engine(&mut self, engine: DecodeEngine) -> AnyResult<()> {
         if engine == DecodeEngine::Megakernel {
-            bail!("the megakernel decode engine is not available in this build; use --decode-engine graph");
+            if self.unfused {
+                bail!("--decode-engine megakernel runs the fused decode plan; drop --unfused or use --decode-engine graph");
+            }
+            let dtype = op_dtype(self.dtype);
+            if !self.registry.catalog.has_dtype(megakernel::DECODE_STEP_OP, dtype) {
+                bail!(
+                    "--decode-engine megakernel: no kernel family of the `{}` op lists {dtype} (specs/decode_megakernel.toml); \
+                     use --decode-engine graph",
+                    megakernel::DECODE_STEP_OP
+                );
+            }
         }
         self.engine = engine;
         if engine != DecodeEngine::Graph {
@@ -508,7 +533,6 @@ impl GpuBackend {
     /// [`GpuBackend::take_timeline`] can return the last step's blocks × time picture.
     pub fn set_timeline(&mut self, on: bool) {
         self.timeline_on = on;
-        self.timeline = None;
     }
 
     /// The stamps of the last megakernel decode step with the timeline on; clears them.
@@ -659,7 +683,7 @@ impl GpuBackend {
             self.decode_gpu_ms.0 += ms as f64;
             self.decode_gpu_ms.1 += 1;
         }
-        Ok(())
+        self.read_timeline()
     }
 
     /// (total GPU ms, steps) of the decode steps since the last call: the time from the first

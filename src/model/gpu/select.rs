@@ -54,8 +54,24 @@ impl GpuBackend {
         op: &str,
         epilogue: Epilogue,
         mask: Mask,
+        shape: Shape,
+        force_family: Option<&str>,
+    ) -> AnyResult<Kernel> {
+        self.kernel_at(role, op, epilogue, mask, shape, force_family, &[])
+    }
+
+    /// [`GpuBackend::kernel`], at the point of `force_family` given by `point` (the default
+    /// with these params changed) when `point` is not empty.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn kernel_at(
+        &mut self,
+        role: &'static str,
+        op: &str,
+        epilogue: Epilogue,
+        mask: Mask,
         mut shape: Shape,
         force_family: Option<&str>,
+        point: &[(String, i64)],
     ) -> AnyResult<Kernel> {
         let contract = ops::op_by_name(op).ok_or_else(|| anyhow!("op `{op}` does not exist in this build"))?;
         contract
@@ -66,10 +82,11 @@ impl GpuBackend {
             _ => op_dtype(self.dtype),
         };
         let key = format!(
-            "{role}|{op}|{dtype}|{}|{}|{}|{}",
+            "{role}|{op}|{dtype}|{}|{}|{}|{:?}|{}",
             epilogue.as_str(),
             mask.as_str(),
             force_family.unwrap_or(""),
+            point,
             shape_text(&shape)
         );
         if let Some(k) = self.selected.get(&key) {
@@ -77,6 +94,12 @@ impl GpuBackend {
         }
         let limits = self.gpu.info.limits;
         let (mut variant, choice) = match force_family {
+            Some(name) if !point.is_empty() => {
+                let family = self.registry.catalog.family(name)?.clone();
+                let v = crate::spec::variant_with(&family, point, dtype, epilogue, mask, &limits)
+                    .with_context(|| format!("{role}: the point {point:?} of {name}"))?;
+                (v, Choice::Default)
+            }
             Some(name) => {
                 let family = self.registry.catalog.family(name)?.clone();
                 (default_variant(&family, epilogue, mask, &limits)?, Choice::Default)
