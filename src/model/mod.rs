@@ -2,7 +2,7 @@
 //! llm.c `.bin` checkpoints), the GPT-2 BPE tokenizer, the f32 CPU reference forward with a KV
 //! cache, sampling, and the generation loop over a [`generate::Backend`]; [`hub`] turns a size
 //! name into a checkpoint folder (the Hugging Face cache, else a download); [`floor`] counts the
-//! bytes a decode step must read.
+//! bytes a decode step must read and [`timeline_svg`] draws a megakernel step's blocks × time.
 //!
 //! Everything here is the CPU side: the oracle GPU tests compare with, and the parts (weights,
 //! tokenizer, sampling, generation loop) a GPU backend reuses. All fallible functions return
@@ -19,6 +19,7 @@ pub mod gpu;
 pub mod hub;
 pub mod npy;
 pub mod sampling;
+pub mod timeline_svg;
 pub mod tokenizer;
 pub mod weights;
 
@@ -31,6 +32,7 @@ pub use generate::{generate, Backend, GenerateOptions, GenerateOutput, GenerateS
 pub use gpu::GpuBackend;
 pub use hub::{HubError, HubSettings};
 pub use sampling::{Sampler, SamplingParams};
+pub use timeline_svg::render_timeline_svg;
 pub use tokenizer::{Tokenizer, EOT_TOKEN, GPT2_VOCAB_SIZE};
 pub use weights::{
     load_model, write_hf_folder, write_llmc, GPT2Model, GPT2Weights, HfDtype, LayerWeights, LlmcVersion,
