@@ -6,7 +6,7 @@ use std::io::Write;
 use anyhow::{bail, Result};
 use serde_json::json;
 
-use super::{join_ids, load, make_backend, prompt_ids, ModelArgs};
+use super::{decode_engine_for, join_ids, load, make_backend, prompt_ids, BackendOptions, EngineArgs, ModelArgs};
 use crate::model::generate::{generate, GenerateOptions};
 use crate::model::sampling::SamplingParams;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
@@ -16,6 +16,8 @@ use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 pub struct GenerateArgs {
     #[command(flatten)]
     pub target: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Prompt text.
     #[arg(long, value_name = "TEXT", required_unless_present = "ids", conflicts_with = "ids")]
     pub prompt: Option<String>,
@@ -56,6 +58,7 @@ pub struct GenerateArgs {
 /// `kernelforge generate`.
 pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     let device = args.target.device()?;
+    let engine = decode_engine_for(device, args.engine.decode_engine)?;
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
@@ -76,7 +79,10 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
         device,
         args.target.dtype,
         model,
-        &args.target.backend_options(args.batch),
+        &BackendOptions {
+            decode_engine: engine,
+            ..args.target.backend_options(args.batch)
+        },
     )?;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
@@ -120,6 +126,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
             "stats": result.stats,
             "decode_tokens_per_s": result.stats.decode_tokens_per_s(),
             "kernels": backend.stats_note(),
+            "decode_engine": engine,
         });
         writeln!(stdout, "{j}")?;
     } else if args.print_ids {
@@ -136,9 +143,10 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     if let Some(m) = &result.message {
         eprintln!("note: {m}");
     }
+    let engine = engine.map_or(String::new(), |e| format!(", decode engine {e}"));
     match backend.stats_note() {
-        Some(note) => eprintln!("{}, {note}", result.stats.summary()),
-        None => eprintln!("{}", result.stats.summary()),
+        Some(note) => eprintln!("{}, {note}{engine}", result.stats.summary()),
+        None => eprintln!("{}{engine}", result.stats.summary()),
     }
     Ok(())
 }

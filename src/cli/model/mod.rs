@@ -7,6 +7,7 @@
 //! backend); each command has its own file.
 
 mod bench;
+mod bench_decode;
 mod forward;
 mod generate;
 mod tokenize;
@@ -17,6 +18,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 
 use crate::model::cpu::CpuBackend;
+use crate::model::engine::{DecodeEngine, UnknownEngine};
 use crate::model::generate::Backend;
 use crate::model::gpu::GpuBackend;
 use crate::model::hub::HubSettings;
@@ -44,6 +46,40 @@ impl Device {
             Device::Cuda => "cuda",
         }
     }
+}
+
+/// How decode steps run on the GPU when `--decode-engine` is not given.
+pub const DEFAULT_DECODE_ENGINE: DecodeEngine = DecodeEngine::Graph;
+
+/// The `--decode-engine` help of `generate` and `bench`.
+const DECODE_ENGINE_HELP: &str = "How decode steps run on the GPU (default: graph). \
+launches: one kernel launch per op (profilable kernel by kernel); \
+graph: the step recorded once as a CUDA graph and replayed with one launch; \
+megakernel: one persistent kernel runs the whole step (blocks pull tasks in order, \
+streaming the next weights while they wait)";
+
+fn parse_engine(s: &str) -> Result<DecodeEngine, UnknownEngine> {
+    s.parse()
+}
+
+/// `--decode-engine` checked against the device: on the GPU the engine asked for, else
+/// [`DEFAULT_DECODE_ENGINE`]; on the CPU none (asking for one there is an error naming the fix).
+pub fn decode_engine_for(device: Device, asked: Option<DecodeEngine>) -> Result<Option<DecodeEngine>> {
+    match (device, asked) {
+        (Device::Cpu, Some(e)) => bail!(
+            "--decode-engine {e}: decode engines are GPU paths (the CPU backend has one way to decode); \
+             drop --decode-engine or pass --device cuda"
+        ),
+        (Device::Cpu, None) => Ok(None),
+        (Device::Cuda, e) => Ok(Some(e.unwrap_or(DEFAULT_DECODE_ENGINE))),
+    }
+}
+
+/// The `--decode-engine` argument of `generate` and `bench`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    #[arg(long, value_name = "launches|graph|megakernel", value_parser = parse_engine, help = DECODE_ENGINE_HELP)]
+    pub decode_engine: Option<DecodeEngine>,
 }
 
 /// What every model command shares: the checkpoint, where to run it, and which kernels.
@@ -86,6 +122,7 @@ impl ModelArgs {
             unfused: self.unfused,
             dtype: self.dtype,
             root: self.root.clone(),
+            decode_engine: None,
         }
     }
 }
@@ -156,16 +193,22 @@ pub struct BackendOptions {
     pub unfused: bool,
     /// GPU: the precision (see [`ModelArgs::dtype`]).
     pub dtype: Dtype,
-    /// The project folder with specs/ and templates/ (default: [`super::project_root`]).
+    /// The project folder with specs/ and templates/ (default: [`crate::cli::project_root`]).
     pub root: Option<PathBuf>,
+    /// GPU: how decode steps run (`None`: the backend's default, [`DecodeEngine::Graph`]).
+    pub decode_engine: Option<DecodeEngine>,
 }
 
-/// Build the GPU backend: weights uploaded, buffers allocated for `opts.max_batch` sequences.
+/// Build the GPU backend: weights uploaded, buffers allocated for `opts.max_batch` sequences,
+/// decode steps on `opts.decode_engine` (an error when this build or GPU cannot run it).
 pub fn make_gpu_backend(model: Arc<GPT2Model>, opts: &BackendOptions) -> Result<GpuBackend> {
     let root = crate::cli::project_root(opts.root.as_deref())?;
-    let gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused, opts.dtype)?;
+    let mut gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused, opts.dtype)?;
     for n in gpu.notes() {
         eprintln!("note: {n}");
+    }
+    if let Some(engine) = opts.decode_engine {
+        gpu.set_decode_engine(engine)?;
     }
     Ok(gpu)
 }
@@ -178,6 +221,7 @@ pub fn make_backend(
     opts: &BackendOptions,
 ) -> Result<Box<dyn Backend>> {
     check_device(device, dtype, opts.unfused)?;
+    decode_engine_for(device, opts.decode_engine)?;
     Ok(match device {
         Device::Cpu => Box::new(CpuBackend::new(model)),
         Device::Cuda => Box::new(make_gpu_backend(model, opts)?),
@@ -225,6 +269,63 @@ mod tests {
         assert!(check_device(Device::Cpu, Dtype::F32, false).is_ok());
     }
 
+    #[test]
+    fn decode_engines_parse_default_to_graph_and_are_refused_on_the_cpu() {
+        use clap::Parser;
+        let parse = |args: &[&str]| crate::cli::Cli::try_parse_from(args.iter().copied());
+        for (cmd, e) in [("generate", "megakernel"), ("bench", "launches"), ("bench", "graph")] {
+            let ids: &[&str] = if cmd == "generate" { &["--ids", "1"] } else { &[] };
+            let args = [&["kernelforge", cmd, "--model", "gpt2", "--decode-engine", e], ids].concat();
+            let cli = parse(&args).unwrap();
+            let asked = match cli.command {
+                crate::cli::Command::Generate(a) => a.engine.decode_engine,
+                crate::cli::Command::Bench(a) => a.engine.decode_engine,
+                _ => unreachable!(),
+            };
+            assert_eq!(asked, Some(e.parse().unwrap()));
+        }
+        let err = parse(&["kernelforge", "bench", "--model", "gpt2", "--decode-engine", "fast"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("fast") && err.contains("launches, graph, megakernel"),
+            "{err}"
+        );
+        // The deprecated --no-cuda-graphs still parses, but not beside --decode-engine.
+        assert!(parse(&["kernelforge", "bench", "--model", "gpt2", "--no-cuda-graphs"]).is_ok());
+        assert!(parse(&[
+            "kernelforge",
+            "bench",
+            "--model",
+            "gpt2",
+            "--no-cuda-graphs",
+            "--decode-engine",
+            "graph"
+        ])
+        .is_err());
+        let help = parse(&["kernelforge", "generate", "--help"]).unwrap_err().to_string();
+        assert!(
+            help.contains("--decode-engine") && help.contains("default: graph"),
+            "{help}"
+        );
+        assert_eq!(
+            decode_engine_for(Device::Cuda, None).unwrap(),
+            Some(DecodeEngine::Graph)
+        );
+        assert_eq!(
+            decode_engine_for(Device::Cuda, Some(DecodeEngine::Megakernel)).unwrap(),
+            Some(DecodeEngine::Megakernel)
+        );
+        assert_eq!(decode_engine_for(Device::Cpu, None).unwrap(), None);
+        let e = decode_engine_for(Device::Cpu, Some(DecodeEngine::Launches))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--decode-engine launches") && e.contains("--device cuda"),
+            "{e}"
+        );
+    }
+
     fn cpu_target(model: &str) -> ModelArgs {
         ModelArgs {
             model: model.to_string(),
@@ -262,6 +363,7 @@ mod tests {
         assert_eq!(outs[0], outs[1]);
         let gen = GenerateArgs {
             target: cpu_target(&bin.display().to_string()),
+            engine: EngineArgs::default(),
             prompt: Some("Hello".into()),
             ids: None,
             max_new_tokens: 3,
@@ -298,6 +400,17 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--unfused"));
+        let engine_on_cpu = GenerateArgs {
+            engine: EngineArgs {
+                decode_engine: Some(DecodeEngine::Graph),
+            },
+            ..gen.clone()
+        };
+        let msg = run_generate(&engine_on_cpu).unwrap_err().to_string();
+        assert!(
+            msg.contains("--decode-engine graph") && msg.contains("--device cuda"),
+            "{msg}"
+        );
         let bad = GenerateArgs { batch: 0, ..gen };
         assert!(run_generate(&bad).is_err());
     }
