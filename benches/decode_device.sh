@@ -33,7 +33,7 @@ PY
     for batch in $batches; do
       for engine in $engines; do
         name="bench-$size-$dtype-b$batch-$engine"
-        KERNELFORGE_DECODE_ENGINE=$engine timeout 300 .device/kernelforge bench --model "$dir" --device cuda \
+        timeout 300 .device/kernelforge bench --model "$dir" --device cuda --decode-engine "$engine" \
           --dtype "$dtype" --batch "$batch" --seq "$seq" --generate "$steps" --repeats 2 --json \
           > "$out/$name.json" 2> "$out/$name.err"
         python3 - "$out/$name.json" "$name" <<'PY'

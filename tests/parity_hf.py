@@ -26,9 +26,18 @@ One summary line per check; exit status 1 when any check misses.
 transformers eager forward (batch 8 x 1024) and cached greedy decode (batch 1 and 8) against
 `kernelforge bench ... --json`: kernelforge f32 and `--dtype tf32` against transformers f32,
 kernelforge `--dtype bf16` and `--dtype f16` against transformers fp16.
+
+With `--size gpt2` it also runs the strongest PyTorch decode peer (`--static-peer yes|no|only`):
+transformers bf16 with a static KV cache (`StaticCache`) and the whole greedy decode step (model,
+argmax, feeding the token and the position back) captured once in a `torch.cuda.CUDAGraph` and
+replayed, batch 1 and 8, tokens/s over --steps steps after the same prompt length kernelforge's
+bench uses, printed beside `kernelforge bench --dtype bf16 --decode-engine graph` and
+`--decode-engine megakernel` with the ratios. Where this transformers has no StaticCache, or its
+GPT-2 cannot run or be captured with one, the peer row says why and the rest still runs.
 """
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -286,6 +295,139 @@ def hf_throughput(model, batch, seq, steps, repeats):
     return out
 
 
+def make_static_cache(model, batch, max_len):
+    """A transformers StaticCache for `batch` sequences of `max_len` tokens, or (None, why).
+    Its constructor changed across versions: the keyword sets are tried newest-compatible first."""
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        import transformers
+        return None, f"transformers {transformers.__version__} has no StaticCache (it came in 4.38): peer skipped"
+    cfg, dev, dt = model.config, model.device, model.dtype
+    tries = [dict(config=cfg, max_batch_size=batch, max_cache_len=max_len, device=dev, dtype=dt),
+             dict(config=cfg, max_cache_len=max_len),  # newer versions size and place it on first use
+             dict(config=cfg, batch_size=batch, max_cache_len=max_len, device=dev, dtype=dt)]
+    errors = []
+    for kwargs in tries:
+        try:
+            return StaticCache(**kwargs), None
+        except TypeError as e:
+            errors.append(str(e))
+    return None, "no StaticCache constructor signature fits: " + "; ".join(errors)
+
+
+def hf_static_graph_decode(model, batch, prefill, steps, repeats):
+    """Greedy decode tokens/s of `model` (bf16, on the GPU) with a static KV cache and the whole
+    decode step captured in one CUDA graph; returns (tokens_per_s, None) or (None, why).
+
+    The step reads its token and position from static buffers and writes the next token and
+    position back into them, so a timed run is `steps` graph replays and nothing else."""
+    dev = "cuda"
+    cache, why = make_static_cache(model, batch, prefill + steps)
+    if cache is None:
+        return None, why
+    rng = np.random.default_rng(1)
+    ids = torch.tensor(rng.integers(0, 50257, size=(batch, prefill)), device=dev)
+    # Where the cache writes: transformers 4.x passes `cache_position` down to the cache; 5.x has
+    # no such argument, each cache layer counts its tokens in a device tensor instead.
+    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+    with torch.no_grad():
+        try:
+            extra = {"cache_position": torch.arange(prefill, device=dev)} if takes_cache_position else {}
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, **extra)
+        except Exception as e:  # an older GPT-2 that only takes tuples of tensors
+            return None, f"this transformers' GPT-2 does not run with a StaticCache: {type(e).__name__}: {e}"
+        counters = [layer.cumulative_length for layer in getattr(cache, "layers", [])
+                    if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        static_ids = first.clone()
+        static_pos = torch.full((1,), prefill, dtype=torch.long, device=dev)
+
+        def rewind():
+            """Back to just after the prefill: the first token, its position, the cache counters."""
+            static_ids.copy_(first)
+            static_pos.fill_(prefill)
+            for c in counters:
+                c.fill_(prefill)
+
+        def step():
+            extra = {"cache_position": static_pos} if takes_cache_position else {}
+            o = model(input_ids=static_ids, past_key_values=cache, use_cache=True,
+                      position_ids=static_pos.view(1, 1).expand(batch, 1), **extra)
+            static_ids.copy_(o.logits[:, -1].argmax(-1, keepdim=True))
+            static_pos.add_(1)
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream, as PyTorch asks
+                for _ in range(min(3, steps)):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            rewind()
+            with torch.cuda.graph(graph):
+                step()
+        except Exception as e:
+            return None, f"capturing the static-cache decode step in a CUDA graph failed: {type(e).__name__}: {e}"
+
+        def timed():
+            rewind()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                graph.replay()
+            static_ids.cpu()  # the last tokens reach the host (kernelforge copies B ids back every step)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        timed()  # warm-up
+        dt = sorted(timed() for _ in range(max(1, repeats)))[max(1, repeats) // 2]
+    return batch * steps / dt, None
+
+
+def static_peer(args, mdir):
+    """The static-cache CUDA-graph transformers peer beside kernelforge bf16 decode (graph and
+    megakernel engines), batch 1 and 8: prints its own table."""
+    prefill = min(args.seq, 1024 - args.steps)
+    peer = GPT2LMHeadModel.from_pretrained(mdir, torch_dtype=torch.bfloat16).cuda().eval()
+    hf = {b: hf_static_graph_decode(peer, b, prefill, args.steps, args.repeats) for b in (1, 8)}
+    del peer
+    torch.cuda.empty_cache()
+    print(f"\nbf16 greedy decode, {args.steps} steps after a {prefill}-token prompt, tokens/s")
+    print(f"{'':<48} {'batch 1':>10} {'batch 8':>10}")
+    peer_row = [f"{hf[b][0]:>10.0f}" if hf[b][0] else f"{'n/a':>10}" for b in (1, 8)]
+    print(f"{'transformers StaticCache + CUDA graph':<48} {peer_row[0]} {peer_row[1]}")
+    for b in (1, 8):
+        if hf[b][1]:
+            print(f"  batch {b}: {hf[b][1]}")
+    for engine in ("graph", "megakernel"):
+        cells, ratios, why = [], [], []
+        for b in (1, 8):
+            p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--dtype", "bf16",
+                                     "--batch", str(b), "--seq", str(args.seq), "--generate", str(args.steps),
+                                     "--repeats", "1", "--decode-engine", engine, "--json"], check=False)
+            if p.returncode != 0:
+                cells.append(f"{'n/a':>10}")
+                ratios.append(f"{'':>10}")
+                why.append(f"batch {b}: " + ((p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]))
+                continue
+            d = json.loads(p.stdout.strip().splitlines()[-1])["decode"]
+            if d.get("prefill_tokens") != prefill:
+                why.append(f"batch {b}: kernelforge prefilled {d.get('prefill_tokens')} tokens, not {prefill}")
+            tps = d["tokens_per_s"]
+            cells.append(f"{tps:>10.0f}")
+            ratios.append(f"{tps / hf[b][0]:>9.2f}x" if hf[b][0] else f"{'':>10}")
+            share = d.get("floor_share")
+            if share is not None:
+                why.append(f"batch {b}: {100 * share:.0f}% of the memory floor ({d['floor_ms']:.3f} ms a step)")
+        print(f"{'kernelforge --decode-engine ' + engine:<48} {cells[0]} {cells[1]}")
+        print(f"{'  ratio to transformers':<48} {ratios[0]} {ratios[1]}")
+        for w in why:
+            print(f"  {w}")
+    return 0
+
+
 def throughput(args):
     if not torch.cuda.is_available():
         print("--size gpt2 needs a CUDA GPU for transformers", file=sys.stderr)
@@ -295,6 +437,8 @@ def throughput(args):
     with tempfile.TemporaryDirectory() as tmp:
         mdir = os.path.join(tmp, "gpt2-random")
         model.save_pretrained(mdir, safe_serialization=True)
+        if args.static_peer == "only":
+            return static_peer(args, mdir)
         try:
             model_cuda = GPT2LMHeadModel.from_pretrained(mdir, attn_implementation="eager").cuda().eval()
         except TypeError:
@@ -327,9 +471,11 @@ def throughput(args):
                   f"top kernels: " + ", ".join(
                       f"{r['role']} {r['kernel']} {r['percent']:.0f}%" for r in kf["profile"]["forward"][:4]),
                   flush=True)
-    print(f"\n{'tokens/s':<36} {'kernelforge':>12} {'transformers':>13} {'peer':>5} {'ratio':>7}")
-    for name, k, peer, h in rows:
-        print(f"{name:<36} {k:>12.0f} {h:>13.0f} {peer:>5} {k / h:>7.2f}")
+        print(f"\n{'tokens/s':<36} {'kernelforge':>12} {'transformers':>13} {'peer':>5} {'ratio':>7}")
+        for name, k, peer, h in rows:
+            print(f"{name:<36} {k:>12.0f} {h:>13.0f} {peer:>5} {k / h:>7.2f}")
+        if args.static_peer == "yes":
+            static_peer(args, mdir)
     return 0
 
 
@@ -350,6 +496,8 @@ def main():
     ap.add_argument("--steps", type=int, default=64, help="throughput: decode steps")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--unfused", action="store_true", help="throughput: also bench kernelforge --unfused")
+    ap.add_argument("--static-peer", choices=["yes", "no", "only"], default="yes",
+                    help="throughput: also (or only) compare bf16 decode with transformers' static cache + CUDA graph")
     ap.add_argument("--dtypes", default="f32,tf32,bf16,f16",
                     help="throughput: the kernelforge dtypes to bench (comma-separated)")
     args = ap.parse_args()

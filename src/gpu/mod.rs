@@ -2,14 +2,16 @@
 //! NVRTC behind an on-disk cache ([`compile`]), and run a variant on a problem: buffers,
 //! constant memory, launch geometry from the spec, poisoned outputs ([`run`]); replay a fixed
 //! sequence of launches as one CUDA graph ([`graph`]); build the TMA descriptors some kernels take
-//! ([`tensor_map`]).
+//! ([`tensor_map`]); measure the copy bandwidth that bounds memory-bound work ([`bandwidth`]).
 
+pub mod bandwidth;
 pub mod compile;
 pub mod device;
 pub mod graph;
 pub mod run;
 pub mod tensor_map;
 
+pub use bandwidth::{copy_bandwidth, BandwidthError, CopyBandwidth};
 pub use compile::{CompileError, Compiled, Compiler};
 pub use device::{Gpu, GpuError};
 pub use graph::{GraphMismatch, GraphUpdateError, KernelGraph};

@@ -724,6 +724,16 @@ impl GpuBackend {
             cfg.vocab_size as i32,
         );
         let scale = 1.0f32 / (cfg.head_dim() as f32).sqrt();
+        let events = match self.profiler.is_some() {
+            true => {
+                let (start, end) = (self.timing_event()?, self.timing_event()?);
+                super::exec::record_event(&start, &self.gpu)?;
+                Some((start, end))
+            }
+            false => None,
+        };
+        let gpu = &self.gpu;
+        let m = self.megakernel.as_mut().expect("prepared above");
         let function = &m.kernel.loaded.functions()[0];
         let mut launch = gpu.stream.launch_builder(function);
         launch
@@ -745,9 +755,14 @@ impl GpuBackend {
         // counters are zero between launches (the kernel resets them on exit), and the launch is
         // cooperative, so the driver refuses it unless every block can be resident at once.
         let launched = unsafe { launch.launch_cooperative(m.config) };
+        let label = m.kernel.label.clone();
         if let Err(e) = launched {
             self.megakernel = None; // its counters may be anything now
             return Err(GpuError::cuda("launching the decode megakernel (cooperative)")(e).into());
+        }
+        if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
+            super::exec::record_event(&end, &self.gpu)?;
+            p.pending.push(("decode_step", label, start, end));
         }
         if self.sync_each {
             self.gpu.synchronize().context("the decode megakernel failed")?;

@@ -343,14 +343,7 @@ impl GpuBackend {
         let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
         gpu.synchronize()?;
         let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
-        // The engine decode steps start with: KERNELFORGE_DECODE_ENGINE, else the graph.
-        let engine = match std::env::var("KERNELFORGE_DECODE_ENGINE") {
-            Ok(name) if !name.is_empty() => name
-                .parse::<DecodeEngine>()
-                .context("KERNELFORGE_DECODE_ENGINE (launches, graph or megakernel)")?,
-            _ => DecodeEngine::Graph,
-        };
-        let mut backend = GpuBackend {
+        let backend = GpuBackend {
             model,
             name: format!(
                 "cuda:0{}{}",
@@ -397,7 +390,6 @@ impl GpuBackend {
             decode_gpu_ms: (0.0, 0),
             notes,
         };
-        backend.set_decode_engine(engine)?;
         Ok(backend)
     }
 

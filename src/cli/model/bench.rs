@@ -1,0 +1,493 @@
+//! `kernelforge bench`: forward and decode throughput on random tokens, the decode step's
+//! memory floor and the share of it reached, the per-kernel time table of both, and with the
+//! megakernel a blocks × time picture of one decode step.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use serde_json::json;
+
+use super::bench_decode::{check_timeline_request, timeline_step, write_atomically, FloorReport};
+use super::{decode_engine_for, load, make_gpu_backend, BackendOptions, Device, EngineArgs, ModelArgs};
+use crate::model::cpu::CpuBackend;
+use crate::model::engine::DecodeEngine;
+use crate::model::floor::decode_step_bytes;
+use crate::model::generate::Backend;
+use crate::model::gpu::{GpuBackend, ProfileRow};
+use crate::model::timeline_svg::render_timeline_svg;
+
+/// `kernelforge bench`: forward and generation throughput, and where the time goes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub target: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Tokens per sequence of the timed forward pass (random ids).
+    #[arg(long, default_value_t = 128)]
+    pub seq: usize,
+    /// Decode steps to time, after a prefill of --seq tokens (fewer if the steps would not fit
+    /// the context); 0: forward only.
+    #[arg(long, default_value_t = 32)]
+    pub generate: usize,
+    /// Timed forward passes (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Deprecated: the same as --decode-engine launches.
+    #[arg(long, hide = true, conflicts_with = "decode_engine")]
+    pub no_cuda_graphs: bool,
+    /// With --decode-engine megakernel: after the timed steps, run one more with every task
+    /// stamped and draw it to this SVG file (a row per block, time across, tasks coloured by op,
+    /// the time a task waited for its inputs hatched).
+    #[arg(long, value_name = "FILE.svg")]
+    pub timeline: Option<PathBuf>,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Deterministic pseudo-random token ids in `0..vocab` (the bench input).
+fn bench_tokens(batch: usize, seq: usize, vocab: usize) -> Vec<Vec<u32>> {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..batch)
+        .map(|_| {
+            (0..seq)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    ((state >> 33) % vocab as u64) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+fn profile_table(rows: &[ProfileRow]) -> String {
+    let mut table = vec![vec![
+        "role".to_string(),
+        "kernel".to_string(),
+        "calls".to_string(),
+        "total ms".to_string(),
+        "avg ms".to_string(),
+        "%".to_string(),
+    ]];
+    for r in rows {
+        table.push(vec![
+            r.role.clone(),
+            r.kernel.clone(),
+            r.calls.to_string(),
+            format!("{:.3}", r.total_ms),
+            format!("{:.4}", r.avg_ms),
+            format!("{:.1}", r.percent),
+        ]);
+    }
+    crate::cli::kernels::render_table(&table)
+}
+
+/// `kernelforge bench`: a warm-up, then the median of `--repeats` forward passes over
+/// `--batch` × `--seq` random tokens (LM head on every position; on the GPU the logits stay on
+/// the device), then `--generate` greedy decode steps after a prefill (each step's tokens
+/// chosen by `decode_argmax`, on the GPU like greedy generation) on the chosen decode engine,
+/// then (GPU) one more step for `--timeline`, one profiled forward and decode run for the
+/// per-kernel table, and the copy bandwidth the decode floor is divided by.
+pub fn run_bench(args: &BenchArgs) -> Result<()> {
+    let device = args.target.device()?;
+    if args.batch == 0 || args.seq == 0 {
+        bail!("--batch and --seq must be at least 1");
+    }
+    let mut notes = Vec::new();
+    let asked = match (args.engine.decode_engine, args.no_cuda_graphs) {
+        (None, true) => {
+            notes.push("--no-cuda-graphs is deprecated: use --decode-engine launches".to_string());
+            (device == Device::Cuda).then_some(DecodeEngine::Launches)
+        }
+        (asked, _) => asked,
+    };
+    let engine = decode_engine_for(device, asked)?;
+    if let Some(path) = &args.timeline {
+        check_timeline_request(path, engine, args.generate)?;
+    }
+    let model = load(&args.target.model)?;
+    let cfg = model.config.clone();
+    if args.seq > cfg.n_ctx {
+        bail!(
+            "--seq {} is longer than the model's context ({} tokens)",
+            args.seq,
+            cfg.n_ctx
+        );
+    }
+    // --timeline runs one step more than the timed ones: the context must hold it too.
+    let extra = usize::from(args.timeline.is_some());
+    let steps = args.generate.min((cfg.n_ctx - 1).saturating_sub(extra));
+    if extra == 1 && steps == 0 {
+        bail!(
+            "--timeline: the model's context ({} tokens) leaves no room for a decode step",
+            cfg.n_ctx
+        );
+    }
+    // The decode steps follow a prefill of up to --seq tokens that leaves room for them.
+    let decode_prefill = args.seq.min(cfg.n_ctx - steps - extra);
+    if steps < args.generate {
+        notes.push(format!(
+            "--generate {} cut to {steps}: the context holds {} tokens",
+            args.generate, cfg.n_ctx
+        ));
+    }
+    if decode_prefill < args.seq && steps > 0 {
+        notes.push(format!(
+            "the decode steps follow a prefill of {decode_prefill} tokens (not {}) so that {} more fit the context ({})",
+            args.seq,
+            steps + extra,
+            cfg.n_ctx
+        ));
+    }
+    let tokens = bench_tokens(args.batch, args.seq, cfg.vocab_size);
+    let decode_tokens: Vec<Vec<u32>> = tokens.iter().map(|t| t[..decode_prefill].to_vec()).collect();
+    let repeats = args.repeats.max(1);
+    let opts = BackendOptions {
+        decode_engine: engine,
+        ..args.target.backend_options(args.batch)
+    };
+    let mut gpu = match device {
+        Device::Cuda => Some(make_gpu_backend(model.clone(), &opts)?),
+        Device::Cpu => None,
+    };
+    let mut cpu = CpuBackend::new(model.clone());
+    let decode_ok = match &gpu {
+        Some(g) => match g.decode_unavailable() {
+            Some(why) if args.timeline.is_some() => bail!("--timeline: decode steps are unavailable: {why}"),
+            Some(why) => {
+                notes.push(format!("decode not timed: {why}"));
+                false
+            }
+            None => true,
+        },
+        None => true,
+    };
+    let steps = if decode_ok { steps } else { 0 };
+
+    // One forward pass: on the GPU without copying the logits back.
+    let forward = |gpu: &mut Option<GpuBackend>, cpu: &mut CpuBackend| -> Result<()> {
+        match gpu {
+            Some(g) => g.forward_on_device(&tokens)?,
+            None => {
+                cpu.prefill(&tokens)?;
+            }
+        }
+        Ok(())
+    };
+    // A prefill, then `steps` greedy decode steps; returns the decode wall time in ms and the
+    // tokens the last step chose.
+    let decode_run = |gpu: &mut Option<GpuBackend>, cpu: &mut CpuBackend, steps: usize| -> Result<(f64, Vec<u32>)> {
+        let backend: &mut dyn Backend = match gpu {
+            Some(g) => g,
+            None => cpu,
+        };
+        let logits = backend.prefill_last(&decode_tokens)?;
+        let mut next: Vec<u32> = (0..args.batch)
+            .map(|b| crate::model::sampling::argmax(logits.last(b)))
+            .collect::<Result<_, _>>()?;
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            next = backend.decode_argmax(&next)?;
+        }
+        Ok((t0.elapsed().as_secs_f64() * 1e3, next))
+    };
+
+    // Warm-up: compiles and loads every kernel, touches every buffer.
+    let t0 = Instant::now();
+    forward(&mut gpu, &mut cpu)?;
+    if steps > 0 {
+        decode_run(&mut gpu, &mut cpu, steps.min(2))?;
+    }
+    let warmup_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+    let mut runs = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let t = Instant::now();
+        forward(&mut gpu, &mut cpu)?;
+        runs.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let forward_ms = median(&mut runs.clone());
+    let forward_tps = (args.batch * args.seq) as f64 / (forward_ms / 1e3);
+    if let Some(g) = gpu.as_mut() {
+        g.take_decode_gpu_time(); // forget the warm-up's steps
+    }
+    let (decode_ms, last_tokens) = if steps > 0 {
+        decode_run(&mut gpu, &mut cpu, steps)?
+    } else {
+        (0.0, Vec::new())
+    };
+    // GPU time of a decode step (first kernel to last): the rest of ms_per_step is the host's.
+    let decode_gpu_ms_per_step = gpu.as_mut().and_then(|g| {
+        let (ms, n) = g.take_decode_gpu_time();
+        (n > 0).then(|| ms / n as f64)
+    });
+    let ms_per_step = if steps > 0 { decode_ms / steps as f64 } else { 0.0 };
+    let decode_tps = if steps > 0 {
+        (args.batch * steps) as f64 / (decode_ms / 1e3)
+    } else {
+        0.0
+    };
+    // One more step with the megakernel's task stamps on.
+    let timeline = match (&args.timeline, gpu.as_mut()) {
+        (Some(path), Some(g)) if steps > 0 => Some((path, timeline_step(g, &last_tokens)?)),
+        _ => None,
+    };
+
+    // Per-kernel profile (GPU): one forward, then the decode steps.
+    let (mut prof_forward, mut prof_decode) = (Vec::new(), Vec::new());
+    if let Some(g) = gpu.as_mut() {
+        g.set_profiling(true);
+        g.forward_on_device(&tokens)?;
+        prof_forward = g.take_profile()?;
+        if steps > 0 {
+            let logits = g.prefill_last(&decode_tokens)?;
+            g.take_profile()?; // the prefill is not part of the decode profile
+            let mut next: Vec<u32> = (0..args.batch)
+                .map(|b| crate::model::sampling::argmax(logits.last(b)))
+                .collect::<Result<_, _>>()?;
+            for _ in 0..steps {
+                next = g.decode_argmax(&next)?;
+            }
+            prof_decode = g.take_profile()?;
+        }
+        g.set_profiling(false);
+    }
+
+    // The floor: the bytes a step reads at the average cache length of the timed steps, over
+    // the copy bandwidth of this GPU.
+    let floor = (steps > 0).then(|| {
+        let bytes = decode_step_bytes(
+            &cfg,
+            args.target.dtype.storage().bytes(),
+            args.batch,
+            decode_prefill + steps / 2,
+        );
+        let copy = gpu.as_ref().and_then(|g| {
+            let measured =
+                crate::gpu::bandwidth::copy_bandwidth(g.gpu(), crate::gpu::bandwidth::DEFAULT_COPY_BYTES, 10);
+            measured
+                .map_err(|e| notes.push(format!("copy bandwidth not measured: {e}")))
+                .ok()
+        });
+        FloorReport::new(bytes, copy.map(|c| c.gb_per_s), ms_per_step, decode_gpu_ms_per_step)
+    });
+
+    let decode_graphs = gpu.as_ref().is_some_and(|g| g.decode_graphs());
+    let engine = gpu.as_ref().map(|g| g.decode_engine());
+    let dtype = args.target.dtype;
+    let timeline_svg = match &timeline {
+        Some((path, tl)) => {
+            let gpu_ms = decode_gpu_ms_per_step.map_or(String::new(), |g| format!(", {g:.3} ms GPU"));
+            let title = format!(
+                "{} {dtype}, batch {}: a megakernel decode step at {} cached tokens (timed steps: {ms_per_step:.3} ms wall{gpu_ms})",
+                args.target.model,
+                args.batch,
+                decode_prefill + steps
+            );
+            write_atomically(path, &render_timeline_svg(tl, &title))?;
+            Some(path.display().to_string())
+        }
+        None => None,
+    };
+    let (device_name, tuned, choices, backend_notes) = match &gpu {
+        Some(g) => (
+            format!(
+                "{} ({})",
+                g.gpu().info.name,
+                if g.unfused() { "unfused" } else { "fused" }
+            ),
+            Some(g.tuned_kernels()),
+            g.kernel_choices(),
+            g.notes(),
+        ),
+        None => ("cpu".to_string(), None, Vec::new(), Vec::new()),
+    };
+    notes.extend(backend_notes);
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let mut decode = json!({
+            "steps": steps,
+            "prefill_tokens": decode_prefill,
+            "total_ms": decode_ms,
+            "ms_per_step": ms_per_step,
+            "tokens_per_s": decode_tps,
+            "engine": engine,
+            "cuda_graphs": decode_graphs,
+            "gpu_ms_per_step": decode_gpu_ms_per_step,
+        });
+        if let Some(d) = decode.as_object_mut() {
+            d.extend(FloorReport::json_fields(floor.as_ref()));
+        }
+        let j = json!({
+            "device": device.as_str(),
+            "device_name": device_name,
+            "unfused": args.target.unfused,
+            "dtype": dtype,
+            "model": args.target.model,
+            "config": cfg,
+            "batch": args.batch,
+            "seq": args.seq,
+            "warmup_ms": warmup_ms,
+            "forward": {
+                "median_ms": forward_ms,
+                "runs_ms": runs,
+                "tokens": args.batch * args.seq,
+                "tokens_per_s": forward_tps,
+            },
+            "decode": decode,
+            "timeline_svg": timeline_svg,
+            "tuned_kernels": tuned.map(|(t, n)| json!({ "tuned": t, "total": n })),
+            "kernels": choices
+                .iter()
+                .map(|(role, kernel, choice, shape)| json!({ "role": role, "kernel": kernel, "choice": choice, "shape": shape }))
+                .collect::<Vec<_>>(),
+            "profile": { "forward": prof_forward, "decode": prof_decode },
+            "notes": notes,
+        });
+        writeln!(out, "{j}")?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{device_name}: {} (L={}, NH={}, C={}), {dtype}, batch {} x seq {}",
+        args.target.model, cfg.n_layer, cfg.n_head, cfg.n_embd, args.batch, args.seq
+    )?;
+    writeln!(out, "warm-up (compile + first runs): {warmup_ms:.1} ms")?;
+    writeln!(
+        out,
+        "forward: median {forward_ms:.2} ms of {repeats} ({forward_tps:.0} tokens/s)"
+    )?;
+    if steps > 0 {
+        let how = match engine {
+            Some(DecodeEngine::Graph) if !decode_graphs => {
+                ", graph engine run as launches (KERNELFORGE_SYNC_EACH)".to_string()
+            }
+            Some(e) => format!(", {e} engine"),
+            None => String::new(),
+        };
+        writeln!(
+            out,
+            "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({ms_per_step:.3} ms/step{}, {decode_tps:.1} tokens/s{how})",
+            decode_gpu_ms_per_step.map_or(String::new(), |g| format!(" of which {g:.3} ms on the GPU")),
+        )?;
+    }
+    if let (Some(f), true) = (&floor, gpu.is_some()) {
+        writeln!(out, "{}", f.line())?;
+    }
+    if let (Some(path), Some((_, tl))) = (&timeline_svg, &timeline) {
+        writeln!(
+            out,
+            "timeline: {path} ({} tasks on {} blocks)",
+            tl.tasks.len(),
+            tl.blocks
+        )?;
+    }
+    if let Some((t, n)) = tuned {
+        writeln!(out, "kernels: {t}/{n} tuned")?;
+    }
+    if !prof_forward.is_empty() {
+        writeln!(out, "\nforward pass, per kernel:\n{}", profile_table(&prof_forward))?;
+    }
+    if !prof_decode.is_empty() {
+        writeln!(
+            out,
+            "\n{steps} decode steps, per kernel:\n{}",
+            profile_table(&prof_decode)
+        )?;
+    }
+    drop(out);
+    for n in notes {
+        eprintln!("note: {n}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::GPT2Config;
+    use crate::model::weights::{write_llmc, GPT2Weights, LlmcVersion};
+    use crate::spec::Dtype;
+
+    fn cpu_target(model: &str) -> ModelArgs {
+        ModelArgs {
+            model: model.to_string(),
+            device: Some(Device::Cpu),
+            unfused: false,
+            dtype: Dtype::F32,
+            root: None,
+        }
+    }
+
+    #[test]
+    fn bench_runs_on_the_cpu() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = GPT2Config::new(1, 2, 32, 16, 100).unwrap();
+        let bin = dir.path().join("m.bin");
+        write_llmc(&bin, &cfg, &GPT2Weights::random(&cfg, 3), LlmcVersion::F32).unwrap();
+        let args = BenchArgs {
+            target: cpu_target(&bin.display().to_string()),
+            engine: EngineArgs::default(),
+            batch: 2,
+            seq: 12,
+            generate: 8, // 12 + 8 > 16: the decode prefill shrinks to 8 tokens
+            repeats: 2,
+            no_cuda_graphs: false,
+            timeline: None,
+            json: true,
+        };
+        run_bench(&args).unwrap();
+        run_bench(&BenchArgs {
+            json: false,
+            ..args.clone()
+        })
+        .unwrap();
+        // The deprecated --no-cuda-graphs is ignored on the CPU (with a note).
+        run_bench(&BenchArgs {
+            no_cuda_graphs: true,
+            ..args.clone()
+        })
+        .unwrap();
+        let too_long = BenchArgs {
+            seq: 17,
+            ..args.clone()
+        };
+        assert!(run_bench(&too_long).unwrap_err().to_string().contains("context"));
+        // An engine or a timeline on the CPU: refused before any work, naming the fix.
+        let engine = BenchArgs {
+            engine: EngineArgs {
+                decode_engine: Some(DecodeEngine::Megakernel),
+            },
+            ..args.clone()
+        };
+        let e = run_bench(&engine).unwrap_err().to_string();
+        assert!(
+            e.contains("--decode-engine megakernel") && e.contains("--device cuda"),
+            "{e}"
+        );
+        let timeline = BenchArgs {
+            timeline: Some(dir.path().join("t.svg")),
+            ..args
+        };
+        let e = run_bench(&timeline).unwrap_err().to_string();
+        assert!(e.contains("--timeline needs --decode-engine megakernel"), "{e}");
+        assert!(!dir.path().join("t.svg").exists());
+    }
+}
