@@ -265,6 +265,7 @@ mod tests {
             layer,
             start_ns: start,
             ready_ns: ready,
+            data_ns: ready,
             end_ns: end,
         }
     }
