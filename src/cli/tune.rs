@@ -15,7 +15,7 @@ use crate::spec::{shape_text, Catalog, Dtype};
 use crate::tune::baseline::{
     fp32_peak_flops, measure_copy_bandwidth, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE,
 };
-use crate::tune::db::{default_path, DbHeader, TuningDb};
+use crate::tune::db::{default_path, Ceilings, DbHeader, TuningDb};
 use crate::tune::tuner::{tune, Progress, TuneOptions, TuneResult};
 use crate::tune::workloads::{model_workloads, Workload};
 
@@ -228,6 +228,21 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         },
         bytes: measure_copy_bandwidth(&gpu)?,
     };
+    // Keep the ceilings in the database (the report draws them); figures not measured in this
+    // run keep their earlier values.
+    db.ceilings = Ceilings {
+        fp32_tflops: Some(peaks.fp32 / 1e12),
+        tf32_tflops: peaks.tf32.map(|p| p / 1e12),
+        bf16_tflops: peaks.half.map(|p| p / 1e12),
+        copy_gb_per_s: Some(peaks.bytes / 1e9),
+        measured_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    }
+    .or(&db.ceilings);
+    db.save()
+        .with_context(|| format!("saving the measured ceilings to {}", db_path.display()))?;
     let elapsed = started.elapsed().as_secs_f64();
 
     if args.json {

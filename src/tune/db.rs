@@ -1,5 +1,8 @@
 //! The tuning database: one JSON file per GPU holding the winning variant for every
-//! (op, dtype, epilogue or mask, shape) that was tuned.
+//! (op, dtype, epilogue or mask, shape) that was tuned, every candidate timed on the way (with
+//! its parameters, time, verified error and ptxas resources), and the ceilings the tuner
+//! measured (cuBLAS peaks, copy bandwidth). Fields added after format 1 are optional, so older
+//! files still load.
 //!
 //! Writes are atomic (temporary file + rename: a killed tuner never leaves a torn file) and
 //! merge under an exclusive lock on a side file, so two tuners writing at once both keep their
@@ -22,6 +25,8 @@ pub const FORMAT_VERSION: u32 = 1;
 pub enum DbError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a kernelforge tuning database: {message}")]
+    Parse { path: PathBuf, message: String },
     #[error("{path} holds tunings for {theirs}, not for this GPU ({ours}); pass another --db")]
     OtherGpu {
         path: PathBuf,
@@ -52,7 +57,8 @@ impl DbHeader {
         }
     }
 
-    fn describe(&self) -> String {
+    /// `NVIDIA H100 80GB HBM3 (sm_90)`.
+    pub fn describe(&self) -> String {
         format!(
             "{} (sm_{}{})",
             self.gpu, self.compute_capability.0, self.compute_capability.1
@@ -101,11 +107,109 @@ pub struct Entry {
     pub variants_tried: usize,
     /// Unix seconds.
     pub tuned_at: u64,
+    /// The model role that asked for this shape (`attn.qkv`, `lm_head`, ...), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// Floating-point operations and minimum bytes moved by one call (0 when not recorded).
+    #[serde(default)]
+    pub flops: f64,
+    #[serde(default)]
+    pub bytes: f64,
+    /// Every candidate the tuner tried for this key, timed or rejected (empty in files
+    /// written before candidates were kept).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<Candidate>,
+}
+
+/// One candidate variant of a tuned key and what became of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Candidate {
+    pub family: String,
+    pub params: IndexMap<String, i64>,
+    /// Median and spread (90th minus 10th percentile) of the screening run, in milliseconds;
+    /// `None` when the candidate was rejected before timing.
+    #[serde(default)]
+    pub median_ms: Option<f64>,
+    #[serde(default)]
+    pub spread_ms: Option<f64>,
+    /// Relative L2 error against the f64 reference on the verification shape.
+    #[serde(default)]
+    pub error: Option<f64>,
+    /// Why it was excluded (compile, launch or verification failure).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected: Option<String>,
+    /// Per-kernel resources as the driver reports them (empty when unknown).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resources: Vec<Resources>,
+}
+
+/// Registers, static shared memory and local (spill) bytes of one kernel of a variant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    pub kernel: String,
+    pub registers: i32,
+    pub static_smem_bytes: i32,
+    /// Local memory per thread: register spills and local arrays.
+    pub local_bytes: i32,
+}
+
+impl From<&crate::gpu::run::KernelResources> for Resources {
+    fn from(r: &crate::gpu::run::KernelResources) -> Resources {
+        Resources {
+            kernel: r.kernel.clone(),
+            registers: r.registers,
+            static_smem_bytes: r.static_smem_bytes,
+            local_bytes: r.local_bytes,
+        }
+    }
+}
+
+/// The ceilings the tuner measured on this GPU (each `None` until measured). The FP32 figure
+/// is the FMA peak computed from clock × SMs × 128 lanes × 2; the others are measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Ceilings {
+    /// FP32 FMA peak, TFLOP/s (computed from the clock and SM count).
+    #[serde(default)]
+    pub fp32_tflops: Option<f64>,
+    /// cuBLAS TF32 on an 8192³ GEMM, TFLOP/s.
+    #[serde(default)]
+    pub tf32_tflops: Option<f64>,
+    /// cuBLAS BF16 on an 8192³ GEMM, TFLOP/s.
+    #[serde(default)]
+    pub bf16_tflops: Option<f64>,
+    /// Device-to-device copy bandwidth, GB/s.
+    #[serde(default)]
+    pub copy_gb_per_s: Option<f64>,
+    /// Unix seconds of the last measurement.
+    #[serde(default)]
+    pub measured_at: u64,
+}
+
+impl Ceilings {
+    pub fn is_empty(&self) -> bool {
+        self.fp32_tflops.is_none()
+            && self.tf32_tflops.is_none()
+            && self.bf16_tflops.is_none()
+            && self.copy_gb_per_s.is_none()
+    }
+
+    /// Keeps `self`'s figures and fills the ones it lacks from `older`.
+    pub fn or(&self, older: &Ceilings) -> Ceilings {
+        Ceilings {
+            fp32_tflops: self.fp32_tflops.or(older.fp32_tflops),
+            tf32_tflops: self.tf32_tflops.or(older.tf32_tflops),
+            bf16_tflops: self.bf16_tflops.or(older.bf16_tflops),
+            copy_gb_per_s: self.copy_gb_per_s.or(older.copy_gb_per_s),
+            measured_at: self.measured_at.max(older.measured_at),
+        }
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 struct FileLayout {
     header: DbHeader,
+    #[serde(default, skip_serializing_if = "Ceilings::is_empty")]
+    ceilings: Ceilings,
     entries: BTreeMap<String, Entry>,
 }
 
@@ -115,12 +219,28 @@ pub struct TuningDb {
     pub path: PathBuf,
     pub header: DbHeader,
     entries: BTreeMap<String, Entry>,
+    /// What the tuner measured on this GPU (merged field by field on save).
+    pub ceilings: Ceilings,
     /// Set when a corrupt file was set aside on open; the caller shows it.
     pub warning: Option<String>,
 }
 
 /// `~/.cache/kernelforge/tuning/<gpu>-sm<XY>.json` (or under `$KERNELFORGE_CACHE`).
 pub fn default_path(header: &DbHeader) -> PathBuf {
+    tuning_dir().join(file_name(header))
+}
+
+/// The folder of the per-GPU databases: `~/.cache/kernelforge/tuning` (or
+/// `$KERNELFORGE_CACHE/tuning`).
+pub fn tuning_dir() -> PathBuf {
+    std::env::var_os("KERNELFORGE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|d| d.join("kernelforge")))
+        .unwrap_or_else(|| PathBuf::from(".kernelforge-cache"))
+        .join("tuning")
+}
+
+fn file_name(header: &DbHeader) -> String {
     let name: String = header
         .gpu
         .chars()
@@ -132,16 +252,12 @@ pub fn default_path(header: &DbHeader) -> PathBuf {
             }
         })
         .collect();
-    let base = std::env::var_os("KERNELFORGE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| dirs::cache_dir().map(|d| d.join("kernelforge")))
-        .unwrap_or_else(|| PathBuf::from(".kernelforge-cache"));
-    base.join("tuning").join(format!(
+    format!(
         "{}-sm{}{}.json",
         name.trim_matches('-'),
         header.compute_capability.0,
         header.compute_capability.1
-    ))
+    )
 }
 
 fn now() -> u64 {
@@ -167,6 +283,7 @@ impl TuningDb {
             path: path.to_path_buf(),
             header,
             entries: BTreeMap::new(),
+            ceilings: Ceilings::default(),
             warning: None,
         };
         match read(path) {
@@ -181,6 +298,7 @@ impl TuningDb {
                 }
                 if file.header == db.header {
                     db.entries = file.entries;
+                    db.ceilings = file.ceilings;
                 } else {
                     db.warning = Some(format!(
                         "{}: tuned with another driver/NVRTC/format ({:?}); starting afresh",
@@ -203,6 +321,26 @@ impl TuningDb {
             }
         }
         Ok(db)
+    }
+
+    /// Reads a database file as it is, for any GPU (the report): never moves or rewrites it.
+    /// A file that does not parse is an error naming it.
+    pub fn read_only(path: &Path) -> Result<TuningDb, DbError> {
+        let text = std::fs::read_to_string(path).map_err(|source| DbError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let file: FileLayout = serde_json::from_str(&text).map_err(|e| DbError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Ok(TuningDb {
+            path: path.to_path_buf(),
+            header: file.header,
+            entries: file.entries,
+            ceilings: file.ceilings,
+            warning: None,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -274,10 +412,12 @@ impl TuningDb {
                 for (k, e) in theirs.entries {
                     self.entries.entry(k).or_insert(e);
                 }
+                self.ceilings = self.ceilings.or(&theirs.ceilings);
             }
         }
         let layout = FileLayout {
             header: self.header.clone(),
+            ceilings: self.ceilings.clone(),
             entries: self.entries.clone(),
         };
         let text = serde_json::to_string_pretty(&layout).expect("plain data serializes");
@@ -329,6 +469,10 @@ mod tests {
             baseline_ms: Some(0.45),
             variants_tried: 10,
             tuned_at: 1,
+            role: None,
+            flops: 0.0,
+            bytes: 0.0,
+            candidates: Vec::new(),
         }
     }
 
@@ -450,5 +594,101 @@ mod tests {
         };
         assert!(db.nearest(&bf16, &["M"]).is_none());
         assert!(tf32(1024).text().starts_with("matmul|tf32|bias|"));
+    }
+
+    /// A file written before candidates and ceilings were kept still loads, with none of them.
+    #[test]
+    fn a_format_1_file_without_candidates_still_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let old = r#"{"header":{"gpu":"NVIDIA H100 80GB HBM3","compute_capability":[9,0],"driver_version":13000,
+            "nvrtc_version":[13,0],"format":1},"entries":{"matmul|f32|bias|K=768 M=1024 N=768":{"family":"matmul_simt",
+            "params":{"block_m":64},"shape":{"K":768,"M":1024,"N":768},"median_ms":0.5,"spread_ms":0.01,
+            "baseline_ms":null,"variants_tried":3,"tuned_at":1}}}"#;
+        std::fs::write(&path, old).unwrap();
+        let db = TuningDb::open(&path, header()).unwrap();
+        assert!(db.warning.is_none());
+        let e = db.get(&key(1024)).unwrap();
+        assert_eq!(e.family, "matmul_simt");
+        assert!(e.candidates.is_empty() && e.role.is_none() && e.flops == 0.0);
+        assert!(db.ceilings.is_empty());
+        assert_eq!(TuningDb::read_only(&path).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn candidates_and_ceilings_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let mut db = TuningDb::open(&path, header()).unwrap();
+        let mut e = entry(1024, "matmul_simt");
+        e.role = Some("attn.proj".into());
+        e.flops = 2.0 * 1024.0 * 768.0 * 768.0;
+        e.bytes = 4.0 * 3.0 * 1024.0 * 768.0;
+        e.candidates = vec![
+            Candidate {
+                family: "matmul_simt".into(),
+                params: [("block_m".to_string(), 64)].into_iter().collect(),
+                median_ms: Some(0.5),
+                spread_ms: Some(0.02),
+                error: Some(3e-7),
+                rejected: None,
+                resources: vec![Resources {
+                    kernel: "main".into(),
+                    registers: 128,
+                    static_smem_bytes: 16384,
+                    local_bytes: 0,
+                }],
+            },
+            Candidate {
+                family: "matmul_tiled".into(),
+                params: [("tile".to_string(), 32)].into_iter().collect(),
+                median_ms: None,
+                spread_ms: None,
+                error: None,
+                rejected: Some("wrong result".into()),
+                resources: Vec::new(),
+            },
+        ];
+        db.insert(&key(1024), e.clone());
+        db.ceilings = Ceilings {
+            fp32_tflops: Some(67.0),
+            copy_gb_per_s: Some(3000.0),
+            measured_at: 5,
+            ..Ceilings::default()
+        };
+        db.save().unwrap();
+        // A later run that measured only the TF32 peak keeps the others.
+        let mut later = TuningDb::open(&path, header()).unwrap();
+        assert_eq!(later.get(&key(1024)), Some(&e));
+        later.ceilings = Ceilings {
+            tf32_tflops: Some(400.0),
+            measured_at: 6,
+            ..Ceilings::default()
+        };
+        later.save().unwrap();
+        let c = TuningDb::read_only(&path).unwrap().ceilings;
+        assert_eq!(
+            (
+                c.fp32_tflops,
+                c.tf32_tflops,
+                c.bf16_tflops,
+                c.copy_gb_per_s,
+                c.measured_at
+            ),
+            (Some(67.0), Some(400.0), None, Some(3000.0), 6)
+        );
+    }
+
+    #[test]
+    fn read_only_names_the_bad_file_and_leaves_it_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        std::fs::write(&path, "{ nope").unwrap();
+        let e = TuningDb::read_only(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("db.json") && e.contains("not a kernelforge tuning database"),
+            "{e}"
+        );
+        assert!(path.exists(), "the report never moves a file");
     }
 }
