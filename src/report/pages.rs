@@ -251,7 +251,7 @@ impl<'a> Shared<'a> {
             None => "-".into(),
         };
         let of_ceiling = match (rate, w.ceiling(&c)) {
-            (Some(r), Some((peak, _))) => format!("{:.0}%", 100.0 * r / peak),
+            (Some(r), Some((peak, _))) if peak > 0.0 => format!("{:.0}%", 100.0 * r / peak),
             _ => "-".into(),
         };
         let timed = e.candidates.iter().filter(|c| c.median_ms.is_some()).count();
@@ -271,7 +271,11 @@ impl<'a> Shared<'a> {
             "rate": rate_text,
             "of_ceiling": of_ceiling,
             "peer_ms": e.baseline_ms.map(num).unwrap_or_else(|| "-".into()),
-            "vs_peer": e.baseline_ms.map(|b| format!("{:.2}×", b / e.median_ms)).unwrap_or_else(|| "-".into()),
+            "vs_peer": e
+                .baseline_ms
+                .filter(|b| *b > 0.0 && e.median_ms > 0.0)
+                .map(|b| format!("{:.2}×", b / e.median_ms))
+                .unwrap_or_else(|| "-".into()),
             "tried": if e.candidates.is_empty() { e.variants_tried.to_string() } else { format!("{timed} / {}", e.candidates.len()) },
         })
     }
