@@ -25,10 +25,13 @@ use crate::report::{render_site, ReportInput};
 /// DIR is replaced only when it is empty or an earlier report: the site is written into a
 /// temporary folder beside it and renamed into place when complete.
 ///
-/// Examples:
-///   kernelforge report --out site
-///   kernelforge report --db ~/.cache/kernelforge/tuning/nvidia-h100-80gb-hbm3-sm90.json --out site
-///   kernelforge bench --model gpt2 --json > b8.json && kernelforge report --bench b8.json --out site
+/// Examples (one per paragraph):
+///
+/// kernelforge report --out site
+///
+/// kernelforge report --db ~/.cache/kernelforge/tuning/nvidia-h100-80gb-hbm3-sm90.json --out site
+///
+/// kernelforge bench --model gpt2 --json > b8.json && kernelforge report --bench b8.json --out site
 #[derive(Debug, Args)]
 pub struct ReportArgs {
     /// Tuning database to show (default: the only file in the user's tuning folder,

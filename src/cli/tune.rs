@@ -490,6 +490,20 @@ mod tests {
         }
     }
 
+    /// `tune --report FILE.html` writes the report site into FILE/ and a page that opens it.
+    #[test]
+    fn tune_report_writes_the_site_beside_the_page() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let catalog = crate::spec::Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let page = dir.path().join("tuning.html");
+        super::write_report(&catalog, &root.join("tests/fixtures/report/db.json"), &page).unwrap();
+        let html = std::fs::read_to_string(&page).unwrap();
+        assert!(html.contains("href=\"tuning/index.html\""), "{html}");
+        assert!(dir.path().join("tuning/index.html").is_file());
+        assert!(dir.path().join("tuning/kernelforge-report.json").is_file());
+    }
+
     /// An op whose families lack the dtype is refused before any GPU is needed, with the
     /// dtypes it does have.
     #[test]
