@@ -3,7 +3,7 @@
 //! workload, one small plot per parameter, and horizontal bar charts for the model's time.
 //! Colours and faint points are CSS classes (`c0`..`c9`, `faint`) of the site's style sheet.
 
-use super::svg::{legend_height, num, text_width, Canvas, LegendItem, Mark, Scale};
+use super::svg::{esc, legend_height, num, text_width, Canvas, LegendItem, Mark, Scale, P};
 use crate::tune::db::Ceilings;
 
 /// Number of distinct colour classes (`c0`..`c9`).
@@ -43,9 +43,13 @@ pub fn roofline(points: &[RoofPoint], ceilings: &Ceilings, series: &[(usize, Str
         .chain(bw.map(|b| text_width(&format!("copy {} GB/s", num(b / 1e9)), 11.0) + 16.0))
         .fold(40.0, f64::max);
     let (w, left, top) = (960.0, 64.0, 16.0);
-    let plot_h = 400.0;
+    let plot_h = 440.0;
     let bottom = top + plot_h;
     let mut xs: Vec<f64> = points.iter().map(|p| p.intensity).collect();
+    // Room right of the last points for their labels (the roofs' labels follow the plot).
+    if let Some(max) = xs.iter().copied().filter(|x| *x > 0.0).reduce(f64::max) {
+        xs.push(max * 1.8);
+    }
     let mut ys: Vec<f64> = points.iter().map(|p| p.flops_per_s / 1e12).collect();
     for (peak, _) in &roofs {
         ys.push(peak / 1e12 * 1.3);
@@ -109,14 +113,19 @@ pub fn roofline(points: &[RoofPoint], ceilings: &Ceilings, series: &[(usize, Str
         c.text(w - right + 6.0, y.px(end) + 4.0, "roof-label", name);
     }
     if let (Some(b), false) = (bw, roofs.is_empty()) {
-        // Label the slanted roof where it enters the plot.
-        let ai = x.lo * 1.3;
-        c.text(
-            x.px(ai) + 6.0,
-            y.px(b * ai / 1e12) + 18.0,
-            "roof-label",
-            &format!("copy {} GB/s", num(b / 1e9)),
-        );
+        // Label the slanted roof along it, just above, where it enters the plot.
+        let (a0, a1) = (x.lo * 1.15, x.lo * 2.0);
+        let (x0, y0) = (x.px(a0), y.px(b * a0 / 1e12));
+        let angle = (y.px(b * a1 / 1e12) - y0).atan2(x.px(a1) - x0).to_degrees();
+        c.out.push_str(&format!(
+            "<text x=\"{}\" y=\"{}\" class=\"roof-label\" transform=\"rotate({} {} {})\">{}</text>",
+            P(x0),
+            P(y0 - 5.0),
+            P(angle),
+            P(x0),
+            P(y0 - 5.0),
+            esc(&format!("copy {} GB/s", num(b / 1e9)))
+        ));
     }
     c.group("faint c9");
     for p in points.iter().filter(|p| p.label.is_none()) {
