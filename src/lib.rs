@@ -11,5 +11,6 @@ pub mod codegen;
 pub mod gpu;
 pub mod model;
 pub mod ops;
+pub mod report;
 pub mod spec;
 pub mod tune;

@@ -2,6 +2,7 @@
 
 mod kernels;
 pub mod model;
+mod report;
 mod tune;
 
 use std::path::{Path, PathBuf};
@@ -37,6 +38,7 @@ pub enum Command {
     Forward(model::ForwardArgs),
     Generate(model::GenerateArgs),
     Bench(model::BenchArgs),
+    Report(report::ReportArgs),
 }
 
 /// Parses the command line and runs it.
@@ -61,6 +63,7 @@ pub fn main() -> Result<()> {
             args.target.root = cli.root.clone();
             model::run_bench(&args)
         }
+        Command::Report(args) => report::run(&root()?, args),
     }
 }
 

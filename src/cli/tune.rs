@@ -15,7 +15,7 @@ use crate::spec::{shape_text, Catalog, Dtype};
 use crate::tune::baseline::{
     fp32_peak_flops, measure_copy_bandwidth, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE,
 };
-use crate::tune::db::{default_path, DbHeader, TuningDb};
+use crate::tune::db::{default_path, Ceilings, DbHeader, TuningDb};
 use crate::tune::tuner::{tune, Progress, TuneOptions, TuneResult};
 use crate::tune::workloads::{model_workloads, Workload};
 
@@ -84,7 +84,10 @@ pub struct TuneArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Also write an HTML report with a plot per workload of every variant's time.
+    /// Also write the report site of the whole database (what `kernelforge report --db` writes:
+    /// overview with roofline, a page per workload with every variant's time, family pages with
+    /// sources and diffs). FILE.html names the site's folder FILE/ beside it and becomes a
+    /// page that opens FILE/index.html; a path without .html is the folder itself.
     #[arg(long, value_name = "FILE.html")]
     pub report: Option<PathBuf>,
 }
@@ -228,6 +231,21 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         },
         bytes: measure_copy_bandwidth(&gpu)?,
     };
+    // Keep the ceilings in the database (the report draws them); figures not measured in this
+    // run keep their earlier values.
+    db.ceilings = Ceilings {
+        fp32_tflops: Some(peaks.fp32 / 1e12),
+        tf32_tflops: peaks.tf32.map(|p| p / 1e12),
+        bf16_tflops: peaks.half.map(|p| p / 1e12),
+        copy_gb_per_s: Some(peaks.bytes / 1e9),
+        measured_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    }
+    .or(&db.ceilings);
+    db.save()
+        .with_context(|| format!("saving the measured ceilings to {}", db_path.display()))?;
     let elapsed = started.elapsed().as_secs_f64();
 
     if args.json {
@@ -254,12 +272,49 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         peaks.legend()
     );
     if let Some(path) = &args.report {
-        let html = report_html(&gpu.info.name, &results, &peaks);
+        write_report(&catalog, &db_path, path)?;
+    }
+    Ok(())
+}
+
+/// `tune --report`: the report site of the database just written (see [`ReportArgs`]).
+///
+/// [`ReportArgs`]: super::report::ReportArgs
+fn write_report(catalog: &Catalog, db_path: &Path, path: &Path) -> Result<()> {
+    let is_page = path.extension().is_some_and(|x| x == "html" || x == "htm");
+    let dir = if is_page {
+        path.with_extension("")
+    } else {
+        path.to_path_buf()
+    };
+    let input = crate::report::ReportInput {
+        catalog: catalog.clone(),
+        db: Some(TuningDb::read_only(db_path)?),
+        benches: Vec::new(),
+    };
+    let summary = crate::report::render_site(&input, &dir).with_context(|| format!("--report {}", path.display()))?;
+    if is_page {
+        let folder = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let target = format!(
+            "{}/index.html",
+            folder.replace('&', "&amp;").replace('"', "&quot;").replace('<', "&lt;")
+        );
+        let html = format!(
+            "<!doctype html><meta charset=utf-8><meta http-equiv=refresh content=\"0; url={target}\"><title>kernelforge report</title><p><a href=\"{target}\">Open the report</a></p>\n"
+        );
         if !crate::gpu::compile::write_atomic(path, html.as_bytes()) {
             bail!("--report {}: cannot write the file", path.display());
         }
-        eprintln!("report written to {}", path.display());
     }
+    eprintln!(
+        "report site written to {} ({} files, {:.1} MB)",
+        summary.out.join("index.html").display(),
+        summary.files,
+        summary.bytes as f64 / 1e6
+    );
     Ok(())
 }
 
@@ -387,84 +442,6 @@ fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
     render_table(&rows)
 }
 
-/// A self-contained HTML page: the table, then per workload a strip plot (log time axis) of
-/// every variant tried, the winner marked, cuBLAS as a vertical line.
-fn report_html(gpu: &str, results: &[TuneResult], peaks: &Peaks) -> String {
-    let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
-    let mut html = format!(
-        "<!doctype html><meta charset=utf-8><title>kernelforge tuning report</title>\
-         <style>body{{font:14px sans-serif;margin:2em}}pre{{font-size:12px}}svg{{background:#fafafa;border:1px solid #ddd}}</style>\
-         <h1>kernelforge tuning report: {}</h1><pre>{}{}</pre>",
-        esc(gpu),
-        esc(&results_table(results, peaks)),
-        esc(&peaks.legend())
-    );
-    let palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
-    for r in results {
-        let times: Vec<(&str, f64)> = r
-            .tried
-            .iter()
-            .filter_map(|t| t.median_ms.map(|m| (t.family.as_str(), m)))
-            .collect();
-        if times.is_empty() {
-            continue;
-        }
-        let baseline = r.winner.as_ref().and_then(|w| w.baseline_ms);
-        let all: Vec<f64> = times.iter().map(|t| t.1).chain(baseline).collect();
-        let (lo, hi) = all
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
-        let (lo, hi) = ((lo * 0.9).ln(), (hi * 1.1).ln());
-        let x = |ms: f64| 40.0 + 720.0 * (ms.ln() - lo) / (hi - lo).max(1e-9);
-        let mut families: Vec<&str> = times.iter().map(|t| t.0).collect();
-        families.sort();
-        families.dedup();
-        let mut svg = String::from("<svg width=800 height=140 xmlns='http://www.w3.org/2000/svg'>");
-        for (i, (family, ms)) in times.iter().enumerate() {
-            let fi = families.iter().position(|f| f == family).unwrap_or(0);
-            let y = 20.0 + 15.0 * fi as f64 + (i % 5) as f64;
-            svg.push_str(&format!(
-                "<circle cx='{:.1}' cy='{y:.1}' r='3' fill='{}'><title>{} {ms:.4} ms</title></circle>",
-                x(*ms),
-                palette[fi % palette.len()],
-                esc(family)
-            ));
-        }
-        for (fi, f) in families.iter().enumerate() {
-            svg.push_str(&format!(
-                "<text x='765' y='{}' font-size='10' fill='{}'>{}</text>",
-                24 + 15 * fi,
-                palette[fi % palette.len()],
-                esc(f)
-            ));
-        }
-        if let Some(w) = &r.winner {
-            svg.push_str(&format!(
-                "<text x='{:.1}' y='132' font-size='11'>&#9650; winner {:.4} ms</text>",
-                x(w.median_ms) - 4.0,
-                w.median_ms
-            ));
-        }
-        if let Some(b) = baseline {
-            let bx = x(b);
-            svg.push_str(&format!(
-                "<line x1='{bx:.1}' y1='10' x2='{bx:.1}' y2='115' stroke='black' stroke-dasharray='4'/><text x='{:.1}' y='10' font-size='10'>cuBLAS {b:.4} ms</text>",
-                bx + 3.0
-            ));
-        }
-        svg.push_str("</svg>");
-        html.push_str(&format!(
-            "<h3>{} — {} [{}]</h3><p>{} variants tried, {} rejected (time axis logarithmic)</p>{svg}",
-            esc(&r.role),
-            esc(&shape_text(&r.shape)),
-            esc(&r.variant_kind),
-            r.tried.len(),
-            r.tried.iter().filter(|t| t.rejected.is_some()).count()
-        ));
-    }
-    html
-}
-
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -511,6 +488,20 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// `tune --report FILE.html` writes the report site into FILE/ and a page that opens it.
+    #[test]
+    fn tune_report_writes_the_site_beside_the_page() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let catalog = crate::spec::Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let page = dir.path().join("tuning.html");
+        super::write_report(&catalog, &root.join("tests/fixtures/report/db.json"), &page).unwrap();
+        let html = std::fs::read_to_string(&page).unwrap();
+        assert!(html.contains("href=\"tuning/index.html\""), "{html}");
+        assert!(dir.path().join("tuning/index.html").is_file());
+        assert!(dir.path().join("tuning/kernelforge-report.json").is_file());
     }
 
     /// An op whose families lack the dtype is refused before any GPU is needed, with the

@@ -405,6 +405,9 @@ pub struct Family {
     pub workspace: Option<Expr>,
     pub constants: Vec<ConstantSpec>,
     pub default: IndexMap<String, i64>,
+    /// Valid points under the default (H100) limits, counted when the spec was checked (the
+    /// report shows it without enumerating the space again).
+    pub valid_points: usize,
 }
 
 /// Parameter values and derived values of one point, each in spec order.
@@ -709,7 +712,7 @@ impl Family {
             return Err(field_err("default", format!("no value for param `{missing}`")));
         }
 
-        let family = Family {
+        let mut family = Family {
             name: f.name.clone(),
             op,
             template: f.template.clone(),
@@ -733,8 +736,9 @@ impl Family {
             workspace,
             constants,
             default: raw.default,
+            valid_points: 0,
         };
-        family.check_points(&DeviceLimits::default(), &test_shape)?;
+        family.valid_points = family.check_points(&DeviceLimits::default(), &test_shape)?;
         Ok(family)
     }
 
@@ -765,7 +769,8 @@ impl Family {
 
     /// Checks that the default point is valid, that some point is, and that the shape-time
     /// expressions only use known variables (evaluated at the default on the op's first test shape).
-    fn check_points(&self, limits: &DeviceLimits, shape: &Shape) -> Result<(), SpecError> {
+    /// Returns the number of valid points.
+    fn check_points(&self, limits: &DeviceLimits, shape: &Shape) -> Result<usize, SpecError> {
         let points = self.points(limits)?;
         if points.is_empty() {
             let total: usize = self.params.values().map(|v| v.len()).product();
@@ -828,7 +833,7 @@ impl Family {
                 _ => {}
             }
         }
-        Ok(())
+        Ok(points.len())
     }
 
     fn count_rejected(&self, constraint: &Expr, limits: &DeviceLimits) -> Result<usize, SpecError> {

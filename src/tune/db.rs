@@ -1,5 +1,8 @@
 //! The tuning database: one JSON file per GPU holding the winning variant for every
-//! (op, dtype, epilogue or mask, shape) that was tuned.
+//! (op, dtype, epilogue or mask, shape) that was tuned, every candidate timed on the way (with
+//! its parameters, time, verified error and ptxas resources), and the ceilings the tuner
+//! measured (cuBLAS peaks, copy bandwidth). Fields added after format 1 are optional, so older
+//! files still load.
 //!
 //! Writes are atomic (temporary file + rename: a killed tuner never leaves a torn file) and
 //! merge under an exclusive lock on a side file, so two tuners writing at once both keep their
@@ -15,6 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::ops::Shape;
 
+pub use super::records::{Candidate, Ceilings, Resources};
+
 /// Version of the file layout; bumped when it changes incompatibly.
 pub const FORMAT_VERSION: u32 = 1;
 
@@ -22,6 +27,8 @@ pub const FORMAT_VERSION: u32 = 1;
 pub enum DbError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a kernelforge tuning database: {message}")]
+    Parse { path: PathBuf, message: String },
     #[error("{path} holds tunings for {theirs}, not for this GPU ({ours}); pass another --db")]
     OtherGpu {
         path: PathBuf,
@@ -52,7 +59,8 @@ impl DbHeader {
         }
     }
 
-    fn describe(&self) -> String {
+    /// `NVIDIA H100 80GB HBM3 (sm_90)`.
+    pub fn describe(&self) -> String {
         format!(
             "{} (sm_{}{})",
             self.gpu, self.compute_capability.0, self.compute_capability.1
@@ -101,11 +109,25 @@ pub struct Entry {
     pub variants_tried: usize,
     /// Unix seconds.
     pub tuned_at: u64,
+    /// The model role that asked for this shape (`attn.qkv`, `lm_head`, ...), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// Floating-point operations and minimum bytes moved by one call (0 when not recorded).
+    #[serde(default)]
+    pub flops: f64,
+    #[serde(default)]
+    pub bytes: f64,
+    /// Every candidate the tuner tried for this key, timed or rejected (empty in files
+    /// written before candidates were kept).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<Candidate>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 struct FileLayout {
     header: DbHeader,
+    #[serde(default, skip_serializing_if = "Ceilings::is_empty")]
+    ceilings: Ceilings,
     entries: BTreeMap<String, Entry>,
 }
 
@@ -115,12 +137,28 @@ pub struct TuningDb {
     pub path: PathBuf,
     pub header: DbHeader,
     entries: BTreeMap<String, Entry>,
+    /// What the tuner measured on this GPU (merged field by field on save).
+    pub ceilings: Ceilings,
     /// Set when a corrupt file was set aside on open; the caller shows it.
     pub warning: Option<String>,
 }
 
 /// `~/.cache/kernelforge/tuning/<gpu>-sm<XY>.json` (or under `$KERNELFORGE_CACHE`).
 pub fn default_path(header: &DbHeader) -> PathBuf {
+    tuning_dir().join(file_name(header))
+}
+
+/// The folder of the per-GPU databases: `~/.cache/kernelforge/tuning` (or
+/// `$KERNELFORGE_CACHE/tuning`).
+pub fn tuning_dir() -> PathBuf {
+    std::env::var_os("KERNELFORGE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|d| d.join("kernelforge")))
+        .unwrap_or_else(|| PathBuf::from(".kernelforge-cache"))
+        .join("tuning")
+}
+
+fn file_name(header: &DbHeader) -> String {
     let name: String = header
         .gpu
         .chars()
@@ -132,16 +170,12 @@ pub fn default_path(header: &DbHeader) -> PathBuf {
             }
         })
         .collect();
-    let base = std::env::var_os("KERNELFORGE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| dirs::cache_dir().map(|d| d.join("kernelforge")))
-        .unwrap_or_else(|| PathBuf::from(".kernelforge-cache"));
-    base.join("tuning").join(format!(
+    format!(
         "{}-sm{}{}.json",
         name.trim_matches('-'),
         header.compute_capability.0,
         header.compute_capability.1
-    ))
+    )
 }
 
 fn now() -> u64 {
@@ -167,6 +201,7 @@ impl TuningDb {
             path: path.to_path_buf(),
             header,
             entries: BTreeMap::new(),
+            ceilings: Ceilings::default(),
             warning: None,
         };
         match read(path) {
@@ -181,6 +216,7 @@ impl TuningDb {
                 }
                 if file.header == db.header {
                     db.entries = file.entries;
+                    db.ceilings = file.ceilings;
                 } else {
                     db.warning = Some(format!(
                         "{}: tuned with another driver/NVRTC/format ({:?}); starting afresh",
@@ -203,6 +239,26 @@ impl TuningDb {
             }
         }
         Ok(db)
+    }
+
+    /// Reads a database file as it is, for any GPU (the report): never moves or rewrites it.
+    /// A file that does not parse is an error naming it.
+    pub fn read_only(path: &Path) -> Result<TuningDb, DbError> {
+        let text = std::fs::read_to_string(path).map_err(|source| DbError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let file: FileLayout = serde_json::from_str(&text).map_err(|e| DbError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Ok(TuningDb {
+            path: path.to_path_buf(),
+            header: file.header,
+            entries: file.entries,
+            ceilings: file.ceilings,
+            warning: None,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -274,10 +330,12 @@ impl TuningDb {
                 for (k, e) in theirs.entries {
                     self.entries.entry(k).or_insert(e);
                 }
+                self.ceilings = self.ceilings.or(&theirs.ceilings);
             }
         }
         let layout = FileLayout {
             header: self.header.clone(),
+            ceilings: self.ceilings.clone(),
             entries: self.entries.clone(),
         };
         let text = serde_json::to_string_pretty(&layout).expect("plain data serializes");
@@ -329,6 +387,10 @@ mod tests {
             baseline_ms: Some(0.45),
             variants_tried: 10,
             tuned_at: 1,
+            role: None,
+            flops: 0.0,
+            bytes: 0.0,
+            candidates: Vec::new(),
         }
     }
 
@@ -450,5 +512,101 @@ mod tests {
         };
         assert!(db.nearest(&bf16, &["M"]).is_none());
         assert!(tf32(1024).text().starts_with("matmul|tf32|bias|"));
+    }
+
+    /// A file written before candidates and ceilings were kept still loads, with none of them.
+    #[test]
+    fn a_format_1_file_without_candidates_still_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let old = r#"{"header":{"gpu":"NVIDIA H100 80GB HBM3","compute_capability":[9,0],"driver_version":13000,
+            "nvrtc_version":[13,0],"format":1},"entries":{"matmul|f32|bias|K=768 M=1024 N=768":{"family":"matmul_simt",
+            "params":{"block_m":64},"shape":{"K":768,"M":1024,"N":768},"median_ms":0.5,"spread_ms":0.01,
+            "baseline_ms":null,"variants_tried":3,"tuned_at":1}}}"#;
+        std::fs::write(&path, old).unwrap();
+        let db = TuningDb::open(&path, header()).unwrap();
+        assert!(db.warning.is_none());
+        let e = db.get(&key(1024)).unwrap();
+        assert_eq!(e.family, "matmul_simt");
+        assert!(e.candidates.is_empty() && e.role.is_none() && e.flops == 0.0);
+        assert!(db.ceilings.is_empty());
+        assert_eq!(TuningDb::read_only(&path).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn candidates_and_ceilings_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let mut db = TuningDb::open(&path, header()).unwrap();
+        let mut e = entry(1024, "matmul_simt");
+        e.role = Some("attn.proj".into());
+        e.flops = 2.0 * 1024.0 * 768.0 * 768.0;
+        e.bytes = 4.0 * 3.0 * 1024.0 * 768.0;
+        e.candidates = vec![
+            Candidate {
+                family: "matmul_simt".into(),
+                params: [("block_m".to_string(), 64)].into_iter().collect(),
+                median_ms: Some(0.5),
+                spread_ms: Some(0.02),
+                error: Some(3e-7),
+                rejected: None,
+                resources: vec![Resources {
+                    kernel: "main".into(),
+                    registers: 128,
+                    static_smem_bytes: 16384,
+                    local_bytes: 0,
+                }],
+            },
+            Candidate {
+                family: "matmul_tiled".into(),
+                params: [("tile".to_string(), 32)].into_iter().collect(),
+                median_ms: None,
+                spread_ms: None,
+                error: None,
+                rejected: Some("wrong result".into()),
+                resources: Vec::new(),
+            },
+        ];
+        db.insert(&key(1024), e.clone());
+        db.ceilings = Ceilings {
+            fp32_tflops: Some(67.0),
+            copy_gb_per_s: Some(3000.0),
+            measured_at: 5,
+            ..Ceilings::default()
+        };
+        db.save().unwrap();
+        // A later run that measured only the TF32 peak keeps the others.
+        let mut later = TuningDb::open(&path, header()).unwrap();
+        assert_eq!(later.get(&key(1024)), Some(&e));
+        later.ceilings = Ceilings {
+            tf32_tflops: Some(400.0),
+            measured_at: 6,
+            ..Ceilings::default()
+        };
+        later.save().unwrap();
+        let c = TuningDb::read_only(&path).unwrap().ceilings;
+        assert_eq!(
+            (
+                c.fp32_tflops,
+                c.tf32_tflops,
+                c.bf16_tflops,
+                c.copy_gb_per_s,
+                c.measured_at
+            ),
+            (Some(67.0), Some(400.0), None, Some(3000.0), 6)
+        );
+    }
+
+    #[test]
+    fn read_only_names_the_bad_file_and_leaves_it_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        std::fs::write(&path, "{ nope").unwrap();
+        let e = TuningDb::read_only(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("db.json") && e.contains("not a kernelforge tuning database"),
+            "{e}"
+        );
+        assert!(path.exists(), "the report never moves a file");
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod baseline;
 pub mod db;
+pub mod records;
 pub mod registry;
 pub mod time;
 pub mod tuner;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 
 use super::baseline::CublasBaseline;
-use super::db::{Entry, TuneKey, TuningDb};
+use super::db::{Candidate, Entry, Resources, TuneKey, TuningDb};
 use super::registry::variant_kind;
 use super::time::{rotation_count, time_variant, Timing, TimingPlan};
 use super::verify::{error_text, run_and_compare, tolerance, RunFailure};
@@ -207,22 +207,32 @@ impl Context<'_> {
         Ok(&self.loaded[&name])
     }
 
-    /// Runs `v` on the verification problem; `Err` says why it is excluded.
+    /// Runs `v` on the verification problem; `Ok` is its relative L2 error, `Err` says why it
+    /// is excluded.
     fn verify(
         &mut self,
         v: &Variant,
         problem: &Problem,
         device: &mut DeviceProblem,
         reference: &[(usize, Vec<f64>)],
-    ) -> Result<(), String> {
+    ) -> Result<f64, String> {
         let gpu = self.gpu;
         let loaded = self.load(v)?;
         match run_and_compare(gpu, loaded, problem, device, reference) {
-            Ok(err) if err < tolerance(v.dtype) => Ok(()),
+            Ok(err) if err < tolerance(v.dtype) => Ok(err),
             Ok(err) => Err(format!("wrong result: {}", error_text(v, err))),
             Err(RunFailure::Soft(why)) => Err(why),
             Err(RunFailure::Fault(why)) => Err(format!("kernel fault: {why}")),
         }
+    }
+
+    /// Registers, static shared memory and spills of `v`'s kernels, once it is loaded.
+    fn resources(&self, v: &Variant) -> Vec<Resources> {
+        self.loaded
+            .get(&v.kernel_name())
+            .and_then(|l| l.resources().ok())
+            .map(|r| r.iter().map(Resources::from).collect())
+            .unwrap_or_default()
     }
 
     fn time(
@@ -380,6 +390,8 @@ pub fn tune(
             .map_err(|e| e.to_string())?;
 
         let mut tried: Vec<Tried> = Vec::new();
+        // The same fates as `tried`, with params, error and resources, for the database.
+        let mut candidates_kept: Vec<Candidate> = Vec::new();
         let mut timed: Vec<(Variant, Timing)> = Vec::new();
         let mut seen: HashSet<String> = HashSet::new();
         let mut queue = candidates[&index].clone();
@@ -393,9 +405,22 @@ pub fn tune(
                 progress.advance(&v.key());
                 let outcome = ctx
                     .verify(&v, &check, &mut check_device, &reference)
-                    .and_then(|_| ctx.time(&v, &problem, &mut copies, &quick));
+                    .and_then(|err| ctx.time(&v, &problem, &mut copies, &quick).map(|t| (err, t)));
+                let mut kept = Candidate {
+                    family: v.family.name.clone(),
+                    params: v.params.clone(),
+                    median_ms: None,
+                    spread_ms: None,
+                    error: None,
+                    rejected: None,
+                    resources: ctx.resources(&v),
+                };
                 match outcome {
-                    Ok(t) => {
+                    Ok((err, t)) => {
+                        kept.median_ms = Some(t.median_ms);
+                        kept.spread_ms = Some(t.spread_ms());
+                        kept.error = Some(err);
+                        candidates_kept.push(kept);
                         tried.push(Tried {
                             family: v.family.name.clone(),
                             variant: v.key(),
@@ -411,6 +436,8 @@ pub fn tune(
                                 v.kernel_name()
                             ));
                         }
+                        kept.rejected = Some(why.clone());
+                        candidates_kept.push(kept);
                         tried.push(Tried {
                             family: v.family.name.clone(),
                             variant: v.key(),
@@ -466,6 +493,10 @@ pub fn tune(
             baseline_ms,
             variants_tried: tried.len(),
             tuned_at: unix_now(),
+            role: Some(w.role.clone()),
+            flops: workload_flops(w),
+            bytes,
+            candidates: candidates_kept,
         });
         if let Some(e) = &winner {
             db.insert(&key, e.clone());
