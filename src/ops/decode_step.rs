@@ -38,7 +38,7 @@ impl OpContract for DecodeStep {
         &["HS", "Vp", "max_T", "elem_bytes"]
     }
     fn checked_end_to_end(&self) -> Option<&'static str> {
-        Some("decode_step runs a model's task table; it is checked end to end by the GPU model tests (tests/gpu_model.rs), not by verify")
+        Some("decode_step runs a model's task table; it is checked end to end against the kernel-by-kernel decode step by the GPU model tests (tests/gpu_megakernel.rs), not by verify")
     }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
@@ -86,5 +86,28 @@ impl OpContract for DecodeStep {
     }
     fn reference(&self, _problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_complete_with_defaults_and_problems_point_to_the_model_tests() {
+        let mut s = shape_of(&[("B", 2), ("C", 768), ("NH", 12), ("L", 12)]);
+        DecodeStep.complete_shape(&mut s, Epilogue::None, Mask::None).unwrap();
+        assert_eq!((s["HS"], s["Vp"], s["max_T"], s["elem_bytes"]), (64, 50304, 1024, 4));
+        let mut bad = shape_of(&[("B", 1), ("C", 100), ("NH", 12), ("L", 1)]);
+        let e = DecodeStep
+            .complete_shape(&mut bad, Epilogue::None, Mask::None)
+            .unwrap_err();
+        assert!(e.to_string().contains("not a multiple of NH=12"), "{e}");
+        let mut rng = <StdRng as rand::SeedableRng>::seed_from_u64(1);
+        let e = DecodeStep
+            .problem(&s, Epilogue::None, Mask::None, &mut rng)
+            .unwrap_err();
+        assert!(e.to_string().contains("gpu_megakernel"), "{e}");
+        assert!(DecodeStep.checked_end_to_end().is_some());
     }
 }
