@@ -11,6 +11,7 @@ pub mod codegen;
 pub mod gpu;
 pub mod model;
 pub mod ops;
+pub mod project;
 pub mod report;
 pub mod spec;
 pub mod tune;

@@ -5,9 +5,9 @@ pub mod model;
 mod report;
 mod tune;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 /// Generate, verify and autotune GPU kernels for GPT-2 from declarative specs.
@@ -67,23 +67,4 @@ pub fn main() -> Result<()> {
     }
 }
 
-/// Where specs/ and templates/ are.
-pub fn project_root(explicit: Option<&Path>) -> Result<PathBuf> {
-    if let Some(dir) = explicit {
-        anyhow::ensure!(
-            dir.join("specs").is_dir(),
-            "--root {}: no specs/ folder there (a kernelforge project has specs/ and templates/)",
-            dir.display()
-        );
-        return Ok(dir.to_path_buf());
-    }
-    let cwd = std::env::current_dir().context("reading the current folder")?;
-    if cwd.join("specs").is_dir() && cwd.join("templates").is_dir() {
-        return Ok(cwd);
-    }
-    let built_from = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    if built_from.join("specs").is_dir() {
-        return Ok(built_from);
-    }
-    anyhow::bail!("no specs/ and templates/ here: run from a kernelforge checkout or pass --root DIR")
-}
+pub use crate::project::project_root;

@@ -39,7 +39,7 @@ pub fn render_timeline_svg(timeline: &Timeline, title: &str) -> String {
 }
 
 /// XML text and attribute escaping.
-fn esc(text: &str) -> String {
+pub fn xml_escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
@@ -118,7 +118,7 @@ fn render(s: &mut String, timeline: &Timeline, title: &str) -> fmt::Result {
     writeln!(
         s,
         r#"<text x="{LEFT}" y="22" font-size="15" font-weight="bold">{}</text>"#,
-        esc(title)
+        xml_escape(title)
     )?;
 
     // Where the blocks' time went, over rows × the step's span.
@@ -141,7 +141,11 @@ fn render(s: &mut String, timeline: &Timeline, title: &str) -> fmt::Result {
             (100.0 * (1.0 - (running + waiting) as f64 / capacity)).max(0.0)
         )
     };
-    writeln!(s, r##"<text x="{LEFT}" y="42" fill="#444">{}</text>"##, esc(&summary))?;
+    writeln!(
+        s,
+        r##"<text x="{LEFT}" y="42" fill="#444">{}</text>"##,
+        xml_escape(&summary)
+    )?;
 
     // Time axis: grid lines, ticks and labels in µs.
     let span_us = us(span_ns);
@@ -212,10 +216,10 @@ fn render(s: &mut String, timeline: &Timeline, title: &str) -> fmt::Result {
         writeln!(
             s,
             r#"<rect class="task" data-op="{}" x="{xs:.2}" y="{y:.2}" width="{:.2}" height="{bar_h:.2}" fill="{colour}"><title>block {}: {}{layer}, waited {:.2} µs, ran {:.2} µs, from {:.2} µs</title></rect>"#,
-            esc(&t.op),
+            xml_escape(&t.op),
             (xe - xs).max(0.5),
             t.block,
-            esc(&t.op),
+            xml_escape(&t.op),
             us(ready - t.start_ns),
             us(end - ready),
             us(t.start_ns.saturating_sub(t0)),
@@ -249,7 +253,12 @@ fn render(s: &mut String, timeline: &Timeline, title: &str) -> fmt::Result {
                 ly - 9.0
             )?;
         }
-        writeln!(s, r#"<text x="{:.2}" y="{ly:.2}">{}</text></g>"#, lx + 18.0, esc(name))?;
+        writeln!(
+            s,
+            r#"<text x="{:.2}" y="{ly:.2}">{}</text></g>"#,
+            lx + 18.0,
+            xml_escape(name)
+        )?;
     }
     writeln!(s, "</svg>")
 }

@@ -5,22 +5,8 @@
 
 use std::fmt::Write;
 
-/// Escapes text for XML content and attribute values.
-pub fn esc(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c if (c as u32) < 0x20 && c != '\n' && c != '\t' => {}
-            c => out.push(c),
-        }
-    }
-    out
-}
+/// Escapes text for XML content and attribute values (the model's SVG writer's escaping).
+pub use crate::model::timeline_svg::xml_escape as esc;
 
 /// A number in at most four significant digits, without trailing zeros (`0.0123`, `1.5`, `3072`).
 pub fn num(v: f64) -> String {

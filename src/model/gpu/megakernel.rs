@@ -550,44 +550,32 @@ impl GpuBackend {
             ("max_T", cfg.n_ctx as i64),
             ("elem_bytes", self.dtype.storage().bytes() as i64),
         ]);
-        if !self.megakernel_point.is_empty() {
-            let point = self.megakernel_point.clone();
-            return self.kernel_at(
-                DECODE_STEP_OP,
-                DECODE_STEP_OP,
-                Epilogue::None,
-                Mask::None,
-                s,
-                Some(MEGAKERNEL_FAMILY),
-                &point,
-            );
-        }
-        // A tuned point when the database has one for this model and batch; else the default,
-        // fitted to the batch.
-        let key = crate::tune::db::TuneKey {
-            op: DECODE_STEP_OP.to_string(),
-            dtype: op_dtype(self.dtype).to_string(),
-            variant_kind: "none".to_string(),
-            shape: s.clone(),
+        // The point set for tuning; else a tuned point when the database has one for this model
+        // and batch; else the default, fitted to the batch.
+        let point = if !self.megakernel_point.is_empty() {
+            self.megakernel_point.clone()
+        } else {
+            let key = crate::tune::db::TuneKey {
+                op: DECODE_STEP_OP.to_string(),
+                dtype: op_dtype(self.dtype).to_string(),
+                variant_kind: "none".to_string(),
+                shape: s.clone(),
+            };
+            if self.registry.db.as_ref().is_some_and(|db| db.get(&key).is_some()) {
+                return self.kernel(DECODE_STEP_OP, DECODE_STEP_OP, Epilogue::None, Mask::None, s, None);
+            }
+            let family = self.registry.catalog.family(MEGAKERNEL_FAMILY)?.clone();
+            let elem_bytes = self.dtype.storage().bytes();
+            fitted_default(&family, b, cfg.n_embd, elem_bytes, &self.gpu.info.limits)
         };
-        if self.registry.db.as_ref().is_some_and(|db| db.get(&key).is_some()) {
-            return self.kernel(DECODE_STEP_OP, DECODE_STEP_OP, Epilogue::None, Mask::None, s, None);
-        }
-        let family = self.registry.catalog.family(MEGAKERNEL_FAMILY)?.clone();
-        let point = fitted_default(
-            &family,
-            b,
-            cfg.n_embd,
-            self.dtype.storage().bytes(),
-            &self.gpu.info.limits,
-        );
+        let family = Some(MEGAKERNEL_FAMILY);
         self.kernel_at(
             DECODE_STEP_OP,
             DECODE_STEP_OP,
             Epilogue::None,
             Mask::None,
             s,
-            Some(MEGAKERNEL_FAMILY),
+            family,
             &point,
         )
     }

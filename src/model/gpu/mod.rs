@@ -19,11 +19,12 @@
 //! standalone `gelu` and `residual` kernels, and the three-pass `attention_naive` family for
 //! prefill attention (decode keeps `attention_decode`: there is no unfused decode kernel).
 //!
-//! Decode steps run as a CUDA graph: the first step of a batch size records its launches as a
-//! [`KernelGraph`]; later steps walk the same launches again, rewrite only the nodes whose
-//! arguments changed (the position, the cache length) and replay the graph with one launch.
-//! Profiling, `KERNELFORGE_SYNC_EACH` and [`GpuBackend::set_decode_graphs`]`(false)` launch
-//! kernel by kernel instead.
+//! A step is built as a plan (`plan.rs`: ordered op nodes over these buffers) and run by one of
+//! three executors ([`DecodeEngine`]): kernel by kernel or as a CUDA graph (`exec.rs`: the first
+//! step of a batch size records its launches as a [`KernelGraph`]; later steps rewrite only the
+//! nodes whose arguments changed and replay it with one launch), or lowered to one persistent
+//! kernel (`megakernel.rs`). Profiling and `KERNELFORGE_SYNC_EACH` launch kernel by kernel
+//! instead of the graph. Kernel selection lives in `select.rs`.
 //!
 //! Profiling (off by default): a CUDA event pair around every launch, aggregated per kernel.
 //! Setting `KERNELFORGE_SYNC_EACH=1` synchronizes after every launch so a faulting kernel is
@@ -230,10 +231,10 @@ fn i32_arg(v: usize, what: &str) -> AnyResult<ArgValue> {
 
 impl GpuBackend {
     /// Open GPU 0, load the kernel catalog from the project folder (see
-    /// [`crate::cli::project_root`]), upload the weights and allocate every buffer for
+    /// [`crate::project::project_root`]), upload the weights and allocate every buffer for
     /// `max_batch` sequences of up to `n_ctx` tokens.
     pub fn new(model: Arc<GPT2Model>, max_batch: usize, unfused: bool, dtype: Dtype) -> AnyResult<GpuBackend> {
-        let root = crate::cli::project_root(None)?;
+        let root = crate::project::project_root(None)?;
         Self::with_root(&root, model, max_batch, unfused, dtype)
     }
 
