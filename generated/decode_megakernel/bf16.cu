@@ -14,7 +14,7 @@
 // separate kernels, the step also pays for every launch and for the gap between two kernels,
 // during which no weight is read: the GPU sits at ~20% of its memory bandwidth.
 //
-// Here the host lowers the step's plan (see src/model/gpu/megakernel.rs) into a table of
+// Here the host lowers the step's plan (see src/model/gpu/stage_table.rs) into a table of
 // STAGES, one per fused op, each cut into TASKS (one block's share of the op):
 //
 //   embed       x = wte[token] + wpe[pos]                                  1 task
@@ -289,7 +289,7 @@ __device__ __forceinline__ void mbar_init_fence() {
 #define COPY_THREADS (THREADS - 32)
 #define SYNC_THREAD (THREADS - 32)
 
-// ---- the stage table (filled by the host: src/model/gpu/megakernel.rs, StageRecord) --------
+// ---- the stage table (filled by the host: src/model/gpu/stage_table.rs, StageRecord) -------
 enum StageKind { STAGE_EMBED = 0, STAGE_MATVEC = 1, STAGE_ATTENTION = 2 };
 enum Epilogue { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_GELU = 2, EPI_BIAS_RESIDUAL = 3, EPI_QKV = 4 };
 enum StageFlags { FLAG_LAYERNORM = 1, FLAG_ARGMAX = 2 };

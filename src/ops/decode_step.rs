@@ -1,6 +1,6 @@
 //! decode_step: one whole GPT-2 decode step (embedding, every layer, LM head, greedy argmax) as
 //! a single persistent kernel that runs a task table the model builds from its step plan (see
-//! `src/model/gpu/megakernel.rs` for the table and `templates/decode/megakernel.cu.tera` for
+//! `src/model/gpu/stage_table.rs` for the table and `templates/decode/megakernel.cu.tera` for
 //! the kernel).
 //!
 //! Kernel arguments: `const int* stage_table, int n_stages, unsigned* counters, float* workspace,

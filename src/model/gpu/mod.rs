@@ -53,6 +53,7 @@ mod exec;
 mod megakernel;
 mod plan;
 mod select;
+mod stage_table;
 
 use exec::{record_event, LaunchMode};
 use plan::{HeadRows, Plan};

@@ -1,0 +1,789 @@
+//! The stage table of the decode megakernel: a greedy decode [`Plan`](super::plan::Plan)
+//! lowered to stages of tasks ([`lower`]) and checked so that no schedule that can deadlock is
+//! ever launched ([`check_schedule`]). Pure data, no GPU: the executor is `megakernel.rs`.
+//!
+//! Lowering fuses what only exists to be launched: each layernorm into the matrix-vector stage
+//! that reads it (the stage recomputes the row statistics), kv_append into the QKV stage (k and
+//! v are written straight into the cache), attention's partial results and their combination
+//! into one stage, the residual adds into the projections, the greedy argmax into the LM head.
+//! Each stage is cut into tasks (one block's share: a run of output columns, whose weight rows
+//! are one contiguous range, or one (sequence, head, cache chunk) of attention) so that a stage
+//! is about one wave of the resident grid, and no task's weights outgrow a shared-memory slot.
+//!
+//! The check: tasks are numbered in stage order and every stage waits only for an earlier
+//! stage, for a count that stage reaches. With every block resident (a cooperative launch, which
+//! the driver refuses otherwise) and each block running its tasks in increasing order, such a
+//! table always completes: the unfinished task with the smallest number never waits.
+
+use crate::gpu::ArgValue;
+use crate::ops::Epilogue;
+
+/// The widest matrix-vector task (columns) and the longest cache chunk of one attention task:
+/// `MAX_TASK_COLS` and `MAX_CHUNK` of the template.
+const MAX_TASK_COLS: usize = 128;
+const MAX_CHUNK: usize = 1024;
+
+/// What the stage table cannot express or would not run safely.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum MegakernelError {
+    #[error("the megakernel cannot run {role} ({op}): it runs the fused decode plan (embedding, layernorm + matmul, attention_decode, argmax); {fix}")]
+    Unsupported { role: String, op: String, fix: String },
+    #[error("{role}: one weight row is {row_bytes} bytes but a weight slot of the decode_megakernel point holds {slot_bytes}; choose a point with a larger slot_kib")]
+    SlotTooSmall {
+        role: String,
+        row_bytes: usize,
+        slot_bytes: usize,
+    },
+    #[error("{role}: {why}")]
+    Shape { role: String, why: String },
+    #[error("unsafe megakernel schedule, stage {stage} ({op}): {why}; refusing to launch it")]
+    UnsafeSchedule { stage: usize, op: String, why: String },
+}
+
+/// What a stage does (`StageKind` of the template).
+pub(super) const STAGE_EMBED: i32 = 0;
+pub(super) const STAGE_MATVEC: i32 = 1;
+pub(super) const STAGE_ATTENTION: i32 = 2;
+/// `StageFlags` of the template.
+pub(super) const FLAG_LAYERNORM: i32 = 1;
+pub(super) const FLAG_ARGMAX: i32 = 2;
+
+/// One stage of the table, laid out as the template's `struct Stage` (128 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C)]
+pub struct StageRecord {
+    pub kind: i32,
+    pub first_task: i32,
+    pub tasks: i32,
+    pub wait_stage: i32,
+    pub wait_count: i32,
+    pub n: i32,
+    pub k: i32,
+    pub cols: i32,
+    pub flags: i32,
+    pub epilogue: i32,
+    pub ws_offset: i32,
+    pub op: i32,
+    pub weight: u64,
+    pub bias: u64,
+    pub input: u64,
+    pub out: u64,
+    pub residual: u64,
+    pub gamma: u64,
+    pub beta: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub aux: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<StageRecord>() == 128);
+
+impl StageRecord {
+    pub fn bytes(&self) -> Vec<u8> {
+        let ints = [
+            self.kind,
+            self.first_task,
+            self.tasks,
+            self.wait_stage,
+            self.wait_count,
+            self.n,
+            self.k,
+            self.cols,
+            self.flags,
+            self.epilogue,
+            self.ws_offset,
+            self.op,
+        ];
+        let ptrs = [
+            self.weight,
+            self.bias,
+            self.input,
+            self.out,
+            self.residual,
+            self.gamma,
+            self.beta,
+            self.k_cache,
+            self.v_cache,
+            self.aux,
+        ];
+        ints.iter()
+            .flat_map(|v| v.to_ne_bytes())
+            .chain(ptrs.iter().flat_map(|v| v.to_ne_bytes()))
+            .collect()
+    }
+
+    /// The count its counter reaches when the stage is complete: one per task, except
+    /// attention, which counts a head when its last chunk has combined the partial results.
+    fn completion(&self, heads: usize) -> usize {
+        if self.kind == STAGE_ATTENTION {
+            heads
+        } else {
+            self.tasks as usize
+        }
+    }
+}
+
+/// The names the timeline gives the stages (index = `StageRecord::op`).
+pub const STAGE_OPS: [&str; 7] = ["embed", "qkv", "attention", "attn_proj", "fc", "fc_proj", "lm_head"];
+
+/// One node of the decode plan, as much of it as lowering reads.
+#[derive(Clone, Debug)]
+pub struct PlanOp {
+    /// Where in the model: `embedding`, `layernorm`, `qkv`, `kv_append`, `attention`, ...
+    pub role: String,
+    /// The op contract: `encoder`, `layernorm`, `matmul`, `kv_append`, `attention_decode`, `argmax`.
+    pub op: String,
+    pub epilogue: Epilogue,
+    /// In the op's signature order.
+    pub args: Vec<ArgValue>,
+    pub layer: Option<usize>,
+}
+
+/// What the table is cut for.
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    /// Resident blocks.
+    pub grid: usize,
+    /// One weight slot of the ring.
+    pub slot_bytes: usize,
+    /// Bytes of the storage type.
+    pub elem_bytes: usize,
+    /// Rows the kernel is compiled for, and the staged input row capacity (elements per row).
+    pub max_rows: usize,
+    pub input_row_elems: usize,
+    /// The widest row a fused layernorm can normalise (one 16-byte vector per thread).
+    pub norm_row_elems: usize,
+    /// Head size the kernel is compiled for.
+    pub head_dim: usize,
+}
+
+/// A lowered decode step.
+#[derive(Clone, Debug)]
+pub struct Lowered {
+    pub stages: Vec<StageRecord>,
+    /// The layer of each stage (timeline labels).
+    pub layers: Vec<Option<usize>>,
+    /// Floats of workspace the kernel needs (attention partials, then argmax partials).
+    pub workspace_floats: usize,
+    /// Counters: one per stage, one per attention head, argmax arrivals, blocks leaving.
+    pub counters: usize,
+    pub heads: usize,
+}
+
+impl Lowered {
+    pub fn total_tasks(&self) -> usize {
+        self.stages.last().map_or(0, |s| (s.first_task + s.tasks) as usize)
+    }
+}
+
+fn ptr_arg(args: &[ArgValue], i: usize) -> u64 {
+    match args.get(i) {
+        Some(ArgValue::Ptr(p)) => *p,
+        _ => 0,
+    }
+}
+
+fn int_arg(args: &[ArgValue], i: usize) -> usize {
+    match args.get(i) {
+        Some(ArgValue::I32(v)) => (*v).max(0) as usize,
+        _ => 0,
+    }
+}
+
+fn stage_op(role: &str) -> i32 {
+    let name = if role == "embedding" { "embed" } else { role };
+    STAGE_OPS.iter().position(|o| *o == name).unwrap_or(0) as i32
+}
+
+/// Columns per task for an `n x k` matrix: about one wave of `grid` tasks, each task's rows
+/// within one slot and at most `MAX_TASK_COLS` columns.
+fn cut_columns(role: &str, n: usize, k: usize, geo: &Geometry) -> Result<usize, MegakernelError> {
+    let row_bytes = k * geo.elem_bytes;
+    if row_bytes > geo.slot_bytes {
+        return Err(MegakernelError::SlotTooSmall {
+            role: role.to_string(),
+            row_bytes,
+            slot_bytes: geo.slot_bytes,
+        });
+    }
+    let cap = (geo.slot_bytes / row_bytes).min(MAX_TASK_COLS);
+    let waves = n.div_ceil(geo.grid * cap).max(1);
+    Ok(n.div_ceil(waves * geo.grid).clamp(1, cap))
+}
+
+/// Lowers a greedy decode plan to the stage table (see the module docs).
+pub fn lower(ops: &[PlanOp], geo: &Geometry) -> Result<Lowered, MegakernelError> {
+    struct PendingNorm {
+        out: u64,
+        input: u64,
+        gamma: u64,
+        beta: u64,
+    }
+    let mut stages: Vec<StageRecord> = Vec::new();
+    let mut layers = Vec::new();
+    let mut pending: Option<PendingNorm> = None;
+    let (mut batch, mut heads, mut attention_floats) = (0usize, 0usize, 0usize);
+    let vec_elems = 16 / geo.elem_bytes;
+    let mut i = 0;
+    while i < ops.len() {
+        let node = &ops[i];
+        let a = &node.args;
+        let unsupported = |fix: &str| MegakernelError::Unsupported {
+            role: node.role.clone(),
+            op: node.op.clone(),
+            fix: fix.to_string(),
+        };
+        let shape_err = |why: String| MegakernelError::Shape {
+            role: node.role.clone(),
+            why,
+        };
+        let mut stage = StageRecord {
+            op: stage_op(&node.role),
+            wait_stage: -1,
+            ..Default::default()
+        };
+        match node.op.as_str() {
+            "encoder" => {
+                // out, tokens, wte, wpe, B, T, C, pos_offset
+                batch = int_arg(a, 4);
+                if int_arg(a, 5) != 1 {
+                    return Err(shape_err("a decode step embeds one token per sequence".into()));
+                }
+                stage.kind = STAGE_EMBED;
+                stage.tasks = 1;
+                stage.n = int_arg(a, 6) as i32;
+                stage.out = ptr_arg(a, 0);
+                stage.weight = ptr_arg(a, 2);
+                stage.aux = ptr_arg(a, 3);
+            }
+            "layernorm" => {
+                // out, inp, gamma, beta, N, C: fused into the stage that reads `out`.
+                if pending.is_some() {
+                    return Err(unsupported("two layernorms in a row leave the first unread"));
+                }
+                pending = Some(PendingNorm {
+                    out: ptr_arg(a, 0),
+                    input: ptr_arg(a, 1),
+                    gamma: ptr_arg(a, 2),
+                    beta: ptr_arg(a, 3),
+                });
+                i += 1;
+                continue;
+            }
+            "matmul" => {
+                // out, inp, weight, bias, residual, workspace, M, N, K, T, n_head
+                let (m, n, k) = (int_arg(a, 6), int_arg(a, 7), int_arg(a, 8));
+                if m != batch {
+                    return Err(shape_err(format!("{m} rows for a batch of {batch}")));
+                }
+                if m > geo.max_rows {
+                    return Err(shape_err(format!(
+                        "batch {m} is larger than the {} rows the decode_megakernel point is compiled for (max_rows)",
+                        geo.max_rows
+                    )));
+                }
+                if k % vec_elems != 0 || k > geo.input_row_elems {
+                    return Err(shape_err(format!(
+                        "K = {k} must be a multiple of {vec_elems} and at most {}",
+                        geo.input_row_elems
+                    )));
+                }
+                stage.kind = STAGE_MATVEC;
+                stage.n = n as i32;
+                stage.k = k as i32;
+                stage.cols = cut_columns(&node.role, n, k, geo)? as i32;
+                stage.tasks = n.div_ceil(stage.cols as usize) as i32;
+                stage.out = ptr_arg(a, 0);
+                stage.input = ptr_arg(a, 1);
+                stage.weight = ptr_arg(a, 2);
+                stage.bias = ptr_arg(a, 3);
+                stage.residual = ptr_arg(a, 4);
+                if let Some(norm) = pending.take() {
+                    if k > geo.norm_row_elems {
+                        return Err(shape_err(format!(
+                            "a fused layernorm keeps one 16-byte vector per thread: rows of at most {} elements, \
+                             not {k}; choose a decode_megakernel point with more threads",
+                            geo.norm_row_elems
+                        )));
+                    }
+                    if norm.out != stage.input {
+                        return Err(unsupported("a layernorm must feed the matmul right after it"));
+                    }
+                    stage.flags |= FLAG_LAYERNORM;
+                    stage.input = norm.input;
+                    stage.gamma = norm.gamma;
+                    stage.beta = norm.beta;
+                }
+                stage.epilogue = match node.epilogue {
+                    Epilogue::None => 0,
+                    Epilogue::Bias => 1,
+                    Epilogue::BiasGelu => 2,
+                    Epilogue::BiasResidual => 3,
+                    Epilogue::Qkv => 4,
+                };
+                if node.epilogue == Epilogue::Qkv {
+                    // k_cache, v_cache, k, v, B, NH, T, max_T, HS, pos
+                    match ops.get(i + 1) {
+                        Some(next) if next.op == "kv_append" => {
+                            stage.k_cache = ptr_arg(&next.args, 0);
+                            stage.v_cache = ptr_arg(&next.args, 1);
+                            i += 1;
+                        }
+                        _ => return Err(unsupported("the QKV matmul must be followed by kv_append")),
+                    }
+                }
+                if let Some(next) = ops.get(i + 1).filter(|o| o.op == "argmax") {
+                    // out, logits, B, V, stride: the argmax partials go to the workspace.
+                    if ptr_arg(&next.args, 1) != stage.out {
+                        return Err(unsupported("argmax must read the LM head's logits"));
+                    }
+                    stage.flags |= FLAG_ARGMAX;
+                    i += 1;
+                }
+            }
+            "attention_decode" => {
+                // out, q, k_cache, v_cache, workspace, B, NH, T, max_T, HS, scale
+                let (b, nh, max_t, hs) = (int_arg(a, 5), int_arg(a, 6), int_arg(a, 8), int_arg(a, 9));
+                if hs != geo.head_dim {
+                    return Err(shape_err(format!(
+                        "head size {hs}, but the decode_megakernel point is compiled for head_dim {}",
+                        geo.head_dim
+                    )));
+                }
+                let chunks = (geo.grid / (b * nh).max(1)).max(max_t.div_ceil(MAX_CHUNK)).max(1);
+                heads = b * nh;
+                stage.kind = STAGE_ATTENTION;
+                stage.cols = chunks as i32;
+                stage.tasks = (b * nh * chunks) as i32;
+                stage.out = ptr_arg(a, 0);
+                stage.input = ptr_arg(a, 1);
+                stage.k_cache = ptr_arg(a, 2);
+                stage.v_cache = ptr_arg(a, 3);
+                attention_floats = attention_floats.max(b * nh * chunks * (hs + 2));
+            }
+            "kv_append" => return Err(unsupported("kv_append must follow the QKV matmul")),
+            "argmax" => return Err(unsupported("argmax must follow the LM head")),
+            _ => return Err(unsupported("run --decode-engine graph for the unfused plan")),
+        }
+        if pending.is_some() {
+            return Err(unsupported("a layernorm must feed the matmul right after it"));
+        }
+        stages.push(stage);
+        layers.push(node.layer);
+        i += 1;
+    }
+    if pending.is_some() {
+        return Err(MegakernelError::Unsupported {
+            role: "layernorm".into(),
+            op: "layernorm".into(),
+            fix: "its output is never read".into(),
+        });
+    }
+    // Task numbers in stage order; each stage waits for the one before it, complete.
+    let mut first = 0;
+    for s in 0..stages.len() {
+        stages[s].first_task = first;
+        first += stages[s].tasks;
+        if s > 0 {
+            stages[s].wait_stage = s as i32 - 1;
+            stages[s].wait_count = stages[s - 1].completion(heads) as i32;
+        }
+    }
+    let argmax_offset = attention_floats;
+    for s in stages.iter_mut().filter(|s| s.flags & FLAG_ARGMAX != 0) {
+        s.ws_offset = argmax_offset as i32;
+    }
+    let counters = stages.len() + heads + 2;
+    Ok(Lowered {
+        workspace_floats: argmax_offset + geo.grid * geo.max_rows * 2,
+        stages,
+        layers,
+        counters,
+        heads,
+    })
+}
+
+/// Checks that the table can only complete (see the module docs); the error names the stage.
+pub fn check_schedule(lowered: &Lowered) -> Result<(), MegakernelError> {
+    let stages = &lowered.stages;
+    let unsafe_at = |s: usize, why: String| MegakernelError::UnsafeSchedule {
+        stage: s,
+        op: STAGE_OPS.get(stages[s].op as usize).copied().unwrap_or("?").to_string(),
+        why,
+    };
+    if stages.is_empty() {
+        return Err(MegakernelError::UnsafeSchedule {
+            stage: 0,
+            op: "-".into(),
+            why: "the table is empty".into(),
+        });
+    }
+    let mut next_task = 0;
+    for (s, st) in stages.iter().enumerate() {
+        if st.tasks <= 0 {
+            return Err(unsafe_at(
+                s,
+                "it has no tasks, so nothing would ever count it complete".into(),
+            ));
+        }
+        if st.first_task != next_task {
+            return Err(unsafe_at(
+                s,
+                format!(
+                    "its tasks start at {} instead of {next_task}: tasks must be numbered in stage order",
+                    st.first_task
+                ),
+            ));
+        }
+        next_task += st.tasks;
+        if st.wait_stage >= 0 {
+            let w = st.wait_stage as usize;
+            if w >= s {
+                return Err(unsafe_at(
+                    s,
+                    format!("it waits for stage {w}, which is not earlier: its tasks could wait for blocks that wait for them"),
+                ));
+            }
+            let reachable = stages[w].completion(lowered.heads);
+            if st.wait_count as usize != reachable {
+                return Err(unsafe_at(
+                    s,
+                    format!(
+                        "it waits for stage {w} to count {} but that stage only ever counts {reachable}",
+                        st.wait_count
+                    ),
+                ));
+            }
+        } else if st.kind != STAGE_EMBED {
+            return Err(unsafe_at(s, "it reads an input but waits for nothing".into()));
+        }
+        if st.flags & FLAG_ARGMAX != 0 && s + 1 != stages.len() {
+            return Err(unsafe_at(s, "the argmax stage must be the last one".into()));
+        }
+        if st.kind == STAGE_MATVEC && st.cols as usize > MAX_TASK_COLS {
+            return Err(unsafe_at(
+                s,
+                format!("{} columns per task, the kernel holds {MAX_TASK_COLS}", st.cols),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The greedy decode plan of a `layers`-layer model as the GPU backend builds it, with
+    /// made-up pointers (each buffer its own range).
+    fn plan(layers: usize, batch: usize, c: usize, n_head: usize, vp: usize) -> Vec<PlanOp> {
+        let (b, c32) = (batch as i32, c as i32);
+        let p = ArgValue::Ptr;
+        let i = |v: usize| ArgValue::I32(v as i32);
+        let (x, y, ln, qkv, att, fc, logits, ids, next) = (
+            p(1 << 20),
+            p(2 << 20),
+            p(3 << 20),
+            p(4 << 20),
+            p(5 << 20),
+            p(6 << 20),
+            p(7 << 20),
+            p(8 << 20),
+            p(9 << 20),
+        );
+        let w = |l: usize, k: usize| p(((100 + l) << 24) as u64 + (k << 16) as u64);
+        let op = |role: &str, op: &str, epilogue: Epilogue, args: Vec<ArgValue>, layer: Option<usize>| PlanOp {
+            role: role.into(),
+            op: op.into(),
+            epilogue,
+            args,
+            layer,
+        };
+        let matmul = |out, inp, weight, bias, residual, n: usize, k: usize| {
+            vec![
+                out,
+                inp,
+                weight,
+                bias,
+                residual,
+                p(0),
+                ArgValue::I32(b),
+                i(n),
+                i(k),
+                i(1),
+                i(n_head),
+            ]
+        };
+        let mut ops = vec![op(
+            "embedding",
+            "encoder",
+            Epilogue::None,
+            vec![
+                x,
+                ids,
+                w(0, 0),
+                w(0, 1),
+                ArgValue::I32(b),
+                i(1),
+                ArgValue::I32(c32),
+                i(5),
+            ],
+            None,
+        )];
+        let (mut cur, mut other) = (x, y);
+        for l in 0..layers {
+            let layer = Some(l);
+            ops.push(op(
+                "layernorm",
+                "layernorm",
+                Epilogue::None,
+                vec![ln, cur, w(l, 2), w(l, 3), i(batch), i(c)],
+                layer,
+            ));
+            ops.push(op(
+                "qkv",
+                "matmul",
+                Epilogue::Qkv,
+                matmul(qkv, ln, w(l, 4), w(l, 5), p(0), 3 * c, c),
+                layer,
+            ));
+            ops.push(op(
+                "kv_append",
+                "kv_append",
+                Epilogue::None,
+                vec![
+                    w(l, 20),
+                    w(l, 21),
+                    p(0),
+                    p(0),
+                    i(batch),
+                    i(n_head),
+                    i(1),
+                    i(1024),
+                    i(c / n_head),
+                    i(5),
+                ],
+                layer,
+            ));
+            ops.push(op(
+                "attention",
+                "attention_decode",
+                Epilogue::None,
+                vec![
+                    att,
+                    qkv,
+                    w(l, 20),
+                    w(l, 21),
+                    p(0),
+                    i(batch),
+                    i(n_head),
+                    i(6),
+                    i(1024),
+                    i(c / n_head),
+                    ArgValue::F32(0.125),
+                ],
+                layer,
+            ));
+            ops.push(op(
+                "attn_proj",
+                "matmul",
+                Epilogue::BiasResidual,
+                matmul(other, att, w(l, 6), w(l, 7), cur, c, c),
+                layer,
+            ));
+            std::mem::swap(&mut cur, &mut other);
+            ops.push(op(
+                "layernorm",
+                "layernorm",
+                Epilogue::None,
+                vec![ln, cur, w(l, 8), w(l, 9), i(batch), i(c)],
+                layer,
+            ));
+            ops.push(op(
+                "fc",
+                "matmul",
+                Epilogue::BiasGelu,
+                matmul(fc, ln, w(l, 10), w(l, 11), p(0), 4 * c, c),
+                layer,
+            ));
+            ops.push(op(
+                "fc_proj",
+                "matmul",
+                Epilogue::BiasResidual,
+                matmul(other, fc, w(l, 12), w(l, 13), cur, c, 4 * c),
+                layer,
+            ));
+            std::mem::swap(&mut cur, &mut other);
+        }
+        ops.push(op(
+            "layernorm",
+            "layernorm",
+            Epilogue::None,
+            vec![ln, cur, w(99, 0), w(99, 1), i(batch), i(c)],
+            None,
+        ));
+        ops.push(op(
+            "lm_head",
+            "matmul",
+            Epilogue::None,
+            matmul(logits, ln, w(0, 0), p(0), p(0), vp, c),
+            None,
+        ));
+        ops.push(op(
+            "argmax",
+            "argmax",
+            Epilogue::None,
+            vec![next, logits, i(batch), i(vp - 47), i(vp)],
+            None,
+        ));
+        ops
+    }
+
+    fn geometry(elem_bytes: usize) -> Geometry {
+        Geometry {
+            grid: 132,
+            slot_bytes: 48 * 1024,
+            elem_bytes,
+            max_rows: 8,
+            input_row_elems: 4 * 768,
+            norm_row_elems: 512 * 16 / elem_bytes,
+            head_dim: 64,
+        }
+    }
+
+    #[test]
+    fn gpt2_small_lowers_to_one_stage_per_fused_op_about_a_wave_each() {
+        let ops = plan(12, 1, 768, 12, 50304);
+        let lowered = lower(&ops, &geometry(2)).unwrap();
+        check_schedule(&lowered).unwrap();
+        let names: Vec<&str> = lowered.stages.iter().map(|s| STAGE_OPS[s.op as usize]).collect();
+        assert_eq!(names.len(), 1 + 12 * 5 + 1);
+        assert_eq!(
+            &names[..7],
+            ["embed", "qkv", "attention", "attn_proj", "fc", "fc_proj", "qkv"]
+        );
+        assert_eq!(names.last(), Some(&"lm_head"));
+        // layernorms fused into qkv, fc and the LM head; kv_append into qkv; argmax into the head
+        let s = &lowered.stages;
+        assert_eq!(s[1].flags, FLAG_LAYERNORM);
+        assert_eq!((s[1].epilogue, s[1].n, s[1].k), (4, 2304, 768));
+        assert_ne!(s[1].k_cache, 0);
+        assert_eq!(
+            s[1].input,
+            1 << 20,
+            "the qkv stage normalises the residual stream itself"
+        );
+        assert_eq!(s[4].flags, FLAG_LAYERNORM);
+        assert_eq!(s[4].epilogue, 2);
+        assert_eq!(s[5].flags, 0);
+        assert_eq!(s[5].epilogue, 3);
+        assert_eq!(s.last().unwrap().flags, FLAG_LAYERNORM | FLAG_ARGMAX);
+        // one wave where the weights fit a slot: 2304 columns / 132 blocks -> 18 per task
+        assert_eq!((s[1].cols, s[1].tasks), (18, 128));
+        // fc_proj rows are 6 KB: 6 columns per task, 128 tasks
+        assert_eq!((s[5].cols, s[5].tasks), (6, 128));
+        // the LM head streams several waves of slot-sized tasks
+        let head = s.last().unwrap();
+        assert!(
+            head.cols as usize * 768 * 2 <= 48 * 1024 && head.tasks as usize > 132,
+            "{head:?}"
+        );
+        // attention: 11 chunks of the cache per head fill 132 blocks
+        assert_eq!((s[2].kind, s[2].cols, s[2].tasks), (STAGE_ATTENTION, 11, 132));
+        assert_eq!(
+            s[3].wait_count, 12,
+            "attn_proj waits for the 12 heads, not the 132 chunks"
+        );
+        assert_eq!(lowered.counters, s.len() + 12 + 2);
+        assert_eq!(lowered.workspace_floats, 132 * 66 + 132 * 8 * 2);
+        // tasks numbered in order, each stage waiting for the previous one, complete
+        for w in s.windows(2) {
+            assert_eq!(w[1].first_task, w[0].first_task + w[0].tasks);
+        }
+        assert_eq!(lowered.layers[1], Some(0));
+        assert_eq!(lowered.layers[60], Some(11));
+    }
+
+    #[test]
+    fn stage_records_are_the_templates_128_bytes() {
+        let record = StageRecord {
+            kind: 1,
+            n: 7,
+            weight: 0x1122_3344_5566_7788,
+            aux: 9,
+            ..Default::default()
+        };
+        let bytes = record.bytes();
+        assert_eq!(bytes.len(), 128);
+        assert_eq!(&bytes[0..4], &1i32.to_ne_bytes());
+        assert_eq!(&bytes[20..24], &7i32.to_ne_bytes());
+        assert_eq!(&bytes[48..56], &0x1122_3344_5566_7788u64.to_ne_bytes());
+        assert_eq!(&bytes[120..128], &9u64.to_ne_bytes());
+    }
+
+    #[test]
+    fn unsafe_schedules_are_refused_with_the_stage_named() {
+        let good = lower(&plan(2, 8, 768, 12, 50304), &geometry(4)).unwrap();
+        check_schedule(&good).unwrap();
+        let refused = |edit: &dyn Fn(&mut Lowered)| {
+            let mut bad = good.clone();
+            edit(&mut bad);
+            check_schedule(&bad).unwrap_err().to_string()
+        };
+        let e = refused(&|l| l.stages[3].wait_stage = 5);
+        assert!(e.contains("stage 3 (attn_proj)") && e.contains("not earlier"), "{e}");
+        let e = refused(&|l| l.stages[3].wait_count += 1);
+        assert!(e.contains("only ever counts"), "{e}");
+        let e = refused(&|l| l.stages[2].first_task += 1);
+        assert!(e.contains("stage order"), "{e}");
+        let e = refused(&|l| l.stages[4].wait_stage = -1);
+        assert!(e.contains("waits for nothing"), "{e}");
+        let e = refused(&|l| l.stages[4].tasks = 0);
+        assert!(e.contains("no tasks"), "{e}");
+        let e = refused(&|l| {
+            let last = l.stages.len() - 1;
+            l.stages[last].flags = 0;
+            l.stages[1].flags |= FLAG_ARGMAX;
+        });
+        assert!(e.contains("must be the last"), "{e}");
+    }
+
+    #[test]
+    fn plans_the_kernel_cannot_run_are_refused_with_the_fix() {
+        // f32 rows of the 1.5B model's fc projection (4 * 1600 * 4 bytes) outgrow a 16 KB slot
+        let mut geo = geometry(4);
+        geo.slot_bytes = 16 * 1024;
+        geo.input_row_elems = 4 * 1600;
+        geo.norm_row_elems = 2048;
+        let e = lower(&plan(1, 1, 1600, 25, 50304), &geo).unwrap_err().to_string();
+        assert!(
+            e.contains("fc_proj") && e.contains("25600 bytes") && e.contains("slot_kib"),
+            "{e}"
+        );
+        // the unfused plan's standalone gelu
+        let mut ops = plan(1, 1, 768, 12, 50304);
+        let fc = ops.iter().position(|o| o.role == "fc").unwrap();
+        ops.insert(
+            fc + 1,
+            PlanOp {
+                role: "gelu".into(),
+                op: "gelu".into(),
+                epilogue: Epilogue::None,
+                args: vec![],
+                layer: Some(0),
+            },
+        );
+        let e = lower(&ops, &geometry(2)).unwrap_err().to_string();
+        assert!(e.contains("gelu") && e.contains("--decode-engine graph"), "{e}");
+        // more sequences than the point is compiled for
+        let mut geo = geometry(2);
+        geo.max_rows = 1;
+        let e = lower(&plan(1, 8, 768, 12, 50304), &geo).unwrap_err().to_string();
+        assert!(e.contains("max_rows"), "{e}");
+        // a head size the kernel is not compiled for
+        let e = lower(&plan(1, 1, 768, 16, 50304), &geometry(2))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("head_dim 64"), "{e}");
+    }
+}
