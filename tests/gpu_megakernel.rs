@@ -10,7 +10,7 @@
 //! (`decode_argmax`): its ids must be exactly the argmax of the megakernel's logits.
 //!
 //! GPU tests are `#[ignore = "needs a CUDA GPU"]`; the CPU tests of the lowering and the
-//! schedule check are unit tests of `model::gpu::megakernel`.
+//! schedule check are unit tests of `model::gpu::stage_table`.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
