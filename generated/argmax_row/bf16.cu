@@ -110,13 +110,26 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]
 constexpr int VECTOR_WIDTH = 16 / STORAGE_BYTES;
 
 // (value, index) a beats (value, index) b: larger value, or the same value at a smaller index.
+// The rule is commutative and associative, so any reduction order finds the FIRST maximum.
 __device__ __forceinline__ bool beats(float value_a, int index_a, float value_b, int index_b) {
     return value_a > value_b || (value_a == value_b && index_a < index_b);
 }
 
+// Folds one candidate into a running best; NaN (the only value unequal to itself) never wins
+// a comparison, so it is remembered separately.
 __device__ __forceinline__ void consider(float value, int index, float& best, int& best_index, int& saw_nan) {
-    if (value != value) saw_nan = 1;  // NaN is the only value unequal to itself
+    if (value != value) saw_nan = 1;
     else if (beats(value, index, best, best_index)) { best = value; best_index = index; }
+}
+
+// Butterfly over the warp's (value, index) pairs: every lane ends with the warp's winner.
+__device__ __forceinline__ void warp_reduce_argmax(float& best, int& best_index) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+        if (beats(other, other_index, best, best_index)) { best = other; best_index = other_index; }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
@@ -140,13 +153,8 @@ argmax_row_a748f966_main(int* out, const storage_t* logits, int B, int V, int st
     for (int j = scalar_from + threadIdx.x; j < V; j += BLOCK_SIZE)
         consider(ldg_element(x + j), j, best, best_index, saw_nan);
 
-    // Warp: shuffle tree over (value, index) pairs; lane 0 ends with the warp's winner.
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_down_sync(0xffffffffu, best, offset);
-        const int other_index = __shfl_down_sync(0xffffffffu, best_index, offset);
-        if (beats(other, other_index, best, best_index)) { best = other; best_index = other_index; }
-    }
+    // Warp: shuffle tree over (value, index) pairs; every lane ends with the warp's winner.
+    warp_reduce_argmax(best, best_index);
     __shared__ float warp_best[WARPS];
     __shared__ int warp_index[WARPS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -156,11 +164,6 @@ argmax_row_a748f966_main(int* out, const storage_t* logits, int B, int V, int st
     if (warp != 0) return;
     best = lane < WARPS ? warp_best[lane] : __int_as_float(0xff800000);
     best_index = lane < WARPS ? warp_index[lane] : 0x7fffffff;
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_down_sync(0xffffffffu, best, offset);
-        const int other_index = __shfl_down_sync(0xffffffffu, best_index, offset);
-        if (beats(other, other_index, best, best_index)) { best = other; best_index = other_index; }
-    }
+    warp_reduce_argmax(best, best_index);
     if (lane == 0) out[row] = any_nan ? -1 : best_index;
 }

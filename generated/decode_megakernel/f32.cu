@@ -105,6 +105,28 @@ __device__ __forceinline__ float block_reduce_max(float value) {
     value = lane < num_warps ? partials[lane] : __int_as_float(0xff800000);  // -inf: NVRTC has no <math.h> INFINITY
     return warp_reduce_max(value);
 }
+// (value, index) a beats (value, index) b: larger value, or the same value at a smaller index.
+// The rule is commutative and associative, so any reduction order finds the FIRST maximum.
+__device__ __forceinline__ bool beats(float value_a, int index_a, float value_b, int index_b) {
+    return value_a > value_b || (value_a == value_b && index_a < index_b);
+}
+
+// Folds one candidate into a running best; NaN (the only value unequal to itself) never wins
+// a comparison, so it is remembered separately.
+__device__ __forceinline__ void consider(float value, int index, float& best, int& best_index, int& saw_nan) {
+    if (value != value) saw_nan = 1;
+    else if (beats(value, index, best, best_index)) { best = value; best_index = index; }
+}
+
+// Butterfly over the warp's (value, index) pairs: every lane ends with the warp's winner.
+__device__ __forceinline__ void warp_reduce_argmax(float& best, int& best_index) {
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+        if (beats(other, other_index, best, best_index)) { best = other; best_index = other_index; }
+    }
+}
 // ---- cp.async: asynchronous global -> shared copies (sm_80+) ----------------------------------
 // `cp.async.cg` copies 16 bytes straight into shared memory without passing through registers
 // and bypasses L1 (.cg: cache in L2 only; the tile is reused from shared memory, not L1). The
@@ -331,18 +353,20 @@ __device__ __forceinline__ float load_coherent(const storage_t* p) {
     return __ldcg(p);
 }
 
-// VEC consecutive elements (16 bytes) as f32, through L2.
-__device__ __forceinline__ void load_coherent_vec(const storage_t* p, float (&v)[VEC]) {
-    const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
+// 16 raw bytes as VEC elements in f32.
+__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&v)[VEC]) {
     v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y);
     v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
 }
 
+// VEC consecutive elements (16 bytes) as f32, through L2.
+__device__ __forceinline__ void load_coherent_vec(const storage_t* p, float (&v)[VEC]) {
+    unpack_vec(__ldcg(reinterpret_cast<const uint4*>(p)), v);
+}
+
 // VEC consecutive elements (16 bytes) from shared memory as f32.
 __device__ __forceinline__ void load_shared_vec(const storage_t* p, float (&v)[VEC]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y);
-    v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
+    unpack_vec(*reinterpret_cast<const uint4*>(p), v);
 }
 
 // Sums MAX_ROWS values across the block at once (one pair of barriers for every row).
@@ -529,11 +553,6 @@ __device__ void matvec_task(const Stage& s, int task, int B, const storage_t* sl
     }
 }
 
-// (value, index) of the larger logit, the first index on ties: the argmax op's rule.
-__device__ __forceinline__ bool better(float v, int i, float best, int best_i) {
-    return v > best || (v == best && i < best_i);
-}
-
 // Folds the task's logits (in `tile`) into the block's running best of each row; NaN taints
 // the row (its answer is -1, as the argmax op says).
 __device__ void argmax_task(const Stage& s, int task, int B, int V, const float* tile, float* best_val,
@@ -544,20 +563,11 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
     const int cols = min(s.cols, V - n0);  // padded vocabulary columns never win
     float v = __int_as_float(0xff800000);
     int i = 0x7fffffff, nan = 0;
-    for (int c = lane; c < cols; c += 32) {
-        const float x = tile[warp * MAX_TASK_COLS + c];
-        if (x != x) nan = 1;
-        else if (better(x, n0 + c, v, i)) { v = x; i = n0 + c; }
-    }
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, offset);
-        if (better(ov, oi, v, i)) { v = ov; i = oi; }
-    }
+    for (int c = lane; c < cols; c += 32) consider(tile[warp * MAX_TASK_COLS + c], n0 + c, v, i, nan);
+    warp_reduce_argmax(v, i);
     nan = __any_sync(0xffffffffu, nan);
     if (lane == 0) {
-        if (better(v, i, best_val[warp], best_idx[warp])) { best_val[warp] = v; best_idx[warp] = i; }
+        if (beats(v, i, best_val[warp], best_idx[warp])) { best_val[warp] = v; best_idx[warp] = i; }
         saw_nan[warp] |= nan;
     }
 }
@@ -610,9 +620,7 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
         for (int d = 0; d < HEAD_DIM; d += VEC) {
             float kv[VEC];
             if (t == t0 + (int)threadIdx.x) {
-                const uint4 raw = first_key[d / VEC];
-                kv[0] = __uint_as_float(raw.x); kv[1] = __uint_as_float(raw.y);
-                kv[2] = __uint_as_float(raw.z); kv[3] = __uint_as_float(raw.w);
+                unpack_vec(first_key[d / VEC], kv);
             } else {
                 load_coherent_vec(s.k_cache + head + (long long)t * HEAD_DIM + d, kv);
             }
@@ -858,14 +866,9 @@ decode_megakernel_75000767_main(const int* stage_table, int n_stages, unsigned* 
                     const float2 p = __ldcg(partials + g * MAX_ROWS + warp);
                     const int pi = __float_as_int(p.y);
                     if (pi == -1) nan = 1;
-                    else if (better(p.x, pi, v, idx)) { v = p.x; idx = pi; }
+                    else if (beats(p.x, pi, v, idx)) { v = p.x; idx = pi; }
                 }
-                #pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1) {
-                    const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
-                    const int oi = __shfl_xor_sync(0xffffffffu, idx, offset);
-                    if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
-                }
+                warp_reduce_argmax(v, idx);
                 nan = __any_sync(0xffffffffu, nan);
                 if (lane == 0) next_ids[warp] = nan ? -1 : idx;
             }

@@ -57,14 +57,7 @@ impl GpuBackend {
     /// Launches one node (or adds it to / checks it against the graph being built).
     fn launch_node(&mut self, node: &Node) -> AnyResult<()> {
         let (k, shape, launches, args) = (&node.kernel, &node.shape, &node.launches[..], &node.args[..]);
-        let events = match &self.profiler {
-            Some(_) => {
-                let (start, end) = (self.timing_event()?, self.timing_event()?);
-                record_event(&start, &self.gpu)?;
-                Some((start, end))
-            }
-            None => None,
-        };
+        let events = self.profile_begin()?;
         let what = || format!("{} ({}) on {}", k.role, k.label, shape_text(shape));
         match &mut self.launch_mode {
             LaunchMode::Direct => k.loaded.launch_args(&self.gpu, args, launches).with_context(what)?,
@@ -88,14 +81,36 @@ impl GpuBackend {
                 }
             }
         }
-        if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
-            record_event(&end, &self.gpu)?;
-            p.pending.push((k.role, k.label.clone(), start, end));
-        }
+        self.profile_end(events, k.role, &k.label)?;
         if self.sync_each {
             self.gpu
                 .synchronize()
                 .with_context(|| format!("{} ({}) on {} failed", k.role, k.label, shape_text(shape)))?;
+        }
+        Ok(())
+    }
+
+    /// With profiling on: a pair of timing events, the first recorded before the launch to time.
+    pub(super) fn profile_begin(&self) -> AnyResult<Option<(CudaEvent, CudaEvent)>> {
+        if self.profiler.is_none() {
+            return Ok(None);
+        }
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
+        record_event(&start, &self.gpu)?;
+        Ok(Some((start, end)))
+    }
+
+    /// Records the end of what [`GpuBackend::profile_begin`] started and files the pair under
+    /// (role, label) for the profile.
+    pub(super) fn profile_end(
+        &mut self,
+        events: Option<(CudaEvent, CudaEvent)>,
+        role: &'static str,
+        label: &str,
+    ) -> AnyResult<()> {
+        if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
+            record_event(&end, &self.gpu)?;
+            p.pending.push((role, label.to_string(), start, end));
         }
         Ok(())
     }

@@ -15,6 +15,7 @@ use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
 use crate::model::engine::{TaskStamp, Timeline};
 use crate::ops::{Epilogue, Mask};
+use crate::tune::registry::variant_kind;
 use crate::tune::workloads::op_dtype;
 
 /// The op (and kernel family op) of the megakernel.
@@ -97,7 +98,7 @@ impl GpuBackend {
             let key = crate::tune::db::TuneKey {
                 op: DECODE_STEP_OP.to_string(),
                 dtype: op_dtype(self.dtype).to_string(),
-                variant_kind: "none".to_string(),
+                variant_kind: variant_kind(Epilogue::None, Mask::None).to_string(),
                 shape: s.clone(),
             };
             if self.registry.db.as_ref().is_some_and(|db| db.get(&key).is_some()) {
@@ -223,19 +224,18 @@ impl GpuBackend {
     pub(super) fn megakernel_step(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<()> {
         self.prepare_megakernel(ks, b)?;
         let cfg = self.model.config.clone();
-        let ids = ptr(&self.gpu, &self.act.ids);
-        let next_ids = ptr(&self.gpu, &self.act.next_ids);
-        let timeline_on = self.timeline_on;
+        let events = self.profile_begin()?;
         let gpu = &self.gpu;
+        let (ids, next_ids) = (ptr(gpu, &self.act.ids), ptr(gpu, &self.act.next_ids));
         let m = self.megakernel.as_mut().expect("prepared above");
-        if timeline_on && m.timeline.is_none() {
+        if self.timeline_on && m.timeline.is_none() {
             m.timeline = Some(
                 gpu.stream
                     .alloc_zeros::<u64>(STAMPS * m.lowered.total_tasks())
                     .map_err(GpuError::cuda("allocating the timeline stamps"))?,
             );
         }
-        let timeline = match (&m.timeline, timeline_on) {
+        let timeline = match (&m.timeline, self.timeline_on) {
             (Some(t), true) => ptr(gpu, t),
             _ => 0,
         };
@@ -251,18 +251,7 @@ impl GpuBackend {
             cfg.vocab_size as i32,
         );
         let scale = 1.0f32 / (cfg.head_dim() as f32).sqrt();
-        let events = match self.profiler.is_some() {
-            true => {
-                let (start, end) = (self.timing_event()?, self.timing_event()?);
-                super::exec::record_event(&start, &self.gpu)?;
-                Some((start, end))
-            }
-            false => None,
-        };
-        let gpu = &self.gpu;
-        let m = self.megakernel.as_mut().expect("prepared above");
-        let function = &m.kernel.loaded.functions()[0];
-        let mut launch = gpu.stream.launch_builder(function);
+        let mut launch = gpu.stream.launch_builder(&m.kernel.loaded.functions()[0]);
         launch
             .arg(&table)
             .arg(&n_stages)
@@ -287,10 +276,7 @@ impl GpuBackend {
             self.megakernel = None; // its counters may be anything now
             return Err(GpuError::cuda("launching the decode megakernel (cooperative)")(e).into());
         }
-        if let (Some((start, end)), Some(p)) = (events, &mut self.profiler) {
-            super::exec::record_event(&end, &self.gpu)?;
-            p.pending.push(("decode_step", label, start, end));
-        }
+        self.profile_end(events, DECODE_STEP_OP, &label)?;
         if self.sync_each {
             self.gpu.synchronize().context("the decode megakernel failed")?;
         }
