@@ -421,20 +421,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::cpu_target;
     use super::*;
     use crate::model::config::GPT2Config;
     use crate::model::weights::{write_llmc, GPT2Weights, LlmcVersion};
-    use crate::spec::Dtype;
-
-    fn cpu_target(model: &str) -> ModelArgs {
-        ModelArgs {
-            model: model.to_string(),
-            device: Some(Device::Cpu),
-            unfused: false,
-            dtype: Dtype::F32,
-            root: None,
-        }
-    }
 
     #[test]
     fn bench_runs_on_the_cpu() {

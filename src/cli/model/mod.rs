@@ -243,7 +243,7 @@ pub(crate) fn prompt_ids(tok: &Tokenizer, ids: &Option<String>, prompt: &Option<
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::model::config::GPT2Config;
     use crate::model::npy::read_npy_f32;
@@ -326,7 +326,8 @@ mod tests {
         );
     }
 
-    fn cpu_target(model: &str) -> ModelArgs {
+    /// `--model MODEL --device cpu` (shared by the command tests of this folder).
+    pub(super) fn cpu_target(model: &str) -> ModelArgs {
         ModelArgs {
             model: model.to_string(),
             device: Some(Device::Cpu),
