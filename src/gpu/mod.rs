@@ -1,4 +1,5 @@
-//! The CUDA side: find the device and its limits ([`device`]), compile rendered sources with
+//! The CUDA side: find the device and its limits ([`device`]), pick the GPUs a command runs on
+//! and slice a batch across them ([`devices`]), compile rendered sources with
 //! NVRTC behind an on-disk cache ([`compile`]), and run a variant on a problem: buffers,
 //! constant memory, launch geometry from the spec, poisoned outputs ([`run`]); replay a fixed
 //! sequence of launches as one CUDA graph ([`graph`]); build the TMA descriptors some kernels take
@@ -7,6 +8,7 @@
 pub mod bandwidth;
 pub mod compile;
 pub mod device;
+pub mod devices;
 pub mod graph;
 pub mod run;
 pub mod tensor_map;
@@ -14,6 +16,7 @@ pub mod tensor_map;
 pub use bandwidth::{copy_bandwidth, BandwidthError, CopyBandwidth};
 pub use compile::{CompileError, Compiled, Compiler};
 pub use device::{Gpu, GpuError};
+pub use devices::{device_count, slice_batch, DeviceListError, DeviceSelection};
 pub use graph::{GraphMismatch, GraphUpdateError, KernelGraph};
 pub use run::{ArgValue, DeviceProblem, LoadedVariant, RunError};
 pub use tensor_map::TensorMap;
