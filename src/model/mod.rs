@@ -1,6 +1,7 @@
 //! GPT-2: configuration, checkpoint loading and writing (Hugging Face safetensors folders and
 //! llm.c `.bin` checkpoints), the GPT-2 BPE tokenizer, the f32 CPU reference forward with a KV
-//! cache, sampling, and the generation loop over a [`generate::Backend`]; [`hub`] turns a size
+//! cache, sampling, and the generation loop over a [`generate::Backend`]; [`gpu`] runs it on one
+//! GPU and [`replicas`] on several; [`hub`] turns a size
 //! name into a checkpoint folder (the Hugging Face cache, else a download); [`floor`] counts the
 //! bytes a decode step must read and [`timeline_svg`] draws a megakernel step's blocks × time.
 //!
@@ -18,6 +19,7 @@ pub mod generate;
 pub mod gpu;
 pub mod hub;
 pub mod npy;
+pub mod replicas;
 pub mod sampling;
 pub mod timeline_svg;
 pub mod tokenizer;
@@ -31,6 +33,7 @@ pub use floor::{decode_step_bytes, DecodeBytes};
 pub use generate::{generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
 pub use gpu::GpuBackend;
 pub use hub::{HubError, HubSettings};
+pub use replicas::{ReplicaOptions, Replicas};
 pub use sampling::{Sampler, SamplingParams};
 pub use timeline_svg::render_timeline_svg;
 pub use tokenizer::{Tokenizer, EOT_TOKEN, GPT2_VOCAB_SIZE};

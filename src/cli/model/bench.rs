@@ -15,7 +15,8 @@ use crate::model::cpu::CpuBackend;
 use crate::model::engine::DecodeEngine;
 use crate::model::floor::decode_step_bytes;
 use crate::model::generate::Backend;
-use crate::model::gpu::{GpuBackend, ProfileRow};
+use crate::model::gpu::ProfileRow;
+use crate::model::replicas::Replicas;
 use crate::model::timeline_svg::render_timeline_svg;
 
 /// `kernelforge bench`: forward and generation throughput, and where the time goes.
@@ -121,6 +122,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let engine = decode_engine_for(device, asked)?;
     if let Some(path) = &args.timeline {
         check_timeline_request(path, engine, args.generate)?;
+        if let Some(devices) = args.target.devices.as_ref().filter(|d| d.is_several()) {
+            bail!("--timeline draws one GPU's megakernel step; drop --devices {devices} (or give one GPU) to draw it");
+        }
     }
     let model = load(&args.target.model)?;
     let cfg = model.config.clone();
@@ -169,7 +173,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     };
     let mut cpu = CpuBackend::new(model.clone());
     let decode_ok = match &gpu {
-        Some(g) => match g.decode_unavailable() {
+        Some(g) => match g.primary().decode_unavailable() {
             Some(why) if args.timeline.is_some() => bail!("--timeline: decode steps are unavailable: {why}"),
             Some(why) => {
                 notes.push(format!("decode not timed: {why}"));
@@ -182,7 +186,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let steps = if decode_ok { steps } else { 0 };
 
     // One forward pass: on the GPU without copying the logits back.
-    let forward = |gpu: &mut Option<GpuBackend>, cpu: &mut CpuBackend| -> Result<()> {
+    let forward = |gpu: &mut Option<Replicas>, cpu: &mut CpuBackend| -> Result<()> {
         match gpu {
             Some(g) => g.forward_on_device(&tokens)?,
             None => {
@@ -193,7 +197,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     };
     // A prefill, then `steps` greedy decode steps; returns the decode wall time in ms and the
     // tokens the last step chose.
-    let decode_run = |gpu: &mut Option<GpuBackend>, cpu: &mut CpuBackend, steps: usize| -> Result<(f64, Vec<u32>)> {
+    let decode_run = |gpu: &mut Option<Replicas>, cpu: &mut CpuBackend, steps: usize| -> Result<(f64, Vec<u32>)> {
         let backend: &mut dyn Backend = match gpu {
             Some(g) => g,
             None => cpu,
@@ -226,7 +230,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let forward_ms = median(&mut runs.clone());
     let forward_tps = (args.batch * args.seq) as f64 / (forward_ms / 1e3);
     if let Some(g) = gpu.as_mut() {
-        g.take_decode_gpu_time(); // forget the warm-up's steps
+        g.take_decode_gpu_time()?; // forget the warm-up's steps
     }
     let (decode_ms, last_tokens) = if steps > 0 {
         decode_run(&mut gpu, &mut cpu, steps)?
@@ -234,10 +238,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         (0.0, Vec::new())
     };
     // GPU time of a decode step (first kernel to last): the rest of ms_per_step is the host's.
-    let decode_gpu_ms_per_step = gpu.as_mut().and_then(|g| {
-        let (ms, n) = g.take_decode_gpu_time();
-        (n > 0).then(|| ms / n as f64)
-    });
+    let decode_gpu_ms_per_step = match gpu.as_mut() {
+        Some(g) => {
+            let (ms, n) = g.take_decode_gpu_time()?;
+            (n > 0).then(|| ms / n as f64)
+        }
+        None => None,
+    };
     let ms_per_step = if steps > 0 { decode_ms / steps as f64 } else { 0.0 };
     let decode_tps = if steps > 0 {
         (args.batch * steps) as f64 / (decode_ms / 1e3)
@@ -246,29 +253,35 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     };
     // One more step with the megakernel's task stamps on.
     let timeline = match (&args.timeline, gpu.as_mut()) {
-        (Some(path), Some(g)) if steps > 0 => Some((path, timeline_step(g, &last_tokens)?)),
+        (Some(path), Some(g)) if steps > 0 => Some((path, timeline_step(g.primary_mut(), &last_tokens)?)),
         _ => None,
     };
 
-    // Per-kernel profile (GPU): one forward, then the decode steps.
+    // Per-kernel profile (GPU; the first GPU's slice): one forward, then the decode steps.
     let (mut prof_forward, mut prof_decode) = (Vec::new(), Vec::new());
     if let Some(g) = gpu.as_mut() {
-        g.set_profiling(true);
+        g.primary_mut().set_profiling(true);
         g.forward_on_device(&tokens)?;
-        prof_forward = g.take_profile()?;
+        prof_forward = g.primary_mut().take_profile()?;
         if steps > 0 {
             let logits = g.prefill_last(&decode_tokens)?;
-            g.take_profile()?; // the prefill is not part of the decode profile
+            g.primary_mut().take_profile()?; // the prefill is not part of the decode profile
             let mut next: Vec<u32> = (0..args.batch)
                 .map(|b| crate::model::sampling::argmax(logits.last(b)))
                 .collect::<Result<_, _>>()?;
             for _ in 0..steps {
                 next = g.decode_argmax(&next)?;
             }
-            prof_decode = g.take_profile()?;
+            prof_decode = g.primary_mut().take_profile()?;
         }
-        g.set_profiling(false);
+        g.primary_mut().set_profiling(false);
     }
+    // The batch slice of each GPU, and the first GPU's (the largest: the floor and the
+    // profile are the first GPU's).
+    let slices: Vec<usize> = gpu
+        .as_ref()
+        .map_or_else(|| vec![args.batch], |g| g.slices().iter().map(|r| r.len()).collect());
+    let first_slice = slices.first().copied().unwrap_or(args.batch);
 
     // The floor: the bytes a step reads at the average cache length of the timed steps, over
     // the copy bandwidth of this GPU.
@@ -276,12 +289,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         let bytes = decode_step_bytes(
             &cfg,
             args.target.dtype.storage().bytes(),
-            args.batch,
+            first_slice,
             decode_prefill + steps / 2,
         );
         let copy = gpu.as_ref().and_then(|g| {
             let measured =
-                crate::gpu::bandwidth::copy_bandwidth(g.gpu(), crate::gpu::bandwidth::DEFAULT_COPY_BYTES, 10);
+                crate::gpu::bandwidth::copy_bandwidth(g.primary().gpu(), crate::gpu::bandwidth::DEFAULT_COPY_BYTES, 10);
             measured
                 .map_err(|e| notes.push(format!("copy bandwidth not measured: {e}")))
                 .ok()
@@ -289,8 +302,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         FloorReport::new(bytes, copy.map(|c| c.gb_per_s), ms_per_step, decode_gpu_ms_per_step)
     });
 
-    let decode_graphs = gpu.as_ref().is_some_and(|g| g.decode_graphs());
-    let engine = gpu.as_ref().map(|g| g.decode_engine());
+    let decode_graphs = gpu.as_ref().is_some_and(|g| g.primary().decode_graphs());
+    let engine = gpu.as_ref().map(|g| g.primary().decode_engine());
     let dtype = args.target.dtype;
     let timeline_svg = match &timeline {
         Some((path, tl)) => {
@@ -306,18 +319,26 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         }
         None => None,
     };
-    let (device_name, tuned, choices, backend_notes) = match &gpu {
-        Some(g) => (
-            format!(
-                "{} ({})",
-                g.gpu().info.name,
-                if g.unfused() { "unfused" } else { "fused" }
-            ),
-            Some(g.tuned_kernels()),
-            g.kernel_choices(),
-            g.notes(),
-        ),
-        None => ("cpu".to_string(), None, Vec::new(), Vec::new()),
+    let (device_name, devices, tuned, choices, backend_notes) = match gpu.as_mut() {
+        Some(g) => {
+            let p = g.primary();
+            let several = match g.devices().len() {
+                1 => String::new(),
+                n => format!(" x{n}"),
+            };
+            (
+                format!(
+                    "{}{several} ({})",
+                    p.gpu().info.name,
+                    if p.unfused() { "unfused" } else { "fused" }
+                ),
+                g.devices().to_vec(),
+                Some(p.tuned_kernels()),
+                p.kernel_choices(),
+                g.notes()?,
+            )
+        }
+        None => ("cpu".to_string(), Vec::new(), None, Vec::new(), Vec::new()),
     };
     notes.extend(backend_notes);
     let mut out = std::io::stdout().lock();
@@ -338,6 +359,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         let j = json!({
             "device": device.as_str(),
             "device_name": device_name,
+            "devices": devices,
+            "batch_slices": slices,
             "unfused": args.target.unfused,
             "dtype": dtype,
             "model": args.target.model,
@@ -369,6 +392,17 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         "{device_name}: {} (L={}, NH={}, C={}), {dtype}, batch {} x seq {}",
         args.target.model, cfg.n_layer, cfg.n_head, cfg.n_embd, args.batch, args.seq
     )?;
+    if devices.len() > 1 {
+        let on: Vec<String> = devices.iter().map(|d| format!("cuda:{d}")).collect();
+        let cut: Vec<String> = slices.iter().map(usize::to_string).collect();
+        writeln!(
+            out,
+            "batch sliced across {}: {} sequences (the floor and the per-kernel tables are cuda:{}'s)",
+            on.join(", "),
+            cut.join(" + "),
+            devices[0]
+        )?;
+    }
     writeln!(out, "warm-up (compile + first runs): {warmup_ms:.1} ms")?;
     writeln!(
         out,

@@ -17,11 +17,12 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
+use crate::gpu::{DeviceListError, DeviceSelection};
 use crate::model::cpu::CpuBackend;
 use crate::model::engine::{DecodeEngine, UnknownEngine};
 use crate::model::generate::Backend;
-use crate::model::gpu::GpuBackend;
 use crate::model::hub::HubSettings;
+use crate::model::replicas::{ReplicaOptions, Replicas};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::{load_model, GPT2Model};
 use crate::spec::Dtype;
@@ -96,6 +97,13 @@ pub struct ModelArgs {
     /// GPU: the unfused baseline (separate bias, GELU and residual kernels, naive attention).
     #[arg(long)]
     pub unfused: bool,
+    /// GPUs to run on (GPU only): indices such as 0,1, or `all` (default: GPU 0). Each GPU
+    /// holds a replica of the model, loaded once; a batch is cut into one slice per GPU
+    /// (equal slices on equal GPUs, in proportion to their SM counts otherwise), the slices run
+    /// at once and the results come back in sequence order, identical to one GPU's. A batch
+    /// smaller than the list uses only as many GPUs as it has sequences.
+    #[arg(long, value_name = "LIST|all", value_parser = parse_devices)]
+    pub devices: Option<DeviceSelection>,
     /// Precision. f32: everything in f32 (the CPU's only mode). GPU only: tf32 = f32 storage,
     /// the compute-bound matmuls on tensor cores with inputs rounded to TF32; f16 / bf16 =
     /// weights (converted once at load), activations and KV cache stored in 16 bits, matmuls
@@ -112,6 +120,9 @@ impl ModelArgs {
     pub(crate) fn device(&self) -> Result<Device> {
         let device = resolve_device(self.device);
         check_device(device, self.dtype, self.unfused)?;
+        if let (Device::Cpu, Some(d)) = (device, &self.devices) {
+            bail!("--devices {d} picks GPUs; the CPU backend runs on the host (drop --devices or pass --device cuda)");
+        }
         Ok(device)
     }
 
@@ -123,8 +134,13 @@ impl ModelArgs {
             dtype: self.dtype,
             root: self.root.clone(),
             decode_engine: None,
+            devices: self.devices.clone().unwrap_or_default(),
         }
     }
+}
+
+fn parse_devices(s: &str) -> Result<DeviceSelection, DeviceListError> {
+    s.parse()
 }
 
 /// Parse `15496,11,995` (commas and/or whitespace) into token ids.
@@ -197,20 +213,50 @@ pub struct BackendOptions {
     pub root: Option<PathBuf>,
     /// GPU: how decode steps run (`None`: the backend's default, [`DecodeEngine::Graph`]).
     pub decode_engine: Option<DecodeEngine>,
+    /// GPU: the GPUs to run on (default: GPU 0).
+    pub devices: DeviceSelection,
 }
 
-/// Build the GPU backend: weights uploaded, buffers allocated for `opts.max_batch` sequences,
-/// decode steps on `opts.decode_engine` (an error when this build or GPU cannot run it).
-pub fn make_gpu_backend(model: Arc<GPT2Model>, opts: &BackendOptions) -> Result<GpuBackend> {
+/// The GPUs a batch of `max_batch` sequences runs on: `asked` resolved against this machine,
+/// cut to one GPU per sequence when the batch is smaller (with a note saying so).
+pub fn gpus_for_batch(asked: &DeviceSelection, count: usize, max_batch: usize) -> Result<(Vec<usize>, Option<String>)> {
+    let mut devices = asked.resolve(count)?;
+    let max_batch = max_batch.max(1);
+    if devices.len() <= max_batch {
+        return Ok((devices, None));
+    }
+    devices.truncate(max_batch);
+    let used: Vec<String> = devices.iter().map(|d| format!("cuda:{d}")).collect();
+    let note = format!(
+        "a batch of {max_batch} runs on {} of the {} GPUs asked for ({}): a sequence is never split across GPUs; \
+         raise --batch to use them all",
+        devices.len(),
+        asked.resolve(count)?.len(),
+        used.join(", ")
+    );
+    Ok((devices, Some(note)))
+}
+
+/// Build the GPU backend: a replica on each GPU of `opts.devices` (weights uploaded, buffers
+/// allocated for its slice of `opts.max_batch` sequences), decode steps on
+/// `opts.decode_engine` (an error when this build or GPU cannot run it).
+pub fn make_gpu_backend(model: Arc<GPT2Model>, opts: &BackendOptions) -> Result<Replicas> {
     let root = crate::cli::project_root(opts.root.as_deref())?;
-    let mut gpu = GpuBackend::with_root(&root, model, opts.max_batch.max(1), opts.unfused, opts.dtype)?;
-    for n in gpu.notes() {
+    let (devices, note) = gpus_for_batch(&opts.devices, crate::gpu::device_count()?, opts.max_batch)?;
+    if let Some(n) = note {
         eprintln!("note: {n}");
     }
-    if let Some(engine) = opts.decode_engine {
-        gpu.set_decode_engine(engine)?;
+    let replica = ReplicaOptions {
+        max_batch: opts.max_batch.max(1),
+        unfused: opts.unfused,
+        dtype: opts.dtype,
+        decode_engine: opts.decode_engine,
+    };
+    let mut gpus = Replicas::open(&root, &devices, model, &replica)?;
+    for n in gpus.notes()? {
+        eprintln!("note: {n}");
     }
-    Ok(gpu)
+    Ok(gpus)
 }
 
 /// Build the backend for `device`.
@@ -326,6 +372,46 @@ pub(super) mod tests {
         );
     }
 
+    #[test]
+    fn devices_parse_on_every_model_command_and_a_small_batch_uses_fewer_gpus() {
+        use clap::Parser;
+        let parse = |args: &[&str]| crate::cli::Cli::try_parse_from(args.iter().copied());
+        for cmd in ["forward", "generate", "bench"] {
+            let ids: &[&str] = if cmd == "bench" { &[] } else { &["--ids", "1"] };
+            let args = [&["kernelforge", cmd, "--model", "gpt2", "--devices", "0,1"], ids].concat();
+            let target = match parse(&args).unwrap().command {
+                crate::cli::Command::Forward(a) => a.target,
+                crate::cli::Command::Generate(a) => a.target,
+                crate::cli::Command::Bench(a) => a.target,
+                _ => unreachable!(),
+            };
+            assert_eq!(target.devices, Some(DeviceSelection::List(vec![0, 1])));
+        }
+        let e = parse(&["kernelforge", "bench", "--model", "gpt2", "--devices", "0,0"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GPU 0 twice"), "{e}");
+        let help = parse(&["kernelforge", "bench", "--help"]).unwrap_err().to_string();
+        assert!(help.contains("--devices <LIST|all>"), "{help}");
+
+        let (gpus, note) = gpus_for_batch(&DeviceSelection::All, 2, 8).unwrap();
+        assert_eq!((gpus, note), (vec![0, 1], None));
+        let (gpus, note) = gpus_for_batch(&DeviceSelection::List(vec![1, 0]), 2, 1).unwrap();
+        assert_eq!(gpus, vec![1]);
+        let note = note.unwrap();
+        assert!(
+            note.contains("runs on 1 of the 2 GPUs") && note.contains("cuda:1"),
+            "{note}"
+        );
+        assert_eq!(gpus_for_batch(&DeviceSelection::First, 4, 16).unwrap().0, vec![0]);
+        let e = gpus_for_batch(&DeviceSelection::List(vec![2]), 2, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no GPU 2"), "{e}");
+        let e = gpus_for_batch(&DeviceSelection::All, 0, 4).unwrap_err().to_string();
+        assert!(e.contains("no CUDA GPU"), "{e}");
+    }
+
     /// `--model MODEL --device cpu` (shared by the command tests of this folder).
     pub(super) fn cpu_target(model: &str) -> ModelArgs {
         ModelArgs {
@@ -334,6 +420,7 @@ pub(super) mod tests {
             unfused: false,
             dtype: Dtype::F32,
             root: None,
+            devices: None,
         }
     }
 
@@ -351,7 +438,7 @@ pub(super) mod tests {
             let out = dir.path().join(format!("{}.npy", outs.len()));
             run_forward(&ForwardArgs {
                 target: cpu_target(&model.display().to_string()),
-                ids: Some("15496,11,995".into()),
+                ids: vec!["15496,11,995".into()],
                 prompt: None,
                 logits_out: Some(out.clone()),
                 json: true,
@@ -362,6 +449,34 @@ pub(super) mod tests {
             outs.push(data);
         }
         assert_eq!(outs[0], outs[1]);
+        // A batch of sequences: [B, T, V], each row what the sequence gives alone.
+        let batch_out = dir.path().join("batch.npy");
+        let batch_args = ForwardArgs {
+            target: cpu_target(&bin.display().to_string()),
+            ids: vec!["15496,11,995".into(), "1,2,3".into()],
+            prompt: None,
+            logits_out: Some(batch_out.clone()),
+            json: false,
+        };
+        run_forward(&batch_args).unwrap();
+        let (shape, data) = read_npy_f32(&batch_out).unwrap();
+        assert_eq!(shape, vec![2, 3, 50257]);
+        assert_eq!(&data[..3 * 50257], &outs[0][..]);
+        let ragged = ForwardArgs {
+            ids: vec!["1,2,3".into(), "4,5".into()],
+            ..batch_args.clone()
+        };
+        let e = run_forward(&ragged).unwrap_err().to_string();
+        assert!(e.contains("sequence 1 has 2 tokens but sequence 0 has 3"), "{e}");
+        let devices_on_cpu = ForwardArgs {
+            target: ModelArgs {
+                devices: Some(DeviceSelection::All),
+                ..batch_args.target.clone()
+            },
+            ..batch_args
+        };
+        let e = run_forward(&devices_on_cpu).unwrap_err().to_string();
+        assert!(e.contains("--devices all") && e.contains("--device cuda"), "{e}");
         let gen = GenerateArgs {
             target: cpu_target(&bin.display().to_string()),
             engine: EngineArgs::default(),

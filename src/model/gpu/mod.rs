@@ -49,12 +49,15 @@ use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::registry::{Choice, Registry};
 use crate::tune::workloads::op_dtype;
 
+mod buffers;
 mod exec;
 mod megakernel;
 mod plan;
 mod select;
 mod stage_table;
 
+pub use buffers::ReplicaMemory;
+use buffers::{Activations, DeviceTensor};
 use exec::{record_event, LaunchMode};
 use plan::{HeadRows, Plan};
 use select::{Kernel, Kernels};
@@ -89,36 +92,6 @@ struct LayerPtrs {
     fc_b: u64,
     fc_proj_w: u64,
     fc_proj_b: u64,
-}
-
-/// A device buffer of `len` elements of the model's storage type (f32, f16 or bf16).
-struct DeviceTensor {
-    bytes: CudaSlice<u8>,
-    len: usize,
-}
-
-impl DeviceTensor {
-    fn ptr(&self, gpu: &Gpu) -> u64 {
-        ptr(gpu, &self.bytes)
-    }
-}
-
-/// Activation buffers for up to `rows` tokens.
-struct Activations {
-    rows: usize,
-    ids: CudaSlice<i32>,
-    x: [DeviceTensor; 2],
-    ln: DeviceTensor,
-    qkv: DeviceTensor,
-    att: DeviceTensor,
-    fc: DeviceTensor,
-    /// Pre-GELU fc output (unfused only; empty otherwise).
-    fc_pre: DeviceTensor,
-    /// The last position of each sequence, gathered for the LM head of `prefill_last`.
-    last: DeviceTensor,
-    logits: DeviceTensor,
-    /// The argmax token of each sequence (greedy decode steps).
-    next_ids: CudaSlice<i32>,
 }
 
 /// One row of the per-kernel profile.
@@ -163,7 +136,13 @@ pub struct GpuBackend {
     batch: usize,
     len: usize,
     selected: HashMap<String, Kernel>,
-    sets: HashMap<(usize, usize, bool, bool), Arc<Kernels>>,
+    /// Kernel sets by (batch, tokens, decode, last only, selection batch).
+    sets: HashMap<(usize, usize, bool, bool, usize), Arc<Kernels>>,
+    /// Choose kernels as for a batch of this many sequences (a replica running a slice of a
+    /// larger batch: see [`GpuBackend::set_selection_batch`]).
+    selection_batch: Option<usize>,
+    /// (whole batch, this batch) while a kernel set is being selected; (1, 1) otherwise.
+    selection_scale: (usize, usize),
     profiler: Option<Profiler>,
     sync_each: bool,
     launch_mode: LaunchMode,
@@ -214,16 +193,6 @@ fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
     s.device_ptr(&gpu.stream).0
 }
 
-/// A zeroed device buffer of `n` elements of `storage`.
-fn alloc(gpu: &Gpu, storage: Storage, n: usize, what: &str) -> AnyResult<DeviceTensor> {
-    let bytes = n.max(1) * storage.bytes();
-    let buffer = gpu.stream.alloc_zeros::<u8>(bytes).map_err(GpuError::cuda(format!(
-        "allocating {what} ({n} elements, {:.1} MiB)",
-        bytes as f64 / (1 << 20) as f64
-    )))?;
-    Ok(DeviceTensor { bytes: buffer, len: n })
-}
-
 fn i32_arg(v: usize, what: &str) -> AnyResult<ArgValue> {
     i32::try_from(v)
         .map(ArgValue::I32)
@@ -242,6 +211,19 @@ impl GpuBackend {
     /// [`GpuBackend::new`] with specs/ and templates/ under `root`.
     pub fn with_root(
         root: &Path,
+        model: Arc<GPT2Model>,
+        max_batch: usize,
+        unfused: bool,
+        dtype: Dtype,
+    ) -> AnyResult<GpuBackend> {
+        Self::on_device(root, 0, model, max_batch, unfused, dtype)
+    }
+
+    /// [`GpuBackend::with_root`] on GPU `device` (a CUDA ordinal). Refuses, before uploading
+    /// anything, a GPU without the free memory the weights and buffers need.
+    pub fn on_device(
+        root: &Path,
+        device: usize,
         model: Arc<GPT2Model>,
         max_batch: usize,
         unfused: bool,
@@ -282,7 +264,25 @@ impl GpuBackend {
                 decode_missing.join(" and ")
             )
         });
-        let gpu = Gpu::new(0).context("the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")?;
+        let gpu = Gpu::new(device).with_context(|| {
+            format!("cuda:{device}: the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")
+        })?;
+        let name = format!(
+            "cuda:{device}{}{}",
+            if unfused { " unfused" } else { "" },
+            if dtype == Dtype::F32 {
+                String::new()
+            } else {
+                format!(" {dtype}")
+            }
+        );
+        let need = ReplicaMemory::estimate(&cfg, storage.bytes(), max_batch, unfused);
+        let (free, _) = gpu
+            .ctx
+            .mem_get_info()
+            .map_err(GpuError::cuda(format!("reading the free memory of cuda:{device}")))?;
+        need.check(&format!("cuda:{device} ({})", gpu.info.name), free, max_batch)
+            .map_err(|why| anyhow!(why))?;
         let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
         let mut notes = Vec::new();
         let header = DbHeader::for_device(&gpu, &compiler);
@@ -347,15 +347,7 @@ impl GpuBackend {
         let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
         let backend = GpuBackend {
             model,
-            name: format!(
-                "cuda:0{}{}",
-                if unfused { " unfused" } else { "" },
-                if dtype == Dtype::F32 {
-                    String::new()
-                } else {
-                    format!(" {dtype}")
-                }
-            ),
+            name,
             unfused,
             gpu,
             registry,
@@ -374,6 +366,8 @@ impl GpuBackend {
             len: 0,
             selected: HashMap::new(),
             sets: HashMap::new(),
+            selection_batch: None,
+            selection_scale: (1, 1),
             profiler: None,
             sync_each,
             launch_mode: LaunchMode::Direct,
@@ -393,56 +387,6 @@ impl GpuBackend {
             notes,
         };
         Ok(backend)
-    }
-
-    fn alloc_activations(
-        gpu: &Gpu,
-        storage: Storage,
-        cfg: &GPT2Config,
-        rows: usize,
-        max_batch: usize,
-        unfused: bool,
-    ) -> AnyResult<Activations> {
-        let c = cfg.n_embd;
-        Ok(Activations {
-            rows,
-            ids: gpu
-                .stream
-                .alloc_zeros::<i32>(rows.max(1))
-                .map_err(GpuError::cuda(format!("allocating the token ids ({rows})")))?,
-            x: [
-                alloc(gpu, storage, rows * c, "residual A")?,
-                alloc(gpu, storage, rows * c, "residual B")?,
-            ],
-            ln: alloc(gpu, storage, rows * c, "layernorm out")?,
-            qkv: alloc(gpu, storage, rows * 3 * c, "qkv")?,
-            att: alloc(gpu, storage, rows * c, "attention out")?,
-            fc: alloc(gpu, storage, rows * 4 * c, "fc")?,
-            fc_pre: alloc(gpu, storage, if unfused { rows * 4 * c } else { 0 }, "fc (pre-GELU)")?,
-            last: alloc(gpu, storage, max_batch.max(rows / cfg.n_ctx) * c, "last rows")?,
-            logits: alloc(gpu, storage, rows * cfg.padded_vocab_size, "logits")?,
-            next_ids: gpu
-                .stream
-                .alloc_zeros::<i32>(max_batch.max(rows / cfg.n_ctx).max(1))
-                .map_err(GpuError::cuda("allocating the next-token ids"))?,
-        })
-    }
-
-    fn alloc_kv(
-        gpu: &Gpu,
-        storage: Storage,
-        cfg: &GPT2Config,
-        batch: usize,
-    ) -> AnyResult<Vec<(DeviceTensor, DeviceTensor)>> {
-        let n = batch * cfg.n_ctx * cfg.n_embd; // [B, NH, n_ctx, HS]
-        (0..cfg.n_layer)
-            .map(|l| {
-                Ok((
-                    alloc(gpu, storage, n, &format!("K cache of layer {l}"))?,
-                    alloc(gpu, storage, n, &format!("V cache of layer {l}"))?,
-                ))
-            })
-            .collect()
     }
 
     /// The model it runs.
@@ -512,6 +456,15 @@ impl GpuBackend {
         Ok(())
     }
 
+    /// Choose kernels as one GPU would for a batch of `whole` sequences, whatever slice of it
+    /// this backend runs (`None`: for the batch it runs). Replicas that each run a slice of a
+    /// batch set it to the whole batch, so every sequence goes through the same kernels as on
+    /// one GPU and comes out bit-identical. A kernel that cannot run the slice is replaced by
+    /// the slice's own choice.
+    pub fn set_selection_batch(&mut self, whole: Option<usize>) {
+        self.selection_batch = whole;
+    }
+
     /// The engine decode steps were asked to run on.
     pub fn decode_engine(&self) -> DecodeEngine {
         self.engine
@@ -574,25 +527,6 @@ impl GpuBackend {
             let e = p.totals.entry((role.to_string(), label)).or_insert((0, 0.0));
             e.0 += 1;
             e.1 += ms as f64;
-        }
-        Ok(())
-    }
-
-    /// Grow the activations / KV cache for a batch of `b` sequences of `t` tokens.
-    fn ensure_capacity(&mut self, b: usize, t: usize) -> AnyResult<()> {
-        let cfg = self.model.config.clone();
-        if b * t > self.act.rows || b > self.act.last.len / cfg.n_embd {
-            let rows = (b * cfg.n_ctx).max(self.act.rows);
-            let storage = self.dtype.storage();
-            self.act = Self::alloc_activations(&self.gpu, storage, &cfg, 0, 1, false)?; // free the old ones first
-            self.act = Self::alloc_activations(&self.gpu, storage, &cfg, rows, b, self.unfused)?;
-            self.buffers_generation += 1;
-        }
-        if b > self.kv_batch {
-            self.kv.clear();
-            self.kv = Self::alloc_kv(&self.gpu, self.dtype.storage(), &cfg, b)?;
-            self.kv_batch = b;
-            self.buffers_generation += 1;
         }
         Ok(())
     }

@@ -77,17 +77,21 @@ impl GpuBackend {
         contract
             .complete_shape(&mut shape, epilogue, mask)
             .with_context(|| format!("{role}: shape {}", shape_text(&shape)))?;
-        let dtype = match (op, shape.get("M")) {
+        // The shape kernels are chosen for: this one, or the whole batch's when this backend
+        // runs a slice of it (see `set_selection_batch`).
+        let select_shape = self.selection_shape(contract, epilogue, &shape);
+        let dtype = match (op, select_shape.get("M")) {
             ("matmul", Some(&rows)) => matmul_dtype(rows, self.dtype),
             _ => op_dtype(self.dtype),
         };
         let key = format!(
-            "{role}|{op}|{dtype}|{}|{}|{}|{:?}|{}",
+            "{role}|{op}|{dtype}|{}|{}|{}|{:?}|{}|{}",
             epilogue.as_str(),
             mask.as_str(),
             force_family.unwrap_or(""),
             point,
-            shape_text(&shape)
+            shape_text(&shape),
+            shape_text(&select_shape)
         );
         if let Some(k) = self.selected.get(&key) {
             return Ok(k.clone());
@@ -107,9 +111,18 @@ impl GpuBackend {
             None => {
                 let s = self
                     .registry
-                    .select(op, dtype, epilogue, mask, &shape, &limits)
+                    .select(op, dtype, epilogue, mask, &select_shape, &limits)
                     .with_context(|| format!("choosing the {role} kernel"))?;
-                (s.variant, s.choice)
+                if select_shape != shape && s.variant.check_shape(&shape, &limits).is_err() {
+                    // The whole batch's kernel cannot run this slice: choose for the slice.
+                    let own = self
+                        .registry
+                        .select(op, dtype, epilogue, mask, &shape, &limits)
+                        .with_context(|| format!("choosing the {role} kernel"))?;
+                    (own.variant, own.choice)
+                } else {
+                    (s.variant, s.choice)
+                }
             }
         };
         if !variant.constants()?.is_empty() {
@@ -167,6 +180,26 @@ impl GpuBackend {
         Ok(k)
     }
 
+    /// `shape` with its row dimensions scaled from this backend's batch to the selection batch
+    /// (set by [`GpuBackend::kernels`] from [`GpuBackend::set_selection_batch`]); the qkv
+    /// matmul's `T` is the sequence length, not a row count, and stays.
+    fn selection_shape(&self, contract: &dyn ops::OpContract, epilogue: Epilogue, shape: &Shape) -> Shape {
+        let (whole, slice) = self.selection_scale;
+        let mut s = shape.clone();
+        if whole == slice || slice == 0 {
+            return s;
+        }
+        for dim in contract.row_dims() {
+            if *dim == "T" && epilogue == Epilogue::Qkv {
+                continue;
+            }
+            if let Some(v) = s.get_mut(*dim) {
+                *v = *v / slice as i64 * whole as i64;
+            }
+        }
+        s
+    }
+
     pub(super) fn ensure_workspace(&mut self, elems: usize) -> AnyResult<()> {
         if elems > 0 && self.workspace.as_ref().is_none_or(|w| w.len() < elems) {
             self.workspace = None; // free first
@@ -185,10 +218,20 @@ impl GpuBackend {
     /// The kernels of a prefill (`decode = false`, B sequences of T tokens) or of a decode step
     /// (`decode = true`, T = 1), selected once per shape.
     pub(super) fn kernels(&mut self, b: usize, t: usize, decode: bool, last_only: bool) -> AnyResult<Arc<Kernels>> {
-        let set_key = (b, t, decode, last_only);
+        let whole = self.selection_batch.unwrap_or(b).max(b);
+        let set_key = (b, t, decode, last_only, whole);
         if let Some(k) = self.sets.get(&set_key) {
             return Ok(k.clone());
         }
+        self.selection_scale = (whole, b);
+        let set = self.select_set(b, t, decode, last_only);
+        self.selection_scale = (1, 1);
+        let set = Arc::new(set?);
+        self.sets.insert(set_key, set.clone());
+        Ok(set)
+    }
+
+    fn select_set(&mut self, b: usize, t: usize, decode: bool, last_only: bool) -> AnyResult<Kernels> {
         let cfg = self.model.config.clone();
         let (bi, ti) = (b as i64, t as i64);
         let (c, nh, hs) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.head_dim() as i64);
@@ -307,7 +350,7 @@ impl GpuBackend {
         } else {
             None
         };
-        let set = Arc::new(Kernels {
+        Ok(Kernels {
             encoder,
             layernorm,
             qkv,
@@ -320,9 +363,7 @@ impl GpuBackend {
             residual,
             lm_head,
             argmax,
-        });
-        self.sets.insert(set_key, set.clone());
-        Ok(set)
+        })
     }
 }
 

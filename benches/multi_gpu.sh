@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device call (kind nvidia-h200-x2) for the several-GPU figures: the replica tests, then
+# `bench` forward (batch 16 x 1024) and greedy decode (batch 16) on one GPU and on all, greedy
+# ids and forward logits of one GPU against all, and (with TUNE=1) a cold `tune` on one GPU
+# against all. Results in $OUT/r; the summary is printed.
+set -uo pipefail
+out=${OUT:-/tmp}/r
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+kf=.device/kernelforge
+nvidia-smi -L | tee "$out/gpus.txt"
+dir=/tmp/models/gpt2
+python3 - "$dir" <<'PY'
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+GPT2LMHeadModel(GPT2Config()).save_pretrained(sys.argv[1], safe_serialization=True)
+PY
+if [[ ${TESTS:-1} == 1 ]]; then
+  for t in ${TEST_BINS:-gpu_multi}; do
+    timeout 400 .device/test-$t --include-ignored --test-threads=1 > "$out/test-$t.log" 2>&1
+    echo "$t: $(grep -E '^test result' "$out/test-$t.log" | tail -1)"
+    grep -E "skipped|sliced|panicked|FAILED" "$out/test-$t.log" | head -20
+  done
+fi
+if [[ ${TUNE:-0} == 1 ]]; then
+  # Cold: an empty compile cache and database each (KERNELFORGE_CACHE holds both).
+  for devices in 0 all; do
+    rm -rf "/tmp/kc-$devices"
+    KERNELFORGE_CACHE=/tmp/kc-$devices /usr/bin/time -f "%e" -o "$out/tune-$devices.time" timeout 400 \
+      $kf tune --model gpt2 --batch 1,8 --dtype bf16 --devices $devices --json > "$out/tune-$devices.json" 2> "$out/tune-$devices.err"
+    echo "tune --devices $devices (cold, bf16, batch 1,8): $(cat "$out/tune-$devices.time") s; $(grep -E 'workloads' "$out/tune-$devices.err" | tail -1)"
+  done
+  # The benches below run with the kernels tuned on all GPUs.
+  export KERNELFORGE_CACHE=/tmp/kc-all
+fi
+bench() {  # name, args...
+  local name=$1; shift
+  timeout 300 $kf bench --model "$dir" --device cuda --json "$@" > "$out/$name.json" 2> "$out/$name.err" \
+    || echo "$name failed: $(tail -c 400 "$out/$name.err")"
+}
+for devices in 0 all; do
+  bench "forward-$devices" --dtype bf16 --batch 16 --seq 1024 --generate 0 --repeats 7 --devices $devices
+  bench "decode-$devices" --dtype bf16 --batch 16 --seq 16 --generate 256 --repeats 1 --devices $devices
+done
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+def load(n):
+    try: return json.load(open(f"{out}/{n}.json"))
+    except Exception as e: return None
+for kind, key in (("forward", "forward"), ("decode", "decode")):
+    one, two = load(f"{kind}-0"), load(f"{kind}-all")
+    if not one or not two:
+        print(kind, "missing"); continue
+    a, b = one[key]["tokens_per_s"], two[key]["tokens_per_s"]
+    print(f"{kind} bf16 batch 16: 1 GPU {a:,.0f} tok/s, {two['devices']} slices {two.get('batch_slices')} {b:,.0f} tok/s -> {b/a:.2f}x ({two['device_name']})")
+PY
+# Greedy ids and forward logits: one GPU against all.
+for dtype in f32 bf16; do
+  for devices in 0 all; do
+    timeout 200 $kf generate --model "$dir" --device cuda --dtype $dtype --ids 464,2068,7586 --batch 8 --greedy \
+      --ignore-eot --max-new-tokens 128 --print-ids --devices $devices > "$out/ids-$dtype-$devices.txt" 2> "$out/ids-$dtype-$devices.err"
+    timeout 200 $kf forward --model "$dir" --device cuda --dtype $dtype --ids 464,2068,7586,11 --ids 50256,1,2,3 --ids 9,8,7,6 \
+      --logits-out "$out/logits-$dtype-$devices.npy" --devices $devices > /dev/null 2> "$out/fwd-$dtype-$devices.err"
+  done
+  cmp -s "$out/ids-$dtype-0.txt" "$out/ids-$dtype-all.txt" && echo "greedy ids $dtype batch 8: identical on 1 and all GPUs ($(wc -l < "$out/ids-$dtype-0.txt") sequences)" \
+    || echo "greedy ids $dtype: DIFFER"
+  cmp -s "$out/logits-$dtype-0.npy" "$out/logits-$dtype-all.npy" && echo "forward logits $dtype, 3 sequences: bit-identical on 1 and all GPUs" \
+    || echo "forward logits $dtype: DIFFER"
+done
+tail -1 "$out"/ids-bf16-all.err
+tar czf "${OUT:-/tmp}/results.tgz" -C "${OUT:-/tmp}" r

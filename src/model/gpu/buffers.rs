@@ -1,0 +1,207 @@
+//! The device buffers of a GPT-2 replica: the activations for up to `max_batch × n_ctx` tokens,
+//! the KV cache of every layer, how they grow, and how much memory a replica needs before any
+//! of it is allocated (so a GPU that cannot hold it is refused with the figures).
+
+use anyhow::Result as AnyResult;
+use cudarc::driver::CudaSlice;
+
+use super::{ptr, GpuBackend};
+use crate::gpu::{Gpu, GpuError};
+use crate::model::config::GPT2Config;
+use crate::ops::Storage;
+
+/// A device buffer of `len` elements of the model's storage type (f32, f16 or bf16).
+pub(super) struct DeviceTensor {
+    pub bytes: CudaSlice<u8>,
+    pub len: usize,
+}
+
+impl DeviceTensor {
+    pub fn ptr(&self, gpu: &Gpu) -> u64 {
+        ptr(gpu, &self.bytes)
+    }
+}
+
+/// Activation buffers for up to `rows` tokens.
+pub(super) struct Activations {
+    pub rows: usize,
+    pub ids: CudaSlice<i32>,
+    pub x: [DeviceTensor; 2],
+    pub ln: DeviceTensor,
+    pub qkv: DeviceTensor,
+    pub att: DeviceTensor,
+    pub fc: DeviceTensor,
+    /// Pre-GELU fc output (unfused only; empty otherwise).
+    pub fc_pre: DeviceTensor,
+    /// The last position of each sequence, gathered for the LM head of `prefill_last`.
+    pub last: DeviceTensor,
+    pub logits: DeviceTensor,
+    /// The argmax token of each sequence (greedy decode steps).
+    pub next_ids: CudaSlice<i32>,
+}
+
+/// The device memory a replica needs, by what it holds (bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplicaMemory {
+    /// Parameters in the storage type (`wte` padded to the padded vocabulary).
+    pub weights: usize,
+    /// Activations and logits for `max_batch × n_ctx` tokens.
+    pub activations: usize,
+    /// K and V of every layer for `max_batch` sequences of `n_ctx` tokens.
+    pub kv_cache: usize,
+}
+
+/// Headroom for what is allocated later and not counted above: kernel workspaces (split-K
+/// partials), loaded modules, CUDA graphs, the CUDA context's own allocations.
+const HEADROOM_BYTES: usize = 512 << 20;
+
+impl ReplicaMemory {
+    /// What [`GpuBackend`] allocates for `max_batch` sequences in `storage_bytes`-byte elements.
+    pub fn estimate(cfg: &GPT2Config, storage_bytes: usize, max_batch: usize, unfused: bool) -> ReplicaMemory {
+        let (c, l, vp, n_ctx) = (cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.n_ctx);
+        let params = vp * c + n_ctx * c + l * (12 * c * c + 13 * c) + 2 * c;
+        let rows = max_batch.max(1) * n_ctx;
+        // x (2), ln, qkv (3), att, fc (4), fc before GELU (4, unfused only), then the logits.
+        let per_row = c * (2 + 1 + 3 + 1 + 4 + if unfused { 4 } else { 0 }) + vp;
+        ReplicaMemory {
+            weights: params * storage_bytes,
+            activations: rows * per_row * storage_bytes + rows * 4 + max_batch * c * storage_bytes,
+            kv_cache: 2 * l * rows * c * storage_bytes,
+        }
+    }
+
+    /// Everything, with the headroom.
+    pub fn total(&self) -> usize {
+        self.weights + self.activations + self.kv_cache + HEADROOM_BYTES
+    }
+
+    /// `Err` with the figures and the fixes when `free` bytes cannot hold it.
+    pub fn check(&self, device: &str, free: usize, max_batch: usize) -> Result<(), String> {
+        if self.total() <= free {
+            return Ok(());
+        }
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        Err(format!(
+            "{device} cannot hold the model: it needs {:.2} GiB (weights {:.2}, activations {:.2}, KV cache {:.2} for \
+             {max_batch} sequences, {:.2} headroom) and has {:.2} GiB free; use a smaller --batch, a 16-bit --dtype, \
+             or more GPUs (--devices)",
+            gib(self.total()),
+            gib(self.weights),
+            gib(self.activations),
+            gib(self.kv_cache),
+            gib(HEADROOM_BYTES),
+            gib(free)
+        ))
+    }
+}
+
+/// A zeroed device buffer of `n` elements of `storage`.
+fn alloc(gpu: &Gpu, storage: Storage, n: usize, what: &str) -> AnyResult<DeviceTensor> {
+    let bytes = n.max(1) * storage.bytes();
+    let buffer = gpu.stream.alloc_zeros::<u8>(bytes).map_err(GpuError::cuda(format!(
+        "allocating {what} ({n} elements, {:.1} MiB)",
+        bytes as f64 / (1 << 20) as f64
+    )))?;
+    Ok(DeviceTensor { bytes: buffer, len: n })
+}
+
+impl GpuBackend {
+    pub(super) fn alloc_activations(
+        gpu: &Gpu,
+        storage: Storage,
+        cfg: &GPT2Config,
+        rows: usize,
+        max_batch: usize,
+        unfused: bool,
+    ) -> AnyResult<Activations> {
+        let c = cfg.n_embd;
+        Ok(Activations {
+            rows,
+            ids: gpu
+                .stream
+                .alloc_zeros::<i32>(rows.max(1))
+                .map_err(GpuError::cuda(format!("allocating the token ids ({rows})")))?,
+            x: [
+                alloc(gpu, storage, rows * c, "residual A")?,
+                alloc(gpu, storage, rows * c, "residual B")?,
+            ],
+            ln: alloc(gpu, storage, rows * c, "layernorm out")?,
+            qkv: alloc(gpu, storage, rows * 3 * c, "qkv")?,
+            att: alloc(gpu, storage, rows * c, "attention out")?,
+            fc: alloc(gpu, storage, rows * 4 * c, "fc")?,
+            fc_pre: alloc(gpu, storage, if unfused { rows * 4 * c } else { 0 }, "fc (pre-GELU)")?,
+            last: alloc(gpu, storage, max_batch.max(rows / cfg.n_ctx) * c, "last rows")?,
+            logits: alloc(gpu, storage, rows * cfg.padded_vocab_size, "logits")?,
+            next_ids: gpu
+                .stream
+                .alloc_zeros::<i32>(max_batch.max(rows / cfg.n_ctx).max(1))
+                .map_err(GpuError::cuda("allocating the next-token ids"))?,
+        })
+    }
+
+    pub(super) fn alloc_kv(
+        gpu: &Gpu,
+        storage: Storage,
+        cfg: &GPT2Config,
+        batch: usize,
+    ) -> AnyResult<Vec<(DeviceTensor, DeviceTensor)>> {
+        let n = batch * cfg.n_ctx * cfg.n_embd; // [B, NH, n_ctx, HS]
+        (0..cfg.n_layer)
+            .map(|l| {
+                Ok((
+                    alloc(gpu, storage, n, &format!("K cache of layer {l}"))?,
+                    alloc(gpu, storage, n, &format!("V cache of layer {l}"))?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Grow the activations / KV cache for a batch of `b` sequences of `t` tokens.
+    pub(super) fn ensure_capacity(&mut self, b: usize, t: usize) -> AnyResult<()> {
+        let cfg = self.model.config.clone();
+        if b * t > self.act.rows || b > self.act.last.len / cfg.n_embd {
+            let rows = (b * cfg.n_ctx).max(self.act.rows);
+            let storage = self.dtype.storage();
+            self.act = Self::alloc_activations(&self.gpu, storage, &cfg, 0, 1, false)?; // free the old ones first
+            self.act = Self::alloc_activations(&self.gpu, storage, &cfg, rows, b, self.unfused)?;
+            self.buffers_generation += 1;
+        }
+        if b > self.kv_batch {
+            self.kv.clear();
+            self.kv = Self::alloc_kv(&self.gpu, self.dtype.storage(), &cfg, b)?;
+            self.kv_batch = b;
+            self.buffers_generation += 1;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_memory_counts_weights_activations_and_cache() {
+        let cfg = GPT2Config::gpt2();
+        let m = ReplicaMemory::estimate(&cfg, 2, 8, false);
+        // 124M parameters (wte padded to 50304) in bf16.
+        assert_eq!(
+            m.weights,
+            (50304 * 768 + 1024 * 768 + 12 * (12 * 768 * 768 + 13 * 768) + 2 * 768) * 2
+        );
+        assert_eq!(m.kv_cache, 2 * 12 * 8 * 1024 * 768 * 2);
+        assert!(
+            m.activations > 8 * 1024 * 50304 * 2,
+            "the logits dominate the activations"
+        );
+        assert!(m.check("cuda:0", 80 << 30, 8).is_ok());
+        let e = m.check("cuda:1", 1 << 30, 8).unwrap_err();
+        assert!(
+            e.starts_with("cuda:1 cannot hold the model") && e.contains("has 1.00 GiB free"),
+            "{e}"
+        );
+        assert!(e.contains("--batch") && e.contains("--devices"), "{e}");
+        let unfused = ReplicaMemory::estimate(&cfg, 4, 8, true);
+        assert!(unfused.activations > 2 * m.activations);
+    }
+}
