@@ -40,8 +40,9 @@ bench() {  # name, args...
     || echo "$name failed: $(tail -c 400 "$out/$name.err")"
 }
 for devices in 0 all; do
-  bench "forward-$devices" --dtype bf16 --batch 16 --seq 1024 --generate 0 --repeats 7 --devices $devices
+  bench "forward-$devices" --dtype bf16 --batch 16 --seq 1024 --generate 0 --repeats 15 --devices $devices
   bench "decode-$devices" --dtype bf16 --batch 16 --seq 16 --generate 256 --repeats 1 --devices $devices
+  bench "decode_long-$devices" --dtype bf16 --batch 16 --seq 768 --generate 256 --repeats 1 --devices $devices
 done
 python3 - "$out" <<'PY'
 import json, sys
@@ -49,12 +50,16 @@ out = sys.argv[1]
 def load(n):
     try: return json.load(open(f"{out}/{n}.json"))
     except Exception as e: return None
-for kind, key in (("forward", "forward"), ("decode", "decode")):
+for kind, key in (("forward", "forward"), ("decode", "decode"), ("decode_long", "decode")):
     one, two = load(f"{kind}-0"), load(f"{kind}-all")
     if not one or not two:
         print(kind, "missing"); continue
     a, b = one[key]["tokens_per_s"], two[key]["tokens_per_s"]
-    print(f"{kind} bf16 batch 16: 1 GPU {a:,.0f} tok/s, {two['devices']} slices {two.get('batch_slices')} {b:,.0f} tok/s -> {b/a:.2f}x ({two['device_name']})")
+    extra = ""
+    if key == "decode":
+        g1, g2 = one[key].get("gpu_ms_per_step") or 0, two[key].get("gpu_ms_per_step") or 0
+        extra = f"; after a {one[key]['prefill_tokens']}-token prefill; GPU ms/step {g1:.3f} vs {g2:.3f}; floor {one[key].get('floor_ms', 0):.3f} vs {two[key].get('floor_ms', 0):.3f} ms"
+    print(f"{kind} bf16 batch 16: 1 GPU {a:,.0f} tok/s, {two['devices']} slices {two.get('batch_slices')} {b:,.0f} tok/s -> {b/a:.2f}x ({two['device_name']}){extra}")
 PY
 # Greedy ids and forward logits: one GPU against all.
 for dtype in f32 bf16; do

@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kernelforge::gpu::device_count;
 use kernelforge::model::config::GPT2Config;
-use kernelforge::model::generate::{Backend, Logits};
+use kernelforge::model::generate::{generate, Backend, GenerateOptions, Logits};
+use kernelforge::model::sampling::SamplingParams;
 use kernelforge::model::gpu::GpuBackend;
 use kernelforge::model::replicas::{ReplicaOptions, Replicas};
 use kernelforge::model::weights::{GPT2Model, GPT2Weights};
@@ -151,6 +152,22 @@ fn replicas_on_one_gpu_equal_one_backend() {
             4,
         );
         assert_eq!(replicas.slices(), &[0..1, 1..1]);
+        // Sampled generation: sequence b samples with seed + b whatever the number of GPUs.
+        let prompts = random_tokens(batch, 6, 1001, 5);
+        let opts = GenerateOptions {
+            max_new_tokens: 20,
+            sampling: SamplingParams {
+                temperature: 0.9,
+                top_k: 50,
+                top_p: 0.95,
+            },
+            seed: 42,
+            stop_at_eot: false,
+        };
+        let want = generate(&mut single, &prompts, &opts, &mut |_, _| Ok(())).unwrap();
+        let got = generate(&mut replicas, &prompts, &opts, &mut |_, _| Ok(())).unwrap();
+        assert_eq!(got.tokens, want.tokens, "sampled ids, {dtype}");
+        assert_ne!(got.tokens[0], got.tokens[1], "each sequence has its own seed");
         // A decode step with the wrong number of tokens is refused.
         let e = replicas.decode(&[1, 2]).unwrap_err().to_string();
         assert!(e.contains("decode got 2 tokens for a batch of 1"), "{e}");

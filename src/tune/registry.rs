@@ -1,7 +1,9 @@
 //! The kernel registry: what the model asks for "the kernel for (op, epilogue or mask,
 //! shape)". It answers with the tuned winner when the database has one (the exact shape, else
 //! the nearest tuned row count), else the default point of the best-ranked family that
-//! supports the shape; and it compiles (through the cache) and loads each kernel once.
+//! supports the shape (a family's default that cannot run the shape its `prefer_when` claims is
+//! first moved to the nearest point that can, one parameter changed); and it compiles (through the cache) and loads each kernel
+//! once.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -123,6 +125,11 @@ impl Registry {
                 .into_iter()
                 .find(|v| v.dtype == dtype && v.epilogue == epilogue && v.mask == mask)
                 .expect("the family lists this dtype, epilogue and mask");
+            let variant = match variant.check_shape(shape, limits) {
+                Ok(()) => variant,
+                Err(_) if f.prefer_when.is_some() => fitted_default(&variant, shape, limits).unwrap_or(variant),
+                Err(_) => variant,
+            };
             defaults.push(variant);
         }
         // Families whose `prefer_when` holds for this shape first, then by rank.
@@ -172,11 +179,81 @@ impl Registry {
     }
 }
 
+/// When a family's default cannot run `shape` (say `matmul_gemv` with `max_rows = 8` for 16
+/// rows), the point nearest to it that can and that the family's `prefer_when` claims the shape
+/// for: one parameter changed, to the closest value in the spec's order (the later value on a
+/// tie, so sizes grow to fit). `None` when no such point exists (always for families without
+/// `prefer_when`, whose defaults stay as they are).
+fn fitted_default(default: &Variant, shape: &Shape, limits: &DeviceLimits) -> Option<Variant> {
+    let family = &default.family;
+    let mut tries: Vec<(usize, std::cmp::Reverse<usize>, String, i64)> = Vec::new();
+    for (name, values) in &family.params {
+        let at = values.iter().position(|v| *v == default.params[name])?;
+        for (i, value) in values.iter().enumerate().filter(|(i, _)| *i != at) {
+            tries.push((i.abs_diff(at), std::cmp::Reverse(i), name.clone(), *value));
+        }
+    }
+    tries.sort();
+    tries.into_iter().find_map(|(_, _, name, value)| {
+        let overrides: Vec<(String, i64)> = default
+            .params
+            .iter()
+            .map(|(k, v)| (k.clone(), if *k == name { value } else { *v }))
+            .collect();
+        variant_with(family, &overrides, default.dtype, default.epilogue, default.mask, limits)
+            .ok()
+            .filter(|v| v.check_shape(shape, limits).is_ok() && v.preferred_for(shape, limits))
+    })
+}
+
 /// The epilogue (matmul) or mask (attention) name used in tuning keys.
 pub fn variant_kind(epilogue: Epilogue, mask: Mask) -> &'static str {
     if mask != Mask::None {
         mask.as_str()
     } else {
         epilogue.as_str()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemv_default(dtype: Dtype) -> Variant {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let family = catalog.family("matmul_gemv").unwrap().clone();
+        expand(&family, Points::Default, &DeviceLimits::default())
+            .unwrap()
+            .into_iter()
+            .find(|v| v.dtype == dtype && v.epilogue == Epilogue::BiasResidual)
+            .unwrap()
+    }
+
+    fn rows(m: i64) -> Shape {
+        [("M", m), ("N", 768), ("K", 3072), ("T", m)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    }
+
+    /// A decode step of 16 sequences gets the small-M family grown to 16 rows, not a GEMM
+    /// family built for thousands of rows; beyond what any point holds there is no fit.
+    #[test]
+    fn a_default_that_cannot_run_the_shape_is_grown_to_fit_it() {
+        let limits = DeviceLimits::default();
+        let default = gemv_default(Dtype::Bf16);
+        assert_eq!(default.params["max_rows"], 8);
+        assert!(default.check_shape(&rows(16), &limits).is_err());
+        let fitted = fitted_default(&default, &rows(16), &limits).expect("a point with max_rows = 16");
+        assert_eq!(fitted.params["max_rows"], 16);
+        for (name, value) in &default.params {
+            if name != "max_rows" {
+                assert_eq!(fitted.params[name], *value, "only max_rows moved");
+            }
+        }
+        let fitted = fitted_default(&default, &rows(12), &limits).unwrap();
+        assert_eq!(fitted.params["max_rows"], 16, "the closest value that holds 12 rows");
+        assert!(fitted_default(&default, &rows(17), &limits).is_none());
     }
 }
