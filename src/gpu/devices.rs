@@ -118,6 +118,24 @@ pub fn device_count() -> Result<usize, super::GpuError> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
+/// The number of SMs of GPU `ordinal` (what [`slice_batch`] weighs devices by), read without
+/// creating a CUDA context.
+pub fn sm_count(ordinal: usize) -> Result<usize, super::GpuError> {
+    use cudarc::driver::{result, sys::CUdevice_attribute};
+    if !super::device::driver_present() {
+        return Err(super::GpuError::NoDriver);
+    }
+    result::init().map_err(super::GpuError::cuda("initializing the CUDA driver"))?;
+    let no_device = |source| super::GpuError::NoDevice { ordinal, source };
+    let device = result::device::get(i32::try_from(ordinal).unwrap_or(i32::MAX)).map_err(no_device)?;
+    // SAFETY: `device` is a valid handle from cuDeviceGet; the call only reads an attribute.
+    let sms = unsafe {
+        result::device::get_attribute(device, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    }
+    .map_err(super::GpuError::cuda(format!("reading the SM count of cuda:{ordinal}")))?;
+    Ok(usize::try_from(sms).unwrap_or(0))
+}
+
 /// Cuts `batch` sequences into one contiguous range per device, in proportion to `weights`
 /// (what each device can take: equal weights give equal slices, the first devices taking one
 /// more when the batch does not divide). Largest remainder rounding, ties to the earlier

@@ -25,7 +25,8 @@ use super::error::{ModelError, Result};
 use super::generate::{Backend, Logits};
 use super::gpu::GpuBackend;
 use super::weights::GPT2Model;
-use crate::gpu::{slice_batch, Gpu};
+use crate::gpu::devices::sm_count;
+use crate::gpu::slice_batch;
 use crate::spec::Dtype;
 
 /// What one replica is built from (everything but the device).
@@ -79,8 +80,7 @@ impl Replicas {
             .ok_or_else(|| anyhow!("no GPU to run on (the device list is empty)"))?;
         let mut weights = Vec::with_capacity(devices.len());
         for &d in devices {
-            let gpu = Gpu::new(d).with_context(|| format!("opening cuda:{d}"))?;
-            weights.push(gpu.info.limits.num_sms as f64);
+            weights.push(sm_count(d).with_context(|| format!("opening cuda:{d}"))? as f64);
         }
         let max_slices = slice_batch(opts.max_batch.max(devices.len()), &weights);
         let build = {
