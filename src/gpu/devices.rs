@@ -129,10 +129,9 @@ pub fn sm_count(ordinal: usize) -> Result<usize, super::GpuError> {
     let no_device = |source| super::GpuError::NoDevice { ordinal, source };
     let device = result::device::get(i32::try_from(ordinal).unwrap_or(i32::MAX)).map_err(no_device)?;
     // SAFETY: `device` is a valid handle from cuDeviceGet; the call only reads an attribute.
-    let sms = unsafe {
-        result::device::get_attribute(device, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-    }
-    .map_err(super::GpuError::cuda(format!("reading the SM count of cuda:{ordinal}")))?;
+    let sms =
+        unsafe { result::device::get_attribute(device, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }
+            .map_err(super::GpuError::cuda(format!("reading the SM count of cuda:{ordinal}")))?;
     Ok(usize::try_from(sms).unwrap_or(0))
 }
 

@@ -200,9 +200,16 @@ fn fitted_default(default: &Variant, shape: &Shape, limits: &DeviceLimits) -> Op
             .iter()
             .map(|(k, v)| (k.clone(), if *k == name { value } else { *v }))
             .collect();
-        variant_with(family, &overrides, default.dtype, default.epilogue, default.mask, limits)
-            .ok()
-            .filter(|v| v.check_shape(shape, limits).is_ok() && v.preferred_for(shape, limits))
+        variant_with(
+            family,
+            &overrides,
+            default.dtype,
+            default.epilogue,
+            default.mask,
+            limits,
+        )
+        .ok()
+        .filter(|v| v.check_shape(shape, limits).is_ok() && v.preferred_for(shape, limits))
     })
 }
 
