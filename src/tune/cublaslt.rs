@@ -250,6 +250,7 @@ impl CublasLt {
         if let Some(c) = self.chosen.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
             return Ok(*c);
         }
+        plan.set_bias(operands[0].bias)?;
         let offered = plan.heuristic(aligned)?;
         let screen = TimingPlan {
             warmup: 2,
@@ -401,22 +402,28 @@ impl LtPlan<'_> {
         Ok(offered)
     }
 
+    /// Points the descriptor at `bias` (bias epilogues only): each copy of the operands has its
+    /// own, and the heuristic sees the one it will run with.
+    fn set_bias(&self, bias: u64) -> Result<(), LtError> {
+        if !self.fused.bias {
+            return Ok(());
+        }
+        // SAFETY: the descriptor is live; the attribute is a device pointer (8 bytes).
+        unsafe {
+            result::set_matmul_desc_attribute(
+                self.desc.0,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &bias as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )
+        }
+        .map_err(status(self.case, "cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))
+    }
+
     /// Enqueues `D = epilogue(A·B + beta·C)` on the GPU's stream with `algo`.
     pub fn enqueue(&self, gpu: &Gpu, ops: &Operands, algo: &sys::cublasLtMatmulAlgo_t) -> Result<(), LtError> {
         let case = self.case;
-        if self.fused.bias {
-            // The bias pointer belongs to the descriptor; each copy of the operands has its own.
-            // SAFETY: the descriptor is live; the attribute is a device pointer (8 bytes).
-            unsafe {
-                result::set_matmul_desc_attribute(
-                    self.desc.0,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    &ops.bias as *const u64 as *const c_void,
-                    std::mem::size_of::<u64>(),
-                )
-            }
-            .map_err(status(case, "cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))?;
-        }
+        self.set_bias(ops.bias)?;
         let alpha = 1.0f32;
         let (beta, c) = if self.fused.residual_as_c {
             (1.0f32, ops.residual)
