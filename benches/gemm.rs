@@ -1,5 +1,9 @@
-//! Tuned (or default) f32 GEMMs with their fused epilogues against cuBLAS SGEMM + a separate
-//! epilogue kernel, on the GPT-2 124M projection shapes at M = 1024 and 8192.
+//! Tuned (or default) GEMMs with their fused epilogues, in f32, tf32 and bf16, against the vendor
+//! peer of the same epilogue and dtype (`tune::baseline`): cuBLASLt with its own fused epilogue
+//! (bias+GELU; bias+residual as beta = 1 with C = the residual), and cuBLAS + a separate split
+//! kernel for the QKV split, which cuBLASLt cannot fuse. GPT-2 124M projection shapes at
+//! M = 1024 and 8192. The peer is checked once against the f64 reference (first 256 rows)
+//! before it is timed; a peer that fails is reported and left out.
 //! Times are CUDA-event medians fed to criterion through `iter_custom`.
 //! Without a GPU the bench prints a note and measures nothing.
 
@@ -10,7 +14,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use kernelforge::gpu::{Compiler, DeviceProblem, Gpu};
 use kernelforge::ops::{self, Epilogue, Mask, Shape};
 use kernelforge::spec::{Catalog, Dtype};
-use kernelforge::tune::baseline::CublasBaseline;
+use kernelforge::tune::baseline::{peer_name, CublasBaseline};
 use kernelforge::tune::db::{default_path, DbHeader, TuningDb};
 use kernelforge::tune::registry::Registry;
 use kernelforge::tune::time::{time_variant, TimingPlan};
@@ -43,51 +47,74 @@ fn gemm(c: &mut Criterion) {
     let mut registry = Registry::new(catalog, db, compiler).expect("registry");
     let op = ops::op_by_name("matmul").expect("matmul op");
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    for m in [1024i64, 8192] {
-        for (k, n, epilogue) in [
-            (768i64, 2304i64, Epilogue::Qkv),
-            (768, 768, Epilogue::BiasResidual),
-            (768, 3072, Epilogue::BiasGelu),
-            (3072, 768, Epilogue::BiasResidual),
-        ] {
-            let mut shape: Shape = [("M", m), ("N", n), ("K", k), ("T", 1024.min(m)), ("n_head", 12)]
-                .iter()
-                .map(|(a, b)| (a.to_string(), *b))
-                .collect();
-            op.complete_shape(&mut shape, epilogue, Mask::None).expect("shape");
-            let problem = op.problem(&shape, epilogue, Mask::None, &mut rng).expect("problem");
-            let selected = registry
-                .select("matmul", Dtype::F32, epilogue, Mask::None, &shape, &gpu.info.limits)
-                .expect("variant");
-            let loaded = registry.load(&gpu, &selected.variant).expect("load");
-            let launches = loaded.plan(&gpu, &shape).expect("plan");
-            let mut device = DeviceProblem::upload(&gpu, &problem).expect("upload");
-            let ws = selected
-                .variant
-                .workspace_elems(&shape, &gpu.info.limits)
-                .expect("workspace");
-            device.ensure_workspace(&gpu, ws).expect("workspace");
-            let copies = [device];
-            let mut group = c.benchmark_group(format!("gemm_f32_{}/M{m}_N{n}_K{k}", epilogue.as_str()));
-            group.sample_size(10).measurement_time(Duration::from_secs(2));
-            group.bench_function(
-                format!("kernelforge ({:?} {})", selected.choice, selected.variant.family.name),
-                |b| {
-                    b.iter_custom(|iters| {
-                        let t = time_variant(&gpu, &loaded, &problem, &copies, &launches, &plan(iters)).expect("time");
-                        Duration::from_secs_f64(t.median_ms * 1e-3 * iters as f64)
-                    })
-                },
-            );
-            group.bench_function("cuBLAS + epilogue kernel", |b| {
-                b.iter_custom(|iters| {
-                    let t = cublas
-                        .time_matmul(&gpu, &problem, Dtype::F32, &plan(iters))
-                        .expect("cuBLAS");
-                    Duration::from_secs_f64(t.median_ms * 1e-3 * iters as f64)
-                })
-            });
-            group.finish();
+    for dtype in [Dtype::F32, Dtype::Tf32, Dtype::Bf16] {
+        for m in [1024i64, 8192] {
+            for (k, n, epilogue) in [
+                (768i64, 2304i64, Epilogue::Qkv),
+                (768, 768, Epilogue::BiasResidual),
+                (768, 3072, Epilogue::BiasGelu),
+                (3072, 768, Epilogue::BiasResidual),
+            ] {
+                let mut shape: Shape = [("M", m), ("N", n), ("K", k), ("T", 1024.min(m)), ("n_head", 12)]
+                    .iter()
+                    .map(|(a, b)| (a.to_string(), *b))
+                    .collect();
+                op.complete_shape(&mut shape, epilogue, Mask::None).expect("shape");
+                let problem = op
+                    .problem(&shape, epilogue, Mask::None, &mut rng)
+                    .expect("problem")
+                    .stored_as(dtype.storage());
+                let name = format!("gemm_{dtype}_{}/M{m}_N{n}_K{k}", epilogue.as_str());
+                let selected = match registry.select("matmul", dtype, epilogue, Mask::None, &shape, &gpu.info.limits) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!("{name}: no kernelforge variant ({e}); skipped");
+                        continue;
+                    }
+                };
+                let loaded = registry.load(&gpu, &selected.variant).expect("load");
+                let launches = loaded.plan(&gpu, &shape).expect("plan");
+                let mut device = DeviceProblem::upload(&gpu, &problem).expect("upload");
+                let ws = selected
+                    .variant
+                    .workspace_elems(&shape, &gpu.info.limits)
+                    .expect("workspace");
+                device.ensure_workspace(&gpu, ws).expect("workspace");
+                let copies = [device];
+                // The peer must be right before its time means anything.
+                let peer = match cublas.check_matmul(&gpu, &problem, dtype, 256) {
+                    Ok(_) => true,
+                    Err(e) if e.is_fatal() => panic!("{name}: {e}"),
+                    Err(e) => {
+                        eprintln!("{name}: peer left out: {e}");
+                        false
+                    }
+                };
+                let mut group = c.benchmark_group(name);
+                group
+                    .sample_size(10)
+                    .warm_up_time(Duration::from_secs(1))
+                    .measurement_time(Duration::from_secs(2));
+                group.bench_function(
+                    format!("kernelforge ({:?} {})", selected.choice, selected.variant.family.name),
+                    |b| {
+                        b.iter_custom(|iters| {
+                            let t =
+                                time_variant(&gpu, &loaded, &problem, &copies, &launches, &plan(iters)).expect("time");
+                            Duration::from_secs_f64(t.median_ms * 1e-3 * iters as f64)
+                        })
+                    },
+                );
+                if peer {
+                    group.bench_function(peer_name(epilogue), |b| {
+                        b.iter_custom(|iters| {
+                            let t = cublas.time_matmul(&gpu, &problem, dtype, &plan(iters)).expect("peer");
+                            Duration::from_secs_f64(t.median_ms * 1e-3 * iters as f64)
+                        })
+                    });
+                }
+                group.finish();
+            }
         }
     }
 }

@@ -276,6 +276,8 @@ fn synthetic_db(batches: &[i64], dtypes: &[Dtype], per_family: usize) -> serde_j
                 median_ms: ms,
                 spread_ms: ms * 0.01,
                 baseline_ms: (w.op == "matmul").then_some(ms * 1.03),
+                baseline: (w.op == "matmul").then(|| "cuBLASLt bias (fused)".to_string()),
+                baseline_unavailable: None,
                 variants_tried: candidates.len(),
                 tuned_at: 1_700_000_000,
                 role: Some(w.role.clone()),

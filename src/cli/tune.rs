@@ -391,7 +391,11 @@ fn throughput(r: &TuneResult, ms: f64, peaks: &Peaks) -> (String, String) {
     }
 }
 
+/// The final table, then what the peers are and why any row has none: "peer ms" is the vendor
+/// peer of the row's epilogue (cuBLASLt with its own fused epilogue, or cuBLAS + the qkv split
+/// kernel) and "speed vs peer" its time over the winner's.
 fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
+    use crate::tune::baseline::{entry_peer, peer_cells, PEER_LEGEND};
     let mut rows = vec![[
         "workload",
         "dtype",
@@ -401,13 +405,15 @@ fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
         "±",
         "throughput",
         "% peak",
-        "cuBLAS ms",
-        "speed vs cuBLAS",
+        "peer",
+        "peer ms",
+        "speed vs peer",
         "tried",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect::<Vec<_>>()];
+    let mut notes = Vec::new();
     for r in results {
         let Some(w) = &r.winner else {
             rows.push(vec![
@@ -419,6 +425,15 @@ fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
             continue;
         };
         let (tp, pct) = throughput(r, w.median_ms, peaks);
+        let (peer_ms, vs_peer) = peer_cells(w);
+        if let Some(why) = &w.baseline_unavailable {
+            notes.push(format!(
+                "no peer time for {} {} {}: {why}",
+                r.role,
+                r.dtype,
+                shape_text(&r.shape)
+            ));
+        }
         rows.push(vec![
             r.role.clone(),
             r.dtype.to_string(),
@@ -428,10 +443,9 @@ fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
             format!("{:.4}", w.spread_ms),
             tp,
             pct,
-            w.baseline_ms.map(|b| format!("{b:.4}")).unwrap_or_else(|| "-".into()),
-            w.baseline_ms
-                .map(|b| format!("{:.2}x", b / w.median_ms))
-                .unwrap_or_else(|| "-".into()),
+            entry_peer(w).unwrap_or("-").to_string(),
+            peer_ms,
+            vs_peer,
             if r.from_db {
                 "(db)".into()
             } else {
@@ -439,7 +453,20 @@ fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
             },
         ]);
     }
-    render_table(&rows)
+    let mut text = render_table(&rows);
+    if results
+        .iter()
+        .any(|r| r.winner.as_ref().is_some_and(|w| entry_peer(w).is_some()))
+    {
+        text.push_str(&format!(
+            "{PEER_LEGEND}; speed vs peer = peer time / winner time (above 1: the generated kernel is faster)\n"
+        ));
+    }
+    for note in notes {
+        text.push_str(&note);
+        text.push('\n');
+    }
+    text
 }
 
 #[cfg(test)]

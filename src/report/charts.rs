@@ -161,8 +161,9 @@ pub struct StripRow {
 }
 
 /// Every timed variant of a workload on a log time axis, a row per family; the winner ringed,
-/// the cuBLAS(Lt) peer as a dashed line.
-pub fn strip_plot(rows: &[StripRow], winner: Option<(f64, &str)>, baseline_ms: Option<f64>) -> String {
+/// the vendor peer (time, name) as a dashed line.
+pub fn strip_plot(rows: &[StripRow], winner: Option<(f64, &str)>, peer: Option<(f64, &str)>) -> String {
+    let baseline_ms = peer.map(|p| p.0);
     let label_w = rows
         .iter()
         .map(|r| text_width(&r.label, 11.0))
@@ -193,10 +194,10 @@ pub fn strip_plot(rows: &[StripRow], winner: Option<(f64, &str)>, baseline_ms: O
             format!("winner, {} ms after re-timing", num(ms)),
         ));
     }
-    if let Some(b) = baseline_ms {
+    if let Some((b, name)) = peer {
         legend.push(LegendItem::new(
             Mark::Line("peer".into()),
-            format!("cuBLAS(Lt) peer {} ms", num(b)),
+            format!("peer: {name}, {} ms", num(b)),
         ));
     }
     let h = bottom + 40.0 + legend_height(w, 8.0, &legend);
@@ -349,7 +350,9 @@ mod tests {
             colour: 0,
             points: vec![(0.5, "x".into())],
         };
-        parses(&strip_plot(&[one], Some((0.5, "f")), Some(0.5)));
+        let svg = strip_plot(&[one], Some((0.5, "f")), Some((0.5, "cuBLASLt bias (fused)")));
+        parses(&svg);
+        assert!(svg.contains("peer: cuBLASLt bias (fused), 0.5 ms"), "{svg}");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use super::svg::num;
 use super::ReportError;
 use crate::codegen::Renderer;
 use crate::spec::{DeviceLimits, Variant};
+use crate::tune::baseline::entry_peer;
 use crate::tune::db::{Candidate, Resources};
 
 /// One file of the site: its path inside the output folder and its contents.
@@ -270,7 +271,11 @@ impl<'a> Shared<'a> {
             "spread": num(e.spread_ms),
             "rate": rate_text,
             "of_ceiling": of_ceiling,
-            "peer_ms": e.baseline_ms.map(num).unwrap_or_else(|| "-".into()),
+            "peer": entry_peer(e).unwrap_or("-"),
+            "peer_ms": e.baseline_ms.map(num).unwrap_or_else(|| {
+                if e.baseline_unavailable.is_some() { "n/a" } else { "-" }.into()
+            }),
+            "peer_note": e.baseline_unavailable,
             "vs_peer": e
                 .baseline_ms
                 .filter(|b| *b > 0.0 && e.median_ms > 0.0)

@@ -60,7 +60,7 @@ fn workload_page(s: &Shared, i: usize) -> Result<Page, ReportError> {
         strip_plot(
             &rows,
             Some((w.entry.median_ms, w.entry.family.as_str())),
-            w.entry.baseline_ms,
+            w.entry.baseline_ms.zip(crate::tune::baseline::entry_peer(&w.entry)),
         )
     });
 

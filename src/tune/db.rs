@@ -104,8 +104,14 @@ pub struct Entry {
     /// Median kernel time and the spread (90th minus 10th percentile), in milliseconds.
     pub median_ms: f64,
     pub spread_ms: f64,
-    /// The vendor library on the same shape in the same run, when measured.
+    /// The vendor peer on the same shape in the same run, when measured and correct.
     pub baseline_ms: Option<f64>,
+    /// Which peer (`baseline::peer_name`); absent in older files (cuBLAS + epilogue kernel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<String>,
+    /// Why the peer has no time (unavailable here, or wrong against the f64 reference).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline_unavailable: Option<String>,
     pub variants_tried: usize,
     /// Unix seconds.
     pub tuned_at: u64,
@@ -385,6 +391,8 @@ mod tests {
             median_ms: 0.5,
             spread_ms: 0.01,
             baseline_ms: Some(0.45),
+            baseline: Some("cuBLASLt bias (fused)".into()),
+            baseline_unavailable: None,
             variants_tried: 10,
             tuned_at: 1,
             role: None,

@@ -2,7 +2,10 @@
 //! CPU references.
 
 pub mod baseline;
+pub mod cublaslt;
+pub mod cublaslt_layout;
 pub mod db;
+pub mod peer;
 pub mod records;
 pub mod registry;
 pub mod time;

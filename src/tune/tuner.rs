@@ -1,7 +1,8 @@
 //! The autotuner: for every workload, take the candidate variants of every family of its op
 //! that support the shape (all of them when the budget allows, else a seeded sample plus the
 //! neighbours of the best), verify each against the f64 reference, time the survivors on the
-//! real shape, and record the winner (with cuBLAS measured beside it) in the tuning database.
+//! real shape, and record the winner (with its vendor peer measured beside it: cuBLASLt with its
+//! fused epilogue, cuBLAS + a split kernel for qkv) in the tuning database.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -27,7 +28,7 @@ pub struct TuneOptions {
     pub seed: u64,
     /// Re-tune workloads the database already has.
     pub force: bool,
-    /// Measure cuBLAS beside matmuls.
+    /// Measure the vendor peer (cuBLASLt / cuBLAS, see `baseline`) beside matmuls.
     pub baseline: bool,
 }
 
@@ -476,14 +477,21 @@ pub fn tune(
                 }
             }
         }
-        let baseline_ms = match (&cublas, w.op) {
-            (Some(c), "matmul") => Some(
-                c.time_matmul(gpu, &problem, w.dtype, &full)
-                    .map_err(|e| e.to_string())?
-                    .median_ms,
-            ),
+        // The vendor peer (cuBLASLt with its fused epilogue; cuBLAS + split kernel for qkv),
+        // checked on the verification row count of the real problem, then timed.
+        let peer = match (&cublas, w.op) {
+            (Some(c), "matmul") => {
+                let rows = check_shape.get("M").copied().unwrap_or(1).max(1) as usize;
+                Some(
+                    c.measure_matmul(gpu, &problem, w.dtype, &full, rows)
+                        .map_err(|e| e.to_string())?,
+                )
+            }
             _ => None,
         };
+        let baseline_ms = peer.as_ref().and_then(|p| p.outcome.as_ref().ok().map(|t| t.median_ms));
+        let baseline = peer.as_ref().map(|p| p.peer.to_string());
+        let baseline_unavailable = peer.as_ref().and_then(|p| p.outcome.as_ref().err().cloned());
         let winner = best.map(|(v, t)| Entry {
             family: v.family.name.clone(),
             params: v.params.clone(),
@@ -491,6 +499,8 @@ pub fn tune(
             median_ms: t.median_ms,
             spread_ms: t.spread_ms(),
             baseline_ms,
+            baseline,
+            baseline_unavailable,
             variants_tried: tried.len(),
             tuned_at: unix_now(),
             role: Some(w.role.clone()),
