@@ -227,11 +227,13 @@ fn gpu_tune_records_the_peer() {
         seed: 1,
         force: false,
         baseline: true,
+        exhaustive: false,
     };
     let results = tune(
         &gpu, &compiler, &renderer, &catalog, &mut db, &workloads, &options, &Quiet,
     )
-    .unwrap();
+    .unwrap()
+    .results;
     for (r, w) in results.iter().zip(&workloads) {
         let winner = r.winner.as_ref().expect("a winner");
         eprintln!(

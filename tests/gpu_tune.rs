@@ -72,12 +72,14 @@ fn gpu_tune_store_reuse_and_registry() {
         seed: 3,
         force: false,
         baseline: true,
+        exhaustive: false,
     };
     let t0 = std::time::Instant::now();
     let results = tune(
         &gpu, &compiler, &renderer, &catalog, &mut db, &workloads, &options, &Quiet,
     )
-    .unwrap();
+    .unwrap()
+    .results;
     eprintln!("cold: {:.1} s", t0.elapsed().as_secs_f64());
     for r in &results {
         let w = r.winner.as_ref().expect("a winner");
@@ -113,7 +115,12 @@ fn gpu_tune_store_reuse_and_registry() {
         &gpu, &compiler, &renderer, &catalog, &mut again, &workloads, &options, &Quiet,
     )
     .unwrap();
-    assert!(warm.iter().all(|r| r.from_db));
+    assert!(warm.results.iter().all(|r| r.from_db));
+    assert_eq!(
+        warm.phases.compiled + warm.phases.cached,
+        0,
+        "nothing compiled when warm"
+    );
     assert!(t1.elapsed() < Duration::from_secs(5));
 
     // The registry now answers with the tuned winners, and the nearest row count for others.
@@ -198,6 +205,7 @@ fn gpu_tune_tf32_is_keyed_by_dtype() {
         seed: 5,
         force: false,
         baseline: true,
+        exhaustive: false,
     };
     let results = tune(
         &gpu,
@@ -209,7 +217,8 @@ fn gpu_tune_tf32_is_keyed_by_dtype() {
         &options,
         &Quiet,
     )
-    .unwrap();
+    .unwrap()
+    .results;
     let r = &results[0];
     assert_eq!(r.dtype, Dtype::Tf32);
     let winner = r.winner.as_ref().expect("a winner");

@@ -22,10 +22,15 @@ use crate::tune::workloads::{model_workloads, Workload};
 /// Tune the kernels a model needs on this GPU and store the winners.
 ///
 /// Derives every op shape of the forward pass and the decode step (matmuls with their fused
-/// epilogues, attention, layernorm, embedding, LM head) for each --batch and --seq, verifies
-/// every candidate variant against the f64 CPU reference, times the survivors with CUDA events,
-/// measures cuBLAS on the same shapes, and saves the winners in the tuning database (one file
-/// per GPU). Shapes already tuned are read back in seconds; --force re-tunes them.
+/// epilogues, attention, layernorm, embedding, LM head) for each --batch and --seq and searches
+/// each shape's variants: first every family's default, the winners of neighbouring shapes
+/// already in the database and a small sample of each family; then one-parameter steps from
+/// the best points while they pay; then the fastest few are timed again, longer (successive
+/// halving). Every candidate is screened from its ptxas resources (spills, no block per SM),
+/// verified against the f64 CPU reference and timed with CUDA events; the vendor peer
+/// (cuBLASLt with its own fused epilogue) is measured on the same shapes, and the winners are
+/// saved in the tuning database (one file per GPU) with every candidate's fate. Shapes already
+/// tuned are read back in seconds; --force re-tunes them; --exhaustive measures everything.
 ///
 /// --dtype tf32 tunes the matmuls on tensor cores (TF32 inputs, f32 accumulation, relative L2
 /// error < 1e-3) against cuBLAS in TF32 math mode; the other ops of a model stay f32.
@@ -66,9 +71,15 @@ pub struct TuneArgs {
     /// Mask for --op attention.
     #[arg(long, value_parser = super::kernels::parse_mask)]
     pub mask: Option<Mask>,
-    /// Time budget in seconds for the whole run (compiles included).
+    /// Upper bound in seconds for the whole run (compiles included), shared out among the
+    /// workloads. The search usually stops before, when a round of its climb gains less than 1%.
     #[arg(long, default_value_t = 120.0)]
     pub budget: f64,
+    /// Measure every valid variant of every family instead of searching (no budget; the
+    /// tensor-core families hold thousands of points, so this takes hours for a model): the
+    /// reference that shows what the search misses.
+    #[arg(long)]
+    pub exhaustive: bool,
     /// Tuning database (default: the user cache folder, one file per GPU).
     #[arg(long, value_name = "PATH")]
     pub db: Option<PathBuf>,
@@ -198,8 +209,9 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         seed: args.seed,
         force: args.force,
         baseline: !args.no_baseline,
+        exhaustive: args.exhaustive,
     };
-    let results = tune(
+    let run = tune(
         &gpu,
         &compiler,
         &renderer,
@@ -211,6 +223,8 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     )
     .map_err(|e| anyhow::anyhow!(e))?;
     bar.finish_and_clear();
+    let (results, spent) = (run.results, run.phases);
+    let ceilings_started = std::time::Instant::now();
     let peaks = Peaks {
         fp32: fp32_peak_flops(&gpu)?,
         // Tensor-core rows are measured against what cuBLAS TF32 reaches on a large square
@@ -247,12 +261,14 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     db.save()
         .with_context(|| format!("saving the measured ceilings to {}", db_path.display()))?;
     let elapsed = started.elapsed().as_secs_f64();
+    let ceilings_s = ceilings_started.elapsed().as_secs_f64();
 
     if args.json {
         let doc = serde_json::json!({
             "device": gpu.info,
             "database": db_path,
             "seconds": elapsed,
+            "phases": spent,
             "fp32_peak_tflops": peaks.fp32 / 1e12,
             "tf32_cublas_peak_tflops": peaks.tf32.map(|p| p / 1e12),
             "bf16_cublas_peak_tflops": peaks.half.map(|p| p / 1e12),
@@ -265,10 +281,12 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     }
     let cached = results.iter().filter(|r| r.from_db).count();
     eprintln!(
-        "{} workloads ({} from the database) in {:.1} s\n{}",
+        "{} workloads ({} from the database) in {:.1} s: {}, ceilings {:.1} s\n{}",
         results.len(),
         cached,
         elapsed,
+        spent.text(),
+        ceilings_s,
         peaks.legend()
     );
     if let Some(path) = &args.report {

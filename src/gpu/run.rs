@@ -43,7 +43,8 @@ impl DeviceBuffer {
 }
 
 impl DeviceProblem {
-    /// Uploads every tensor of `problem` (outputs too, so their size is right).
+    /// Uploads every input of `problem`; outputs are allocated at their size, not copied
+    /// (verification poisons them before each run, see [`DeviceProblem::poison_outputs`]).
     pub fn upload(gpu: &Gpu, problem: &Problem) -> Result<DeviceProblem, GpuError> {
         let buffers = problem
             .tensors
@@ -51,6 +52,11 @@ impl DeviceProblem {
             .map(|t| {
                 let what = format!("uploading `{}` ({} elements)", t.name, t.data.len());
                 Ok(match &t.data {
+                    HostData::F32(v) if t.role == Role::Output => {
+                        let bytes = v.len() * problem.storage.bytes();
+                        let slice = gpu.stream.alloc_zeros::<u8>(bytes).map_err(GpuError::cuda(what))?;
+                        DeviceBuffer::Float(slice, problem.storage)
+                    }
                     HostData::F32(v) => {
                         let bytes = problem.storage.encode(v);
                         let slice = gpu.stream.clone_htod(&bytes).map_err(GpuError::cuda(what))?;

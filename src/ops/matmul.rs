@@ -210,28 +210,31 @@ impl OpContract for Matmul {
         let residual = problem.f32s("residual");
         let epilogue = problem.epilogue;
         let mut out = vec![0.0f64; m * n];
-        // Blocks of rows share each weight row while it is in cache.
-        const ROWS: usize = 16;
-        out.par_chunks_mut(ROWS * n).enumerate().for_each(|(blk, chunk)| {
-            let m0 = blk * ROWS;
-            let rows = chunk.len() / n;
-            for j in 0..n {
-                let w = &weight[j * k..][..k];
-                for r in 0..rows {
-                    let mm = m0 + r;
-                    let mut x = dot(&inp[mm * k..][..k], w);
-                    if epilogue != Epilogue::None {
-                        x += bias[j] as f64;
+        // Blocks of rows share each weight row while it is in cache; at least as many blocks as
+        // threads (the tuner checks the LM head on only ~50 rows).
+        let rows_per_block = (m / rayon::current_num_threads()).clamp(1, 16);
+        out.par_chunks_mut(rows_per_block * n)
+            .enumerate()
+            .for_each(|(blk, chunk)| {
+                let m0 = blk * rows_per_block;
+                let rows = chunk.len() / n;
+                for j in 0..n {
+                    let w = &weight[j * k..][..k];
+                    for r in 0..rows {
+                        let mm = m0 + r;
+                        let mut x = dot(&inp[mm * k..][..k], w);
+                        if epilogue != Epilogue::None {
+                            x += bias[j] as f64;
+                        }
+                        match epilogue {
+                            Epilogue::BiasGelu => x = gelu_f64(x),
+                            Epilogue::BiasResidual => x += residual[mm * n + j] as f64,
+                            _ => {}
+                        }
+                        chunk[r * n + j] = x;
                     }
-                    match epilogue {
-                        Epilogue::BiasGelu => x = gelu_f64(x),
-                        Epilogue::BiasResidual => x += residual[mm * n + j] as f64,
-                        _ => {}
-                    }
-                    chunk[r * n + j] = x;
                 }
-            }
-        });
+            });
         if epilogue == Epilogue::Qkv {
             let (t, nh) = (problem.dim("T"), problem.dim("n_head"));
             let mut scattered = vec![0.0f64; m * n];

@@ -82,10 +82,22 @@ impl Storage {
 
     /// `values` in this storage, as the little-endian bytes a device buffer holds.
     pub fn encode(self, values: &[f32]) -> Vec<u8> {
-        match self {
-            Storage::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            _ => values.iter().flat_map(|&x| self.to_bits(x).to_le_bytes()).collect(),
-        }
+        use rayon::prelude::*;
+        // In parallel chunks: the LM head's tensors hold hundreds of millions of values.
+        const CHUNK: usize = 1 << 16;
+        let width = self.bytes();
+        let mut out = vec![0u8; values.len() * width];
+        out.par_chunks_mut(CHUNK * width)
+            .zip(values.par_chunks(CHUNK))
+            .for_each(|(dst, src)| {
+                for (d, &x) in dst.chunks_exact_mut(width).zip(src) {
+                    match self {
+                        Storage::F32 => d.copy_from_slice(&x.to_le_bytes()),
+                        _ => d.copy_from_slice(&self.to_bits(x).to_le_bytes()),
+                    }
+                }
+            });
+        out
     }
 
     /// Device bytes of this storage back to f32 values.
@@ -246,11 +258,15 @@ impl TensorArg {
             data: HostData::I32(vec![i32::MIN; len]),
         }
     }
+    /// An output buffer of `len` floats. Its host values are never read: the runner allocates
+    /// outputs on the device without copying them and poisons them with NaN before every
+    /// checked run. Zeros, so that the allocation stays untouched (the LM head's output at
+    /// batch 8 x 1024 is 1.6 GB).
     pub fn output_f32(name: &'static str, len: usize) -> Self {
         TensorArg {
             name,
             role: Role::Output,
-            data: HostData::F32(vec![f32::NAN; len]),
+            data: HostData::F32(vec![0.0; len]),
         }
     }
 }
@@ -260,11 +276,14 @@ impl Problem {
     /// host values are rounded to that precision so the reference computes from exactly what
     /// the kernel reads. Integer tensors (token ids, argmax outputs) are unchanged.
     pub fn stored_as(mut self, storage: Storage) -> Problem {
+        use rayon::prelude::*;
         for t in &mut self.tensors {
+            // Outputs hold NaN until a kernel writes them: nothing to round.
+            if t.role == Role::Output || storage == Storage::F32 {
+                continue;
+            }
             if let HostData::F32(values) = &mut t.data {
-                for v in values.iter_mut() {
-                    *v = storage.round(*v);
-                }
+                values.par_iter_mut().for_each(|v| *v = storage.round(*v));
             }
         }
         self.storage = storage;
@@ -607,8 +626,21 @@ pub(crate) fn shape_of(pairs: &[(&str, i64)]) -> Shape {
 
 /// `n` values uniform in `[lo, hi)`.
 pub(crate) fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    use rand::Rng;
-    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+    use rand::{Rng, SeedableRng};
+    use rayon::prelude::*;
+    // Large tensors (the LM head's weight) in parallel chunks, each from its own generator
+    // seeded by `rng`: the values depend on the seed only, not on the thread count.
+    const CHUNK: usize = 1 << 16;
+    if n <= CHUNK {
+        return (0..n).map(|_| rng.random_range(lo..hi)).collect();
+    }
+    let seeds: Vec<u64> = (0..n.div_ceil(CHUNK)).map(|_| rng.random()).collect();
+    let mut out = vec![0f32; n];
+    out.par_chunks_mut(CHUNK).zip(seeds).for_each(|(chunk, seed)| {
+        let mut chunk_rng = StdRng::seed_from_u64(seed);
+        chunk.iter_mut().for_each(|v| *v = chunk_rng.random_range(lo..hi));
+    });
+    out
 }
 
 /// GELU, tanh approximation, in f64.

@@ -284,6 +284,16 @@ impl TuningDb {
         self.entries.get(&key.text())
     }
 
+    /// Every entry of the same op, dtype and epilogue/mask as `key`, whatever its shape (the
+    /// tuner starts its search from their winners).
+    pub fn same_group<'a>(&'a self, key: &TuneKey) -> impl Iterator<Item = &'a Entry> + 'a {
+        let group = key.group();
+        self.entries
+            .iter()
+            .filter(move |(k, _)| k.rsplit_once('|').is_some_and(|(g, _)| g == group))
+            .map(|(_, e)| e)
+    }
+
     /// The entry for this key, else the nearest tuned shape of the same op, dtype and
     /// epilogue/mask whose variables all match except the `free` ones, nearest in log scale of
     /// the first (M = 3000 uses the winner for M = 2048 rather than M = 8192).

@@ -2,12 +2,15 @@
 //! CPU references.
 
 pub mod baseline;
+pub mod candidates;
 pub mod cublaslt;
 pub mod cublaslt_layout;
 pub mod db;
+pub mod evaluate;
 pub mod peer;
 pub mod records;
 pub mod registry;
+pub mod search;
 pub mod time;
 pub mod tuner;
 pub mod verify;

@@ -1,35 +1,43 @@
-//! The autotuner: for every workload, take the candidate variants of every family of its op
-//! that support the shape (all of them when the budget allows, else a seeded sample plus the
-//! neighbours of the best), verify each against the f64 reference, time the survivors on the
-//! real shape, and record the winner (with its vendor peer measured beside it: cuBLASLt with its
-//! fused epilogue, cuBLAS + a split kernel for qkv) in the tuning database.
+//! The autotuner: for every workload, search the variants of every family of its op that
+//! support the shape (see `search`: a first round from defaults, database seeds and samples,
+//! then a climb of one-parameter steps, then successive halving), each compiled, screened from
+//! its ptxas resources, verified against the f64 reference and timed on the real shape (see
+//! `evaluate`), and record the winner, every candidate's fate and the vendor peer measured
+//! beside it (cuBLASLt with its fused epilogue, cuBLAS + a split kernel for qkv) in the tuning
+//! database.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use rand::SeedableRng;
+use rayon::prelude::*;
 
 use super::baseline::CublasBaseline;
-use super::db::{Candidate, Entry, Resources, TuneKey, TuningDb};
+use super::candidates::{Inputs, WorkloadSearch};
+use super::db::{Entry, TuneKey, TuningDb};
+use super::evaluate::Evaluator;
+pub use super::evaluate::Phases;
 use super::registry::variant_kind;
-use super::time::{rotation_count, time_variant, Timing, TimingPlan};
-use super::verify::{error_text, run_and_compare, tolerance, RunFailure};
+use super::search;
+use super::time::TimingPlan;
 use super::workloads::Workload;
-use crate::codegen::{Renderer, Source};
-use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
+use crate::codegen::Renderer;
+use crate::gpu::{Compiler, Gpu};
 use crate::ops::{self, Problem, Shape};
-use crate::spec::{expand, variant_with, Catalog, Dtype, Family, Points, Variant};
+use crate::spec::{Catalog, Dtype, Variant};
 
 /// Knobs of a tuning run.
 #[derive(Debug, Clone)]
 pub struct TuneOptions {
-    /// Wall-clock budget for the whole run (compiles included).
+    /// Wall-clock budget for the whole run (compiles included): each workload's climb stops at
+    /// its share. The search usually ends well before, when a round stops paying.
     pub budget: Duration,
     pub seed: u64,
     /// Re-tune workloads the database already has.
     pub force: bool,
     /// Measure the vendor peer (cuBLASLt / cuBLAS, see `baseline`) beside matmuls.
     pub baseline: bool,
+    /// Measure every valid variant of every family (no search, no budget): slow, the
+    /// reference the search is checked against.
+    pub exhaustive: bool,
 }
 
 /// One candidate's fate.
@@ -58,6 +66,14 @@ pub struct TuneResult {
     /// Floating-point operations and bytes moved by one call, for the throughput columns.
     pub flops: f64,
     pub bytes: f64,
+}
+
+/// What a tuning run returns: a result per workload, in the order given, and where the time
+/// went.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TuneRun {
+    pub results: Vec<TuneResult>,
+    pub phases: Phases,
 }
 
 /// Progress callbacks, so the CLI can draw bars and tests can stay quiet.
@@ -136,126 +152,6 @@ pub fn verification_shape(w: &Workload) -> Shape {
     s
 }
 
-/// Variants that differ from `v` in exactly one parameter (valid ones only).
-fn neighbours(v: &Variant, limits: &crate::spec::DeviceLimits) -> Vec<Variant> {
-    let mut out = Vec::new();
-    for (name, values) in &v.family.params {
-        for value in values {
-            if *value == v.params[name] {
-                continue;
-            }
-            let overrides: Vec<_> = v
-                .params
-                .iter()
-                .map(|(k, x)| (k.clone(), if k == name { *value } else { *x }))
-                .collect();
-            if let Ok(n) = variant_with(&v.family, &overrides, v.dtype, v.epilogue, v.mask, limits) {
-                out.push(n);
-            }
-        }
-    }
-    out
-}
-
-struct Context<'a> {
-    gpu: &'a Gpu,
-    compiler: &'a Compiler,
-    renderer: &'a Renderer,
-    compiled: HashMap<String, Result<Compiled, String>>,
-    loaded: HashMap<String, LoadedVariant>,
-}
-
-impl Context<'_> {
-    /// Renders and compiles (in parallel) every variant not compiled yet.
-    fn compile(&mut self, variants: &[Variant], progress: &dyn Progress) {
-        let mut sources: Vec<(&Family, Source)> = Vec::new();
-        for v in variants {
-            let name = v.kernel_name();
-            if self.compiled.contains_key(&name) || sources.iter().any(|(_, s)| s.kernel_name == name) {
-                continue;
-            }
-            match self.renderer.render(v) {
-                Ok(s) => sources.push((&v.family, s)),
-                Err(e) => {
-                    self.compiled.insert(name, Err(e.to_string()));
-                }
-            }
-        }
-        if sources.is_empty() {
-            return;
-        }
-        progress.stage("compiling", sources.len() as u64);
-        let jobs: Vec<_> = sources.iter().map(|(f, s)| (*f, s)).collect();
-        let results = self.compiler.compile_all(&jobs, |s| progress.advance(&s.kernel_name));
-        for ((_, s), r) in sources.iter().zip(results) {
-            self.compiled
-                .insert(s.kernel_name.clone(), r.map_err(|e| e.to_string()));
-        }
-    }
-
-    fn load(&mut self, v: &Variant) -> Result<&LoadedVariant, String> {
-        let name = v.kernel_name();
-        if !self.loaded.contains_key(&name) {
-            let compiled = self
-                .compiled
-                .get(&name)
-                .ok_or("not compiled")?
-                .as_ref()
-                .map_err(|e| e.clone())?;
-            let loaded = LoadedVariant::load(self.gpu, v, compiled).map_err(|e| e.to_string())?;
-            self.loaded.insert(name.clone(), loaded);
-        }
-        Ok(&self.loaded[&name])
-    }
-
-    /// Runs `v` on the verification problem; `Ok` is its relative L2 error, `Err` says why it
-    /// is excluded.
-    fn verify(
-        &mut self,
-        v: &Variant,
-        problem: &Problem,
-        device: &mut DeviceProblem,
-        reference: &[(usize, Vec<f64>)],
-    ) -> Result<f64, String> {
-        let gpu = self.gpu;
-        let loaded = self.load(v)?;
-        match run_and_compare(gpu, loaded, problem, device, reference) {
-            Ok(err) if err < tolerance(v.dtype) => Ok(err),
-            Ok(err) => Err(format!("wrong result: {}", error_text(v, err))),
-            Err(RunFailure::Soft(why)) => Err(why),
-            Err(RunFailure::Fault(why)) => Err(format!("kernel fault: {why}")),
-        }
-    }
-
-    /// Registers, static shared memory and spills of `v`'s kernels, once it is loaded.
-    fn resources(&self, v: &Variant) -> Vec<Resources> {
-        self.loaded
-            .get(&v.kernel_name())
-            .and_then(|l| l.resources().ok())
-            .map(|r| r.iter().map(Resources::from).collect())
-            .unwrap_or_default()
-    }
-
-    fn time(
-        &mut self,
-        v: &Variant,
-        problem: &Problem,
-        copies: &mut [DeviceProblem],
-        plan: &TimingPlan,
-    ) -> Result<Timing, String> {
-        let gpu = self.gpu;
-        let elems = v
-            .workspace_elems(&problem.shape, &gpu.info.limits)
-            .map_err(|e| e.to_string())?;
-        for c in copies.iter_mut() {
-            c.ensure_workspace(gpu, elems).map_err(|e| e.to_string())?;
-        }
-        let loaded = self.load(v)?;
-        let launches = loaded.plan(gpu, &problem.shape).map_err(|e| e.to_string())?;
-        time_variant(gpu, loaded, problem, copies, &launches, plan).map_err(|e| e.to_string())
-    }
-}
-
 fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -263,8 +159,16 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Tunes `workloads`, saving each winner to `db` as soon as it is known (a killed run keeps
-/// what it finished). Workloads already in `db` are reported from it unless `force`.
+/// Tunes `workloads`, saving each winner to `db` (a killed run keeps the workloads it
+/// finished). Workloads already in `db` are reported from it unless `force`.
+///
+/// All workloads to tune advance together, round by round, so that each round's kernels
+/// compile in one parallel batch (one variant often serves several shapes): the first round
+/// ([`search::first_round`]: defaults, seeds from neighbouring shapes in `db`, a sample of each
+/// family), then a climb of one-parameter steps from each workload's best points, and from the
+/// best points of its sibling workloads (same op and dtype), until a round gains less than
+/// [`search::MIN_GAIN`] or the budget is spent; then successive halving among each workload's
+/// fastest. `options.exhaustive` measures every workload's whole pool instead, with no budget.
 #[allow(clippy::too_many_arguments)]
 pub fn tune(
     gpu: &Gpu,
@@ -275,16 +179,10 @@ pub fn tune(
     workloads: &[Workload],
     options: &TuneOptions,
     progress: &dyn Progress,
-) -> Result<Vec<TuneResult>, String> {
+) -> Result<TuneRun, String> {
     let started = Instant::now();
     let limits = gpu.info.limits;
-    let mut ctx = Context {
-        gpu,
-        compiler,
-        renderer,
-        compiled: HashMap::new(),
-        loaded: HashMap::new(),
-    };
+    let mut eval = Evaluator::new(gpu, compiler, renderer);
     let key_of = |w: &Workload| TuneKey {
         op: w.op.to_string(),
         dtype: w.dtype.to_string(),
@@ -303,216 +201,180 @@ pub fn tune(
         flops: workload_flops(w),
         bytes,
     };
-
-    // Candidates per workload still to tune.
-    let todo: Vec<&Workload> = workloads
+    let todo: Vec<(usize, &Workload)> = workloads
         .iter()
-        .filter(|w| options.force || db.get(&key_of(w)).is_none())
+        .enumerate()
+        .filter(|(_, w)| options.force || db.get(&key_of(w)).is_none())
         .collect();
-    let mut candidates: BTreeMap<usize, Vec<Variant>> = BTreeMap::new();
-    // Rough cost of one candidate (compile share + verify + time): sizes the sample.
-    let per_candidate_s = 0.06;
-    let cap = ((options.budget.as_secs_f64() * 0.6 / per_candidate_s) / todo.len().max(1) as f64).max(8.0) as usize;
-    for (i, w) in todo.iter().enumerate() {
-        let mut all = Vec::new();
-        for f in catalog.for_op(w.op) {
-            // Candidates compute in the workload's dtype: tf32 workloads get the tf32
-            // variants, f32 workloads the f32 ones.
-            if !f.dtypes.contains(&w.dtype) || !f.epilogues.contains(&w.epilogue) || !f.masks.contains(&w.mask) {
-                continue;
-            }
-            let variants = expand(f, Points::All, &limits).map_err(|e| e.to_string())?;
-            all.extend(variants.into_iter().filter(|v| {
-                v.dtype == w.dtype
-                    && v.epilogue == w.epilogue
-                    && v.mask == w.mask
-                    && v.check_shape(&w.shape, &limits).is_ok()
-            }));
-        }
-        if all.len() > cap {
-            // Keep every family's default, then a seeded sample of the rest.
-            use rand::seq::SliceRandom;
-            let mut rng = rand::rngs::StdRng::seed_from_u64(options.seed ^ i as u64);
-            let defaults: Vec<Variant> = all.iter().filter(|v| v.params == v.family.default).cloned().collect();
-            let mut rest: Vec<Variant> = all.into_iter().filter(|v| v.params != v.family.default).collect();
-            rest.shuffle(&mut rng);
-            rest.truncate(cap.saturating_sub(defaults.len()));
-            all = defaults.into_iter().chain(rest).collect();
-        }
-        candidates.insert(i, all);
-    }
-    let everything: Vec<Variant> = candidates.values().flatten().cloned().collect();
-    ctx.compile(&everything, progress);
 
-    let cublas = if options.baseline && todo.iter().any(|w| w.op == "matmul") {
+    // Inputs and references on the CPU, all workloads in parallel; then pools and uploads.
+    let prepare_started = Instant::now();
+    progress.stage("preparing inputs", todo.len() as u64);
+    let inputs: Vec<Inputs> = todo
+        .par_iter()
+        .map(|(i, w)| {
+            let inputs = Inputs::new(w, options.seed ^ 0x5eed ^ *i as u64);
+            progress.advance(&w.role);
+            inputs
+        })
+        .collect::<Result<_, _>>()?;
+    let mut pools = search::Pools::default();
+    let mut states: Vec<WorkloadSearch> = Vec::with_capacity(todo.len());
+    for ((_, w), inputs) in todo.iter().zip(inputs) {
+        let pool = pools.pool(catalog, w, &limits)?;
+        states.push(WorkloadSearch::new(gpu, w, inputs, pool)?);
+    }
+    let cublas = if options.baseline && todo.iter().any(|(_, w)| w.op == "matmul") {
         Some(CublasBaseline::new(gpu, compiler, renderer).map_err(|e| e.to_string())?)
     } else {
         None
     };
-    let quick = TimingPlan {
-        warmup: 2,
-        min_runs: 5,
-        max_runs: 20,
-        target_ms: 5.0,
-    };
-    let full = TimingPlan::default();
+    eval.phases.prepare_s += prepare_started.elapsed().as_secs_f64();
 
+    // Round 0: the first round (or everything); then the climb.
+    let mut next: Vec<Vec<Variant>> = states
+        .iter()
+        .map(|s| {
+            if options.exhaustive {
+                s.pool.clone()
+            } else {
+                let seeds = search::seeds_from_db(db, &s.key, &s.pool);
+                search::first_round(&s.pool, &seeds, options.seed)
+            }
+        })
+        .collect();
+    let climb_deadline = started + options.budget.mul_f64(0.8);
+    for round in 0..=search::MAX_ROUNDS {
+        let batch: Vec<Variant> = next.iter().flatten().cloned().collect();
+        eval.compile(&batch, progress);
+        for (s, variants) in states.iter_mut().zip(std::mem::take(&mut next)) {
+            if variants.is_empty() {
+                continue;
+            }
+            let label = match round {
+                0 => s.title(),
+                r => format!("{} (climb {r})", s.title()),
+            };
+            progress.stage(&label, variants.len() as u64);
+            s.measure(&mut eval, variants, true, progress)?;
+        }
+        if options.exhaustive || round == search::MAX_ROUNDS || Instant::now() >= climb_deadline {
+            break;
+        }
+        next = climb_steps(&mut states, &limits);
+        if next.iter().all(Vec::is_empty) {
+            break;
+        }
+    }
+
+    // Finals, the peer, the database, in workload order.
+    let mut by_index: Vec<Option<WorkloadSearch>> = states.into_iter().map(Some).collect();
     let mut results = Vec::new();
-    for w in workloads {
-        let key = key_of(w);
-        let Some(index) = todo.iter().position(|t| std::ptr::eq(*t, w)) else {
-            let entry = db.get(&key).cloned();
+    for (index, w) in workloads.iter().enumerate() {
+        let Some(at) = todo.iter().position(|(i, _)| *i == index) else {
+            let entry = db.get(&key_of(w)).cloned();
             results.push(result_of(w, entry, true, Vec::new(), 0.0));
             continue;
         };
-        let op = ops::op_by_name(w.op).ok_or_else(|| format!("unknown op {}", w.op))?;
-        progress.stage(
-            &format!("{} {}", w.role, crate::spec::shape_text(&w.shape)),
-            candidates[&index].len() as u64,
-        );
-        let mut rng = rand::rngs::StdRng::seed_from_u64(options.seed ^ 0x5eed ^ index as u64);
-
-        // Verify every candidate on fresh inputs against the f64 reference.
-        let check_shape = verification_shape(w);
-        let check = op
-            .problem(&check_shape, w.epilogue, w.mask, &mut rng)
-            .map_err(|e| e.to_string())?
-            .stored_as(w.dtype.storage());
-        let reference = op.reference(&check);
-        let mut check_device = DeviceProblem::upload(gpu, &check).map_err(|e| e.to_string())?;
-        let problem = op
-            .problem(&w.shape, w.epilogue, w.mask, &mut rng)
-            .map_err(|e| e.to_string())?
-            .stored_as(w.dtype.storage());
-        let bytes = workload_bytes(w, &problem);
-        let mut copies = (0..rotation_count(&problem))
-            .map(|_| DeviceProblem::upload(gpu, &problem))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-
-        let mut tried: Vec<Tried> = Vec::new();
-        // The same fates as `tried`, with params, error and resources, for the database.
-        let mut candidates_kept: Vec<Candidate> = Vec::new();
-        let mut timed: Vec<(Variant, Timing)> = Vec::new();
-        let mut seen: HashSet<String> = HashSet::new();
-        let mut queue = candidates[&index].clone();
-        let workload_deadline = started + options.budget.mul_f64((index + 1) as f64 / todo.len() as f64);
-        let mut explored_neighbours = false;
-        loop {
-            for v in std::mem::take(&mut queue) {
-                if !seen.insert(v.kernel_name()) {
-                    continue;
-                }
-                progress.advance(&v.key());
-                let outcome = ctx
-                    .verify(&v, &check, &mut check_device, &reference)
-                    .and_then(|err| ctx.time(&v, &problem, &mut copies, &quick).map(|t| (err, t)));
-                let mut kept = Candidate {
-                    family: v.family.name.clone(),
-                    params: v.params.clone(),
-                    median_ms: None,
-                    spread_ms: None,
-                    error: None,
-                    rejected: None,
-                    resources: ctx.resources(&v),
-                };
-                match outcome {
-                    Ok((err, t)) => {
-                        kept.median_ms = Some(t.median_ms);
-                        kept.spread_ms = Some(t.spread_ms());
-                        kept.error = Some(err);
-                        candidates_kept.push(kept);
-                        tried.push(Tried {
-                            family: v.family.name.clone(),
-                            variant: v.key(),
-                            median_ms: Some(t.median_ms),
-                            rejected: None,
-                        });
-                        timed.push((v, t));
-                    }
-                    Err(why) => {
-                        if why.starts_with("kernel fault") {
-                            return Err(format!(
-                                "{}: {why} (the GPU context is unusable; fix the template)",
-                                v.kernel_name()
-                            ));
-                        }
-                        kept.rejected = Some(why.clone());
-                        candidates_kept.push(kept);
-                        tried.push(Tried {
-                            family: v.family.name.clone(),
-                            variant: v.key(),
-                            median_ms: None,
-                            rejected: Some(why),
-                        });
-                    }
-                }
-            }
-            // Spend what is left of this workload's budget around the best points so far.
-            if explored_neighbours || Instant::now() >= workload_deadline {
-                break;
-            }
-            explored_neighbours = true;
-            timed.sort_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
-            queue = timed
-                .iter()
-                .take(3)
-                .flat_map(|(v, _)| neighbours(v, &limits))
-                .filter(|v| v.check_shape(&w.shape, &limits).is_ok() && !seen.contains(&v.kernel_name()))
-                .collect();
-            if queue.is_empty() {
-                break;
-            }
-            ctx.compile(&queue, progress);
-        }
-
-        // Re-time the best quarter (at least 3) with the full plan and pick the fastest.
-        timed.sort_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
-        let finalists = timed.len().div_ceil(4).max(3).min(timed.len());
-        let mut best: Option<(Variant, Timing)> = None;
-        for (v, _) in timed.iter().take(finalists) {
-            if let Ok(t) = ctx.time(v, &problem, &mut copies, &full) {
-                if best.as_ref().is_none_or(|(_, b)| t.median_ms < b.median_ms) {
-                    best = Some((v.clone(), t));
-                }
-            }
-        }
+        let mut s = by_index[at].take().expect("each workload once");
+        progress.stage(&format!("{} (finals)", s.title()), 1);
+        s.measure_pruned_if_nothing_ran(&mut eval, progress)?;
+        let best = s.finals(&mut eval);
         // The vendor peer (cuBLASLt with its fused epilogue; cuBLAS + split kernel for qkv),
         // checked on the verification row count of the real problem, then timed.
+        let peer_started = Instant::now();
         let peer = match (&cublas, w.op) {
             (Some(c), "matmul") => {
-                let rows = check_shape.get("M").copied().unwrap_or(1).max(1) as usize;
+                let rows = s.inputs.check_shape.get("M").copied().unwrap_or(1).max(1) as usize;
                 Some(
-                    c.measure_matmul(gpu, &problem, w.dtype, &full, rows)
+                    c.measure_matmul(gpu, &s.inputs.problem, w.dtype, &TimingPlan::default(), rows)
                         .map_err(|e| e.to_string())?,
                 )
             }
             _ => None,
         };
-        let baseline_ms = peer.as_ref().and_then(|p| p.outcome.as_ref().ok().map(|t| t.median_ms));
-        let baseline = peer.as_ref().map(|p| p.peer.to_string());
-        let baseline_unavailable = peer.as_ref().and_then(|p| p.outcome.as_ref().err().cloned());
+        eval.phases.peer_s += peer_started.elapsed().as_secs_f64();
         let winner = best.map(|(v, t)| Entry {
             family: v.family.name.clone(),
             params: v.params.clone(),
             shape: w.shape.clone(),
             median_ms: t.median_ms,
             spread_ms: t.spread_ms(),
-            baseline_ms,
-            baseline,
-            baseline_unavailable,
-            variants_tried: tried.len(),
+            baseline_ms: peer.as_ref().and_then(|p| p.outcome.as_ref().ok().map(|t| t.median_ms)),
+            baseline: peer.as_ref().map(|p| p.peer.to_string()),
+            baseline_unavailable: peer.as_ref().and_then(|p| p.outcome.as_ref().err().cloned()),
+            variants_tried: s.tried.len(),
             tuned_at: unix_now(),
             role: Some(w.role.clone()),
             flops: workload_flops(w),
-            bytes,
-            candidates: candidates_kept,
+            bytes: s.bytes,
+            candidates: std::mem::take(&mut s.kept),
         });
         if let Some(e) = &winner {
-            db.insert(&key, e.clone());
+            db.insert(&s.key, e.clone());
             db.save().map_err(|e| e.to_string())?;
         }
-        results.push(result_of(w, winner, false, tried, bytes));
+        results.push(result_of(w, winner, false, std::mem::take(&mut s.tried), s.bytes));
     }
-    Ok(results)
+    Ok(TuneRun {
+        results,
+        phases: eval.phases,
+    })
+}
+
+/// The next round of the climb for each workload still climbing: the best point of each sibling
+/// workload (same op; its nearest point in this pool), then one-parameter steps from its own
+/// best points, those not measured yet. A workload stops climbing when its last round gained
+/// less than [`search::MIN_GAIN`] or it has nothing new to try.
+fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits) -> Vec<Vec<Variant>> {
+    // Each workload's best point: (op, family, params).
+    type Leader = (String, String, indexmap::IndexMap<String, i64>);
+    let leaders: Vec<Option<Leader>> = states
+        .iter()
+        .map(|s| {
+            s.leaders(1)
+                .first()
+                .map(|v| (s.key.op.clone(), v.family.name.clone(), v.params.clone()))
+        })
+        .collect();
+    let mut next = Vec::with_capacity(states.len());
+    for (i, s) in states.iter_mut().enumerate() {
+        let best = s.best_ms();
+        if s.climbing && best.is_finite() && best > s.best_before * (1.0 - search::MIN_GAIN) {
+            s.climbing = false;
+        }
+        s.best_before = best;
+        if !s.climbing {
+            next.push(Vec::new());
+            continue;
+        }
+        // Steps from this workload's own best points, then the siblings' best points.
+        let shape = &s.workload.shape;
+        let steps: Vec<Variant> = s
+            .leaders(search::CLIMB_FROM)
+            .into_iter()
+            .flat_map(|v| search::steps(v, limits))
+            .filter(|v| v.check_shape(shape, limits).is_ok())
+            .collect();
+        let mut fresh = s.unseen(steps);
+        fresh.truncate(search::MAX_STEPS);
+        let siblings: Vec<Variant> = leaders
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, leader)| leader.as_ref())
+            .filter(|(op, _, _)| *op == s.key.op)
+            .filter_map(|(_, family, params)| search::nearest_in_pool(&s.pool, family, params))
+            .filter(|v| !fresh.iter().any(|f| f.kernel_name() == v.kernel_name()))
+            .cloned()
+            .collect();
+        let mut siblings = s.unseen(siblings);
+        siblings.truncate(search::MAX_SIBLINGS);
+        fresh.extend(siblings);
+        if fresh.is_empty() {
+            s.climbing = false;
+        }
+        next.push(fresh);
+    }
+    next
 }

@@ -1,0 +1,243 @@
+//! Measuring candidate variants on the GPU, one step at a time: render and compile them (in
+//! parallel, behind the on-disk cache), load them, refuse those whose ptxas resources rule them
+//! out before they run (local-memory spills, no block resident on an SM), verify the rest
+//! against the f64 reference, time them. Keeps the seconds each phase took, so `tune` can say
+//! where its time went.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use super::records::Resources;
+use super::time::{time_variant, Timing, TimingPlan};
+use super::tuner::Progress;
+use super::verify::{error_text, run_and_compare, tolerance, RunFailure};
+use crate::codegen::{Renderer, Source};
+use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
+use crate::ops::{Problem, Shape};
+use crate::spec::{Family, Variant};
+
+/// Where a tuning run's time went, in seconds, and how many kernels it compiled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Phases {
+    /// Building inputs and f64 references, expanding the families, uploading.
+    pub prepare_s: f64,
+    /// Rendering and NVRTC + ptxas (wall time of the parallel compiles).
+    pub compile_s: f64,
+    /// Kernels compiled in this run (not found in the on-disk cache).
+    pub compiled: usize,
+    /// Kernels taken from the on-disk cache.
+    pub cached: usize,
+    /// Loading modules, reading resources, running against the f64 reference.
+    pub verify_s: f64,
+    /// Timing candidates (screen and halving rounds).
+    pub time_s: f64,
+    /// Timing the vendor peer.
+    pub peer_s: f64,
+}
+
+impl Phases {
+    /// What was spent since `earlier` (a snapshot of the same clock).
+    pub fn since(&self, earlier: &Phases) -> Phases {
+        Phases {
+            prepare_s: self.prepare_s - earlier.prepare_s,
+            compile_s: self.compile_s - earlier.compile_s,
+            compiled: self.compiled - earlier.compiled,
+            cached: self.cached - earlier.cached,
+            verify_s: self.verify_s - earlier.verify_s,
+            time_s: self.time_s - earlier.time_s,
+            peer_s: self.peer_s - earlier.peer_s,
+        }
+    }
+
+    pub fn add(&mut self, other: &Phases) {
+        self.prepare_s += other.prepare_s;
+        self.compile_s += other.compile_s;
+        self.compiled += other.compiled;
+        self.cached += other.cached;
+        self.verify_s += other.verify_s;
+        self.time_s += other.time_s;
+        self.peer_s += other.peer_s;
+    }
+
+    /// `inputs 2.0 s, compile 12.1 s (140 kernels, 12 cached), verify 1.2 s, timing 3.4 s, peer 0.8 s`.
+    pub fn text(&self) -> String {
+        format!(
+            "inputs {:.1} s, compile {:.1} s ({} kernels, {} cached), verify {:.1} s, timing {:.1} s, peer {:.1} s",
+            self.prepare_s, self.compile_s, self.compiled, self.cached, self.verify_s, self.time_s, self.peer_s
+        )
+    }
+}
+
+/// Compiles, loads, screens, verifies and times variants on one GPU; compiled and loaded
+/// variants are kept for the whole run (workloads of one epilogue share most of them).
+pub struct Evaluator<'a> {
+    pub gpu: &'a Gpu,
+    compiler: &'a Compiler,
+    renderer: &'a Renderer,
+    compiled: HashMap<String, Result<Compiled, String>>,
+    loaded: HashMap<String, LoadedVariant>,
+    pub phases: Phases,
+}
+
+impl<'a> Evaluator<'a> {
+    pub fn new(gpu: &'a Gpu, compiler: &'a Compiler, renderer: &'a Renderer) -> Evaluator<'a> {
+        Evaluator {
+            gpu,
+            compiler,
+            renderer,
+            compiled: HashMap::new(),
+            loaded: HashMap::new(),
+            phases: Phases::default(),
+        }
+    }
+
+    /// Renders and compiles (in parallel) every variant not compiled yet.
+    pub fn compile(&mut self, variants: &[Variant], progress: &dyn Progress) {
+        let started = Instant::now();
+        let mut sources: Vec<(&Family, Source)> = Vec::new();
+        for v in variants {
+            let name = v.kernel_name();
+            if self.compiled.contains_key(&name) || sources.iter().any(|(_, s)| s.kernel_name == name) {
+                continue;
+            }
+            match self.renderer.render(v) {
+                Ok(s) => sources.push((&v.family, s)),
+                Err(e) => {
+                    self.compiled.insert(name, Err(e.to_string()));
+                }
+            }
+        }
+        if !sources.is_empty() {
+            progress.stage("compiling", sources.len() as u64);
+            let jobs: Vec<_> = sources.iter().map(|(f, s)| (*f, s)).collect();
+            let results = self.compiler.compile_all(&jobs, |s| progress.advance(&s.kernel_name));
+            for ((_, s), r) in sources.iter().zip(results) {
+                match &r {
+                    Ok(c) if c.cached => self.phases.cached += 1,
+                    _ => self.phases.compiled += 1,
+                }
+                self.compiled
+                    .insert(s.kernel_name.clone(), r.map_err(|e| e.to_string()));
+            }
+        }
+        self.phases.compile_s += started.elapsed().as_secs_f64();
+    }
+
+    fn load(&mut self, v: &Variant) -> Result<&LoadedVariant, String> {
+        let name = v.kernel_name();
+        if !self.loaded.contains_key(&name) {
+            let compiled = self
+                .compiled
+                .get(&name)
+                .ok_or("not compiled")?
+                .as_ref()
+                .map_err(|e| e.clone())?;
+            let loaded = LoadedVariant::load(self.gpu, v, compiled).map_err(|e| e.to_string())?;
+            self.loaded.insert(name.clone(), loaded);
+        }
+        Ok(&self.loaded[&name])
+    }
+
+    /// Registers, static shared memory and spills of `v`'s kernels, once it is loaded.
+    pub fn resources(&self, v: &Variant) -> Vec<Resources> {
+        self.loaded
+            .get(&v.kernel_name())
+            .and_then(|l| l.resources().ok())
+            .map(|r| r.iter().map(Resources::from).collect())
+            .unwrap_or_default()
+    }
+
+    /// Loads `v` and refuses it from what ptxas made of it, before it runs: a kernel that
+    /// spills registers to local memory (slower than a neighbouring point that does not, and
+    /// the tuner will find that one), or one of which no block fits on an SM at `shape`'s
+    /// launch geometry (registers x threads or shared memory over the SM's).
+    pub fn screen(&mut self, v: &Variant, shape: &Shape) -> Result<(), String> {
+        let started = Instant::now();
+        let outcome = self.screen_now(v, shape);
+        self.phases.verify_s += started.elapsed().as_secs_f64();
+        outcome
+    }
+
+    fn screen_now(&mut self, v: &Variant, shape: &Shape) -> Result<(), String> {
+        let gpu = self.gpu;
+        let loaded = self.load(v)?;
+        let resources = loaded.resources().map_err(|e| e.to_string())?;
+        if let Some(r) = resources.iter().find(|r| r.local_bytes > 0) {
+            return Err(format!(
+                "pruned: kernel {} uses {} bytes of local memory per thread (register spills; {} registers)",
+                r.kernel, r.local_bytes, r.registers
+            ));
+        }
+        let launches = loaded.plan(gpu, shape).map_err(|e| e.to_string())?;
+        loaded.allow_shared_memory(&launches).map_err(|e| e.to_string())?;
+        for ((function, launch), r) in loaded.functions().iter().zip(&launches).zip(&resources) {
+            let threads = launch.block.iter().product::<u32>();
+            let per_sm = function
+                .occupancy_max_active_blocks_per_multiprocessor(threads, launch.smem_bytes as usize, None)
+                .map_err(|e| format!("occupancy query of {}: {e}", r.kernel))?;
+            if per_sm == 0 {
+                return Err(format!(
+                    "pruned: no block of kernel {} fits on an SM ({} threads x {} registers, {} + {} bytes of shared memory)",
+                    r.kernel, threads, r.registers, r.static_smem_bytes, launch.smem_bytes
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `v` on the verification problem; `Ok` is its relative L2 error, `Err` says why it
+    /// is excluded (a message starting `kernel fault` means the context is lost).
+    pub fn verify(
+        &mut self,
+        v: &Variant,
+        problem: &Problem,
+        device: &mut DeviceProblem,
+        reference: &[(usize, Vec<f64>)],
+    ) -> Result<f64, String> {
+        let started = Instant::now();
+        let gpu = self.gpu;
+        let outcome = self.load(v).and_then(
+            |loaded| match run_and_compare(gpu, loaded, problem, device, reference) {
+                Ok(err) if err < tolerance(v.dtype) => Ok(err),
+                Ok(err) => Err(format!("wrong result: {}", error_text(v, err))),
+                Err(RunFailure::Soft(why)) => Err(why),
+                Err(RunFailure::Fault(why)) => Err(format!("kernel fault: {why}")),
+            },
+        );
+        self.phases.verify_s += started.elapsed().as_secs_f64();
+        outcome
+    }
+
+    /// Times `v` on the real problem, rotating through `copies`.
+    pub fn time(
+        &mut self,
+        v: &Variant,
+        problem: &Problem,
+        copies: &mut [DeviceProblem],
+        plan: &TimingPlan,
+    ) -> Result<Timing, String> {
+        let started = Instant::now();
+        let outcome = self.time_now(v, problem, copies, plan);
+        self.phases.time_s += started.elapsed().as_secs_f64();
+        outcome
+    }
+
+    fn time_now(
+        &mut self,
+        v: &Variant,
+        problem: &Problem,
+        copies: &mut [DeviceProblem],
+        plan: &TimingPlan,
+    ) -> Result<Timing, String> {
+        let gpu = self.gpu;
+        let elems = v
+            .workspace_elems(&problem.shape, &gpu.info.limits)
+            .map_err(|e| e.to_string())?;
+        for c in copies.iter_mut() {
+            c.ensure_workspace(gpu, elems).map_err(|e| e.to_string())?;
+        }
+        let loaded = self.load(v)?;
+        let launches = loaded.plan(gpu, &problem.shape).map_err(|e| e.to_string())?;
+        time_variant(gpu, loaded, problem, copies, &launches, plan).map_err(|e| e.to_string())
+    }
+}

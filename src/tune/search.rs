@@ -1,0 +1,425 @@
+//! What the tuner measures, and in what order: the pool of valid variants of a workload, the
+//! first round (every family's default, the winners of neighbouring shapes already in the
+//! database, a seeded sample of each family), the steps of the climb that follows (one
+//! parameter moved to the next value up or down from the best points so far), and the timing
+//! rounds of successive halving (a short run for every candidate, longer runs for the best).
+//!
+//! Compiling a candidate costs far more than timing it (NVRTC + ptxas take 0.5 to 2 s per
+//! tensor-core kernel; a timed run takes milliseconds), so the search is shaped to compile
+//! few: a climb from good starting points converges after a few dozen kernels where sampling
+//! the space needs hundreds. `--exhaustive` keeps the whole pool.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+
+use indexmap::IndexMap;
+
+use super::db::{Entry, TuneKey, TuningDb};
+use super::time::TimingPlan;
+use super::workloads::Workload;
+use crate::ops::{Epilogue, Mask};
+use crate::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Points, Variant};
+
+/// Every variant of every family of the workload's op that computes in its dtype, has its
+/// epilogue and mask, and can run its shape on this device.
+pub fn pool(catalog: &Catalog, w: &Workload, limits: &DeviceLimits) -> Result<Vec<Variant>, String> {
+    Ok(expand_kind(catalog, w, limits)?
+        .into_iter()
+        .filter(|v| v.check_shape(&w.shape, limits).is_ok())
+        .collect())
+}
+
+/// Every variant of the workload's op, dtype, epilogue and mask, whatever the shape.
+fn expand_kind(catalog: &Catalog, w: &Workload, limits: &DeviceLimits) -> Result<Vec<Variant>, String> {
+    let mut all = Vec::new();
+    for f in catalog.for_op(w.op) {
+        // Candidates compute in the workload's dtype: tf32 workloads get the tf32 variants,
+        // f32 workloads the f32 ones.
+        if !f.dtypes.contains(&w.dtype) || !f.epilogues.contains(&w.epilogue) || !f.masks.contains(&w.mask) {
+            continue;
+        }
+        let variants = expand(f, Points::All, limits).map_err(|e| e.to_string())?;
+        all.extend(
+            variants
+                .into_iter()
+                .filter(|v| v.dtype == w.dtype && v.epilogue == w.epilogue && v.mask == w.mask),
+        );
+    }
+    Ok(all)
+}
+
+/// The valid variants of each (op, dtype, epilogue, mask), expanded once per run: expanding
+/// a tensor-core family's space evaluates its constraints on tens of thousands of points. The
+/// shape check stays per workload.
+#[derive(Default)]
+pub struct Pools {
+    expanded: HashMap<(&'static str, Dtype, Epilogue, Mask), Vec<Variant>>,
+}
+
+impl Pools {
+    /// [`pool`], from the expansion cached for the workload's kind.
+    pub fn pool(&mut self, catalog: &Catalog, w: &Workload, limits: &DeviceLimits) -> Result<Vec<Variant>, String> {
+        let kind = (w.op, w.dtype, w.epilogue, w.mask);
+        let expanded = match self.expanded.entry(kind) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(expand_kind(catalog, w, limits)?),
+        };
+        Ok(expanded
+            .iter()
+            .filter(|v| v.check_shape(&w.shape, limits).is_ok())
+            .cloned()
+            .collect())
+    }
+}
+
+/// How many of a family's `n` valid variants the first round samples besides its default:
+/// grows with the square root, so a family of 1,700 points gets 3 and one of 100 gets 1 (the
+/// climb does the rest).
+pub fn sample_size(n: usize) -> usize {
+    (1 + (n as f64).sqrt() as usize / 16).min(n)
+}
+
+/// Starting points taken from the database: for the tuned shapes of the same op, dtype and
+/// epilogue/mask nearest to `key` (log distance over the shape's sizes; the key's own shape
+/// first when `--force` re-tunes it), their winner and their next best timed candidates, when
+/// the pool has them (same family and parameters).
+pub fn seeds_from_db(db: &TuningDb, key: &TuneKey, pool: &[Variant]) -> Vec<Variant> {
+    const SHAPES: usize = 4;
+    const PER_SHAPE: usize = 3;
+    let distance = |e: &Entry| -> f64 {
+        key.shape
+            .iter()
+            .map(|(name, want)| {
+                let have = e.shape.get(name).copied().unwrap_or(1).max(1) as f64;
+                ((*want).max(1) as f64).ln() - have.ln()
+            })
+            .map(f64::abs)
+            .sum()
+    };
+    let mut near: Vec<&Entry> = db.same_group(key).collect();
+    near.sort_by(|a, b| distance(a).total_cmp(&distance(b)));
+    let mut out: Vec<Variant> = Vec::new();
+    for e in near.into_iter().take(SHAPES) {
+        let mut timed: Vec<(&str, &IndexMap<String, i64>, f64)> = e
+            .candidates
+            .iter()
+            .filter_map(|c| c.median_ms.map(|ms| (c.family.as_str(), &c.params, ms)))
+            .collect();
+        timed.sort_by(|a, b| a.2.total_cmp(&b.2));
+        let points = std::iter::once((e.family.as_str(), &e.params)).chain(timed.into_iter().map(|(f, p, _)| (f, p)));
+        let mut taken = 0;
+        for (family, params) in points {
+            if taken == PER_SHAPE {
+                break;
+            }
+            if let Some(v) = pool.iter().find(|v| v.family.name == family && &v.params == params) {
+                if !out.iter().any(|o| o.kernel_name() == v.kernel_name()) {
+                    out.push(v.clone());
+                }
+                taken += 1;
+            }
+        }
+    }
+    out
+}
+
+/// The first round: the seeds, every family's default (when valid for the shape), and a seeded
+/// sample of each family of [`sample_size`] variants. Each variant once, seeds first.
+///
+/// The sample is the variants with the smallest hash of (seed, kernel name), not a shuffle:
+/// workloads of one op, dtype and epilogue then sample the same kernels wherever they are
+/// valid, and a model's workloads share their compiles.
+pub fn first_round(pool: &[Variant], seeds: &[Variant], seed: u64) -> Vec<Variant> {
+    let rank = |v: &Variant| {
+        let mut h = std::hash::DefaultHasher::new();
+        (seed, v.kernel_name()).hash(&mut h);
+        h.finish()
+    };
+    let mut chosen: Vec<Variant> = seeds.to_vec();
+    let mut families: Vec<&str> = Vec::new();
+    for v in pool {
+        if !families.contains(&v.family.name.as_str()) {
+            families.push(&v.family.name);
+        }
+    }
+    for family in families {
+        let members: Vec<&Variant> = pool.iter().filter(|v| v.family.name == family).collect();
+        chosen.extend(
+            members
+                .iter()
+                .filter(|v| v.params == v.family.default)
+                .map(|v| (*v).clone()),
+        );
+        let mut rest: Vec<&Variant> = members.into_iter().filter(|v| v.params != v.family.default).collect();
+        rest.sort_by_cached_key(|v| rank(v));
+        let n = sample_size(rest.len() + 1);
+        chosen.extend(rest.into_iter().take(n).cloned());
+    }
+    let mut seen = HashSet::new();
+    chosen.retain(|v| seen.insert(v.kernel_name()));
+    chosen
+}
+
+/// The variant of `family` in `pool` that shares the most parameter values with `params`
+/// (the first such in pool order): where another workload's best point lands in this one's
+/// pool when its exact point is not valid here (another epilogue, another shape).
+pub fn nearest_in_pool<'p>(pool: &'p [Variant], family: &str, params: &IndexMap<String, i64>) -> Option<&'p Variant> {
+    let shared = |v: &Variant| params.iter().filter(|(k, x)| v.params.get(*k) == Some(x)).count();
+    pool.iter()
+        .filter(|v| v.family.name == family)
+        .fold(None, |best: Option<(&Variant, usize)>, v| {
+            let n = shared(v);
+            match best {
+                Some((_, m)) if m >= n => best,
+                _ => Some((v, n)),
+            }
+        })
+        .map(|(v, _)| v)
+}
+
+/// One step of the climb from `v`: each parameter moved to the next listed value below or
+/// above its own (the valid ones only; the shape is checked by the caller).
+pub fn steps(v: &Variant, limits: &DeviceLimits) -> Vec<Variant> {
+    let mut out = Vec::new();
+    for (name, values) in &v.family.params {
+        let Some(at) = values.iter().position(|x| *x == v.params[name]) else {
+            continue;
+        };
+        let next = [at.checked_sub(1), Some(at + 1).filter(|i| *i < values.len())];
+        for i in next.into_iter().flatten() {
+            let overrides: Vec<_> = v
+                .params
+                .iter()
+                .map(|(k, x)| (k.clone(), if k == name { values[i] } else { *x }))
+                .collect();
+            if let Ok(n) = variant_with(&v.family, &overrides, v.dtype, v.epilogue, v.mask, limits) {
+                out.push(n);
+            }
+        }
+    }
+    out
+}
+
+/// How many of the best points the climb steps from each round, how many of their steps a
+/// workload takes per round at most (the best point's first), and when it stops: after a
+/// round that improved the best time by less than [`MIN_GAIN`], or after [`MAX_ROUNDS`].
+pub const CLIMB_FROM: usize = 2;
+pub const MAX_STEPS: usize = 16;
+/// Sibling workloads' best points a workload tries per round at most (see `tuner`).
+pub const MAX_SIBLINGS: usize = 4;
+pub const MAX_ROUNDS: usize = 6;
+pub const MIN_GAIN: f64 = 0.005;
+
+/// The short run every verified candidate gets.
+pub const SCREEN: TimingPlan = TimingPlan {
+    warmup: 1,
+    min_runs: 5,
+    max_runs: 20,
+    target_ms: 2.0,
+};
+
+/// The rounds of successive halving after the screen: keep the best `keep` by the previous
+/// round's median, time them again with `plan`. The last round picks the winner.
+pub struct HalvingRound {
+    pub keep: usize,
+    pub plan: TimingPlan,
+}
+
+pub fn halving_rounds() -> [HalvingRound; 2] {
+    [
+        HalvingRound {
+            keep: 8,
+            plan: TimingPlan {
+                warmup: 2,
+                min_runs: 10,
+                max_runs: 50,
+                target_ms: 10.0,
+            },
+        },
+        HalvingRound {
+            keep: 3,
+            plan: TimingPlan::default(),
+        },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog() -> Catalog {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        Catalog::load(&root.join("specs"), &root.join("templates")).unwrap()
+    }
+
+    fn workload(dtype: Dtype, m: i64) -> Workload {
+        let shape = [("M", m), ("N", 2304), ("K", 768), ("T", m.min(1024)), ("n_head", 12)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        Workload {
+            role: "attn.qkv".into(),
+            op: "matmul",
+            dtype,
+            epilogue: Epilogue::Bias,
+            mask: Mask::None,
+            shape,
+            calls: 1,
+        }
+    }
+
+    fn pool_of(w: &Workload) -> Vec<Variant> {
+        pool(&catalog(), w, &DeviceLimits::default()).unwrap()
+    }
+
+    #[test]
+    fn sample_sizes_grow_slowly() {
+        assert_eq!(sample_size(1), 1);
+        assert_eq!(sample_size(12), 1);
+        assert_eq!(sample_size(105), 1);
+        assert_eq!(sample_size(400), 2);
+        assert_eq!(sample_size(1708), 3);
+    }
+
+    /// The first round holds every family once by its default (where valid), a few samples of
+    /// each, no repeats, and is the same for the same seed.
+    #[test]
+    fn first_round_covers_every_family_without_repeats() {
+        let pool = pool_of(&workload(Dtype::Bf16, 1024));
+        assert!(pool.len() > 1000, "{}", pool.len());
+        let round = first_round(&pool, &[], 7);
+        let families: HashSet<&str> = pool.iter().map(|v| v.family.name.as_str()).collect();
+        for f in &families {
+            assert!(round.iter().any(|v| v.family.name == *f), "{f} missing");
+        }
+        let names: HashSet<String> = round.iter().map(Variant::kernel_name).collect();
+        assert_eq!(names.len(), round.len(), "no variant twice");
+        assert!(round.len() < 60, "a small first round: {}", round.len());
+        let again: Vec<String> = first_round(&pool, &[], 7).iter().map(Variant::kernel_name).collect();
+        assert_eq!(again, round.iter().map(Variant::kernel_name).collect::<Vec<_>>());
+        let other: Vec<String> = first_round(&pool, &[], 8).iter().map(Variant::kernel_name).collect();
+        assert_ne!(other, again, "another seed samples other points");
+        // Another M of the same epilogue samples the same kernels (their compiles are shared).
+        let decode = pool_of(&workload(Dtype::Bf16, 8192));
+        let names = |r: Vec<Variant>| r.iter().map(Variant::kernel_name).collect::<HashSet<_>>();
+        assert_eq!(names(first_round(&decode, &[], 7)), names(round));
+    }
+
+    /// A step moves exactly one parameter to a neighbouring listed value.
+    #[test]
+    fn steps_move_one_parameter_to_an_adjacent_value() {
+        let limits = DeviceLimits::default();
+        let w = workload(Dtype::Bf16, 1024);
+        let pool = pool(&catalog(), &w, &limits).unwrap();
+        let start = pool
+            .iter()
+            .find(|v| v.family.name == "matmul_wgmma_tma" && v.params == v.family.default)
+            .unwrap();
+        let steps = steps(start, &limits);
+        assert!(!steps.is_empty());
+        for s in &steps {
+            let moved: Vec<&String> = s.params.keys().filter(|k| s.params[*k] != start.params[*k]).collect();
+            assert_eq!(moved.len(), 1, "{}", s.key());
+            let name = moved[0];
+            let values = &start.family.params[name];
+            let (a, b) = (
+                values.iter().position(|x| *x == start.params[name]).unwrap(),
+                values.iter().position(|x| *x == s.params[name]).unwrap(),
+            );
+            assert_eq!(a.abs_diff(b), 1, "{name}: {} -> {}", start.params[name], s.params[name]);
+        }
+    }
+
+    /// A point lands on itself when the pool has it, else on the member sharing most values.
+    #[test]
+    fn nearest_in_pool_prefers_the_exact_point_then_the_most_shared_values() {
+        let pool = pool_of(&workload(Dtype::Bf16, 1024));
+        let v = &pool[pool.len() / 2];
+        let found = nearest_in_pool(&pool, &v.family.name, &v.params).unwrap();
+        assert_eq!(found.kernel_name(), v.kernel_name());
+        let others: Vec<Variant> = pool
+            .iter()
+            .filter(|x| x.kernel_name() != v.kernel_name())
+            .cloned()
+            .collect();
+        let near = nearest_in_pool(&others, &v.family.name, &v.params).unwrap();
+        let shared = |x: &Variant| v.params.iter().filter(|(k, y)| x.params.get(*k) == Some(y)).count();
+        let best = others
+            .iter()
+            .filter(|x| x.family.name == v.family.name)
+            .map(shared)
+            .max()
+            .unwrap();
+        assert_eq!(shared(near), best);
+        assert!(best < v.params.len());
+        assert!(nearest_in_pool(&pool, "no_such_family", &v.params).is_none());
+    }
+
+    /// Seeds come from the nearest tuned shapes of the same group, winner first, and only
+    /// variants the pool holds.
+    #[test]
+    fn seeds_come_from_the_nearest_tuned_shapes() {
+        let limits = DeviceLimits::default();
+        let w = workload(Dtype::Bf16, 1024);
+        let pool = pool(&catalog(), &w, &limits).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let header = crate::tune::db::DbHeader {
+            gpu: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            driver_version: 13000,
+            nvrtc_version: (13, 0),
+            format: crate::tune::db::FORMAT_VERSION,
+        };
+        let mut db = TuningDb::open(&dir.path().join("db.json"), header).unwrap();
+        let key = |m: i64| TuneKey {
+            op: "matmul".into(),
+            dtype: "bf16".into(),
+            variant_kind: "bias".into(),
+            shape: workload(Dtype::Bf16, m).shape,
+        };
+        let pick = |i: usize| &pool[i * 97 % pool.len()];
+        let entry = |m: i64, winner: &Variant, runner_up: &Variant| Entry {
+            family: winner.family.name.clone(),
+            params: winner.params.clone(),
+            shape: key(m).shape,
+            median_ms: 1.0,
+            spread_ms: 0.0,
+            baseline_ms: None,
+            baseline: None,
+            baseline_unavailable: None,
+            variants_tried: 2,
+            tuned_at: 0,
+            role: None,
+            flops: 0.0,
+            bytes: 0.0,
+            candidates: [(winner, 1.0), (runner_up, 1.5)]
+                .iter()
+                .map(|(v, ms)| crate::tune::records::Candidate {
+                    family: v.family.name.clone(),
+                    params: v.params.clone(),
+                    median_ms: Some(*ms),
+                    spread_ms: Some(0.0),
+                    error: Some(0.0),
+                    rejected: None,
+                    resources: Vec::new(),
+                })
+                .collect(),
+        };
+        db.insert(&key(8192), entry(8192, pick(1), pick(2)));
+        db.insert(&key(2048), entry(2048, pick(3), pick(4)));
+        db.insert(&key(512), entry(512, pick(5), pick(5)));
+        let seeds: Vec<String> = seeds_from_db(&db, &key(1024), &pool)
+            .iter()
+            .map(Variant::kernel_name)
+            .collect();
+        let want: Vec<String> = [3, 4, 5, 1, 2].iter().map(|i| pick(*i).kernel_name()).collect();
+        assert_eq!(
+            seeds, want,
+            "nearest shapes first (2048, then 512, then 8192), winner before runner-up, no repeats"
+        );
+        // The key's own earlier winner (a --force re-tune) comes first.
+        db.insert(&key(1024), entry(1024, pick(6), pick(7)));
+        let seeds = seeds_from_db(&db, &key(1024), &pool);
+        assert_eq!(seeds[0].kernel_name(), pick(6).kernel_name());
+    }
+}
