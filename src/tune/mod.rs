@@ -8,6 +8,7 @@ pub mod db;
 pub mod peer;
 pub mod records;
 pub mod registry;
+pub mod spread;
 pub mod time;
 pub mod tuner;
 pub mod verify;
