@@ -263,6 +263,8 @@ pub struct SpreadPlan {
     pub devices: Vec<DeviceIdentity>,
     pub kinds: Vec<KindPlan>,
     pub workloads: Vec<Workload>,
+    /// Whether workloads already in a database were planned to be tuned again.
+    pub force: bool,
 }
 
 /// One workload's outcome and the device that measured it.
@@ -387,14 +389,16 @@ impl SpreadPlan {
             devices,
             kinds,
             workloads: workloads.to_vec(),
+            force,
         })
     }
 
     /// Tunes: one host thread per device with work, each running [`tune`] on its share (the
     /// first device of a kind also reports the kind's already-tuned workloads from the
     /// database) with [`device_budget`] of `options.budget`. `progress[slot]` draws device
-    /// `slot`'s progress (missing entries: none). Waits for every device; a failure names the
-    /// device, after the others finished (what they tuned is saved).
+    /// `slot`'s progress (missing entries: none). The plan's `force` replaces `options.force`
+    /// (the split was made for it). Waits for every device; a failure names the device, after
+    /// the others finished (what they tuned is saved).
     pub fn run(
         &self,
         catalog: &Catalog,
@@ -437,6 +441,7 @@ impl SpreadPlan {
                     let progress: &dyn Progress = progress.get(job.slot).copied().unwrap_or(&Quiet);
                     let options = TuneOptions {
                         budget: job.budget,
+                        force: self.force,
                         ..options.clone()
                     };
                     let db_path = job.db_path;
