@@ -293,3 +293,181 @@ fn gpu_timing_counts_gpu_time_not_launch_cost() {
     eprintln!("a 100 µs GPU hold: {:.1} µs", busy_gpu.median_ms * 1e3);
     assert!((0.095..0.150).contains(&busy_gpu.median_ms), "{busy_gpu:?}");
 }
+
+/// Counts what the tuner reports, per device (what the one progress display draws).
+#[derive(Default)]
+struct Counted {
+    stages: std::sync::atomic::AtomicUsize,
+}
+
+impl kernelforge::tune::tuner::Progress for Counted {
+    fn stage(&self, _message: &str, _total: u64) {
+        self.stages.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Small workloads of four kinds for the spread tests.
+fn spread_workloads() -> Vec<Workload> {
+    vec![
+        workload(
+            "matmul",
+            Epilogue::BiasGelu,
+            Mask::None,
+            &[("M", 300), ("N", 384), ("K", 256)],
+        ),
+        workload("layernorm", Epilogue::None, Mask::None, &[("N", 300), ("C", 768)]),
+        workload(
+            "attention",
+            Epilogue::None,
+            Mask::Causal,
+            &[("B", 1), ("NH", 2), ("T", 200), ("HS", 64)],
+        ),
+        workload(
+            "matmul",
+            Epilogue::Bias,
+            Mask::None,
+            &[("M", 64), ("N", 256), ("K", 128)],
+        ),
+    ]
+}
+
+fn spread_options(force: bool) -> TuneOptions {
+    TuneOptions {
+        budget: Duration::from_secs(40),
+        seed: 5,
+        force,
+        baseline: true,
+        exhaustive: false,
+    }
+}
+
+/// Spreads `workloads` over `ordinals` (one kind) into the database at `path`, cold, then warm;
+/// checks every workload is tuned exactly once, in order, saved, and read back from the
+/// database the second time.
+fn spread_cold_then_warm(catalog: &Catalog, ordinals: &[usize], path: &Path, workloads: &[Workload]) {
+    use kernelforge::tune::spread::spread_tune;
+    let bars: Vec<Counted> = ordinals.iter().map(|_| Counted::default()).collect();
+    let progress: Vec<&dyn kernelforge::tune::tuner::Progress> = bars.iter().map(|b| b as _).collect();
+    let t0 = std::time::Instant::now();
+    let kinds = spread_tune(
+        catalog,
+        ordinals,
+        Some(path),
+        workloads,
+        &spread_options(false),
+        &progress,
+    )
+    .unwrap_or_else(|e| panic!("spread over {ordinals:?}: {e}"));
+    eprintln!("spread over {ordinals:?}, cold: {:.1} s", t0.elapsed().as_secs_f64());
+    assert_eq!(kinds.len(), 1, "one kind");
+    let kind = &kinds[0];
+    assert_eq!(kind.results.len(), workloads.len());
+    for (w, r) in workloads.iter().zip(&kind.results) {
+        eprintln!(
+            "{} {:?} on {:?}: {:?}",
+            w.role,
+            w.shape,
+            r.device,
+            r.result.winner.as_ref().map(|e| &e.family)
+        );
+        assert_eq!((&r.result.role, &r.result.shape), (&w.role, &w.shape), "input order");
+        assert!(!r.result.from_db && r.result.winner.is_some());
+        assert!(r.device.is_some_and(|d| ordinals.contains(&d)));
+    }
+    assert_eq!(kind.work.len(), ordinals.len());
+    assert_eq!(
+        kind.work.iter().map(|w| w.tuned).sum::<usize>(),
+        workloads.len(),
+        "each once"
+    );
+    for (slot, w) in kind.work.iter().enumerate() {
+        eprintln!(
+            "cuda:{} tuned {} in {:.1} s (budget {:.1} s)",
+            w.device.ordinal,
+            w.tuned,
+            w.busy.as_secs_f64(),
+            w.budget.as_secs_f64()
+        );
+        assert!(
+            w.tuned > 0,
+            "every device gets a share of {} workloads",
+            workloads.len()
+        );
+        assert!(
+            bars[slot].stages.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "its bar moved"
+        );
+    }
+    // Both devices' winners are in the one file.
+    let db = TuningDb::read_only(path).unwrap();
+    assert_eq!(
+        db.len(),
+        workloads.len(),
+        "{:?}",
+        db.entries().map(|(k, _)| k).collect::<Vec<_>>()
+    );
+
+    let t1 = std::time::Instant::now();
+    let warm = spread_tune(catalog, ordinals, Some(path), workloads, &spread_options(false), &[]).unwrap();
+    assert!(warm[0].results.iter().all(|r| r.result.from_db && r.device.is_none()));
+    assert!(warm[0].work.iter().all(|w| w.tuned == 0));
+    assert!(t1.elapsed() < Duration::from_secs(10));
+}
+
+/// The spread on one GPU listed twice (`--devices` refuses repeats; the library takes any
+/// list): two threads, two contexts on GPU 0, one database. With two GPUs of one kind, the
+/// same over GPUs 0 and 1; with fewer, it says so and skips that part.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_spread_tunes_every_workload_once_in_order() {
+    use kernelforge::gpu::{device_count, identify};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+    let workloads = spread_workloads();
+    let dir = tempfile::tempdir().unwrap();
+    spread_cold_then_warm(&catalog, &[0, 0], &dir.path().join("same.json"), &workloads);
+
+    let count = device_count().unwrap();
+    if count < 2 {
+        eprintln!("SKIPPED the two-GPU spread: this machine has {count} GPU(s), it needs 2");
+        return;
+    }
+    let (a, b) = (identify(0).unwrap(), identify(1).unwrap());
+    if (&a.name, a.compute_capability) != (&b.name, b.compute_capability) {
+        // Two kinds: one --db cannot hold both, and the error says so.
+        let e = kernelforge::tune::spread::spread_tune(
+            &catalog,
+            &[0, 1],
+            Some(&dir.path().join("two.json")),
+            &workloads,
+            &spread_options(false),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("kinds") && e.contains("drop --db"), "{e}");
+        eprintln!(
+            "SKIPPED the two-GPU spread: GPUs 0 and 1 are of different kinds ({} / {})",
+            a.name, b.name
+        );
+        return;
+    }
+    spread_cold_then_warm(&catalog, &[0, 1], &dir.path().join("two.json"), &workloads);
+}
+
+/// A GPU index the machine does not have is named in the error, with how many there are.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_spread_names_a_missing_device() {
+    use kernelforge::tune::spread::SpreadPlan;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+    let count = kernelforge::gpu::device_count().unwrap();
+    let e = SpreadPlan::new(&catalog, &[0, count], None, &spread_workloads(), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("no GPU {count}")) && e.contains(&format!("has {count}")),
+        "{e}"
+    );
+}

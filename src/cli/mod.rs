@@ -4,6 +4,8 @@ mod kernels;
 pub mod model;
 mod report;
 mod tune;
+mod tune_bars;
+mod tune_table;
 
 use std::path::PathBuf;
 

@@ -1,22 +1,21 @@
-//! `kernelforge tune`: tune every shape a model uses (or one op at one shape) on this GPU,
-//! against cuBLAS, into the tuning database; print a table, JSON or an HTML report.
+//! `kernelforge tune`: tune every shape a model uses (or one op at one shape) on one GPU, or
+//! spread over several (`--devices`, see [`crate::tune::spread`]), against cuBLAS, into the
+//! tuning database of each GPU kind; print a table, JSON or an HTML report.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use super::kernels::render_table;
-use crate::codegen::Renderer;
-use crate::gpu::{Compiler, Gpu};
+use super::tune_bars::TuneBars;
+use super::tune_table::{results_json, results_table, Peaks};
+use crate::gpu::{Compiler, DeviceSelection, Gpu, GpuError};
 use crate::model::GPT2Config;
 use crate::ops::{self, Epilogue, Mask};
-use crate::spec::{shape_text, Catalog, Dtype};
-use crate::tune::baseline::{
-    fp32_peak_flops, measure_copy_bandwidth, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE,
-};
-use crate::tune::db::{default_path, Ceilings, DbHeader, TuningDb};
-use crate::tune::tuner::{tune, Progress, TuneOptions, TuneResult};
+use crate::spec::{Catalog, Dtype};
+use crate::tune::db::{DbHeader, TuningDb};
+use crate::tune::spread::{KindOutcome, KindPlan, SpreadPlan};
+use crate::tune::tuner::TuneOptions;
 use crate::tune::workloads::{model_workloads, Workload};
 
 /// Tune the kernels a model needs on this GPU and store the winners.
@@ -25,23 +24,30 @@ use crate::tune::workloads::{model_workloads, Workload};
 /// epilogues, attention, layernorm, embedding, LM head) for each --batch and --seq and searches
 /// each shape's variants: first every family's default, the winners of neighbouring shapes
 /// already in the database and a small sample of each family; then one-parameter steps from
-/// the best points while they pay; then the fastest few are timed again, longer (successive
-/// halving). Every candidate is screened from its ptxas resources (spills, no block per SM),
-/// verified against the f64 CPU reference and timed with CUDA events; the vendor peer
-/// (cuBLASLt with its own fused epilogue) is measured on the same shapes, and the winners are
-/// saved in the tuning database (one file per GPU) with every candidate's fate. Shapes already
-/// tuned are read back in seconds; --force re-tunes them; --exhaustive measures everything.
+/// the best points (and the other shapes' best points) while they pay; then the fastest few are
+/// timed again, longer (successive halving). Every candidate is screened from its ptxas
+/// resources (spills, no block per SM), verified against the f64 CPU reference and timed with
+/// CUDA events; the vendor peer (cuBLASLt with its own fused epilogue) is measured on the same
+/// shapes, and the winners are saved in the tuning database (one file per GPU kind) with every
+/// candidate's fate. Shapes already tuned are read back in seconds; --force re-tunes them;
+/// --exhaustive measures every variant instead of searching.
 ///
 /// --dtype tf32 tunes the matmuls on tensor cores (TF32 inputs, f32 accumulation, relative L2
 /// error < 1e-3) against cuBLAS in TF32 math mode; the other ops of a model stay f32.
 /// --dtype f16 / bf16 stores the matmul tensors as halves (f32 accumulation, relative L2
 /// error < 1e-2) and compares with cuBLAS on the same halves (cublasGemmEx, f32 compute).
 ///
+/// --devices 0,1 (or all) spreads the work over several GPUs of this host: the GPUs of one kind
+/// (same name and compute capability) split the workloads not tuned yet, longest first to the
+/// least busy GPU, each verifying and timing its share on itself and saving into that kind's
+/// database; every kind in the list tunes every workload into its own database.
+///
 /// Examples:
 ///   kernelforge tune --model gpt2 --batch 8 --seq 1024
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --epilogue bias_gelu
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype tf32
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype bf16
+///   kernelforge tune --model gpt2 --batch 1,8 --dtype bf16 --devices all
 #[derive(Debug, Args)]
 pub struct TuneArgs {
     /// gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face folder with config.json.
@@ -71,8 +77,9 @@ pub struct TuneArgs {
     /// Mask for --op attention.
     #[arg(long, value_parser = super::kernels::parse_mask)]
     pub mask: Option<Mask>,
-    /// Upper bound in seconds for the whole run (compiles included), shared out among the
-    /// workloads. The search usually stops before, when a round of its climb gains less than 1%.
+    /// Upper bound in seconds for the whole run (compiles included); the search usually stops
+    /// before, when a round of its climb gains less than 0.5%. With --devices, GPUs of one kind
+    /// split it in proportion to their share of the work.
     #[arg(long, default_value_t = 120.0)]
     pub budget: f64,
     /// Measure every valid variant of every family instead of searching (no budget; the
@@ -80,9 +87,18 @@ pub struct TuneArgs {
     /// reference that shows what the search misses.
     #[arg(long)]
     pub exhaustive: bool,
-    /// Tuning database (default: the user cache folder, one file per GPU).
+    /// Tuning database (default: the user cache folder, one file per GPU kind). With --devices
+    /// naming GPUs of several kinds, leave it out: each kind needs its own file.
     #[arg(long, value_name = "PATH")]
     pub db: Option<PathBuf>,
+    /// GPUs to tune on: indices such as 0,1, or `all` (default: GPU 0). GPUs of one kind
+    /// split the workloads (each measures its share on itself, with the --budget cut in
+    /// proportion to its share, so every workload is searched as hard as on one GPU and the run
+    /// ends sooner) and save into that kind's database; each kind tunes every workload into
+    /// its own database. With --op the one workload runs on the first GPU of each kind.
+    /// Peaks and ceilings are measured on the first GPU of each kind.
+    #[arg(long, value_name = "LIST|all", value_parser = super::model::parse_devices)]
+    pub devices: Option<DeviceSelection>,
     /// Re-tune shapes the database already has.
     #[arg(long)]
     pub force: bool,
@@ -118,28 +134,9 @@ fn model_config(spec: &str) -> Result<GPT2Config> {
     bail!("--model {spec}: not a size name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a folder with config.json, or an llm.c file")
 }
 
-struct Bars {
-    bar: indicatif::ProgressBar,
-}
-
-impl Progress for Bars {
-    fn stage(&self, message: &str, total: u64) {
-        self.bar.set_position(0);
-        self.bar.set_length(total);
-        self.bar.set_prefix(message.to_string());
-    }
-    fn advance(&self, message: &str) {
-        self.bar.set_message(message.to_string());
-        self.bar.inc(1);
-    }
-}
-
-pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
-    if args.budget <= 0.0 {
-        bail!("--budget must be positive (seconds)");
-    }
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
-    let workloads: Vec<Workload> = match (&args.model, &args.op) {
+/// The workloads `args` ask for: every shape of --model, or the one --op at --shape.
+fn workloads_of(args: &TuneArgs, catalog: &Catalog) -> Result<Vec<Workload>> {
+    Ok(match (&args.model, &args.op) {
         (Some(model), _) => {
             let cfg = model_config(model)?;
             if let Some(bad) = args.batch.iter().chain(&args.seq).find(|v| **v < 1) {
@@ -180,30 +177,102 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             }]
         }
         (None, None) => bail!("give --model NAME|DIR or --op OP --shape SHAPE"),
+    })
+}
+
+/// The CUDA ordinals `--devices` names (GPU 0 without it), checked against the machine.
+fn gpus(asked: Option<&DeviceSelection>) -> Result<Vec<usize>> {
+    const WHY: &str = "tune measures kernels on the GPU";
+    let count = crate::gpu::device_count().context(WHY)?;
+    if count == 0 {
+        if !crate::gpu::device::driver_present() {
+            return Err(GpuError::NoDriver).context(WHY);
+        }
+        bail!("{WHY}, and the driver reports no CUDA device on this machine (`nvidia-smi -L` lists them)");
+    }
+    Ok(asked.cloned().unwrap_or_default().resolve(count)?)
+}
+
+/// What a kind of GPU is about to do, for stderr: today's line for one GPU, and for several
+/// how many workloads each takes.
+fn plan_line(plan: &SpreadPlan, kind: &KindPlan) -> String {
+    let cached = kind.cached().len();
+    let from_db = if cached > 0 {
+        format!(" ({cached} already in the database)")
+    } else {
+        String::new()
     };
+    let total = kind.assignment.len();
+    if let [slot] = kind.slots[..] {
+        let d = &plan.devices[slot];
+        return format!(
+            "tuning {total} workloads{from_db} on cuda:{} {} ({}), database {}",
+            d.ordinal,
+            d.name,
+            d.arch(),
+            kind.db_path.display()
+        );
+    }
+    let shares: Vec<String> = kind
+        .slots
+        .iter()
+        .map(|&slot| format!("cuda:{} {}", plan.devices[slot].ordinal, kind.share(slot).len()))
+        .collect();
+    format!(
+        "tuning {total} workloads{from_db} on {} GPUs {}: {}; database {}",
+        kind.slots.len(),
+        kind.describe(),
+        shares.join(", "),
+        kind.db_path.display()
+    )
+}
+
+pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
+    if args.budget <= 0.0 {
+        bail!("--budget must be positive (seconds)");
+    }
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
+    let workloads = workloads_of(&args, &catalog)?;
+    let ordinals = gpus(args.devices.as_ref())?;
 
     let started = std::time::Instant::now();
-    let gpu = Gpu::new(0).context("tune measures kernels on the GPU")?;
-    let compiler = Compiler::new(&gpu.info.arch())?;
-    let renderer = Renderer::new(&catalog.templates_dir)?;
-    let header = DbHeader::for_device(&gpu, &compiler);
-    let db_path = args.db.clone().unwrap_or_else(|| default_path(&header));
-    let mut db = TuningDb::open(&db_path, header)?;
-    if let Some(w) = &db.warning {
-        eprintln!("warning: {w}");
+    let plan = SpreadPlan::new(&catalog, &ordinals, args.db.as_deref(), &workloads, args.force)?;
+    if let (Some(path), true) = (&args.report, plan.kinds.len() > 1) {
+        bail!(
+            "--report {}: the GPUs are of {} kinds and a report shows one database; pick GPUs of one kind \
+             with --devices, or drop --report and run `kernelforge report --db PATH` for each kind's database",
+            path.display(),
+            plan.kinds.len()
+        );
     }
-    eprintln!(
-        "tuning {} workloads on {} ({}), database {}",
-        workloads.len(),
-        gpu.info.name,
-        gpu.info.arch(),
-        db_path.display()
-    );
-    let bar = indicatif::ProgressBar::new(0).with_style(
-        indicatif::ProgressStyle::with_template("{prefix:.bold} [{bar:30}] {pos}/{len} {wide_msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    for kind in &plan.kinds {
+        if let Some(w) = &kind.warning {
+            eprintln!("warning: {w}");
+        }
+        eprintln!("{}", plan_line(&plan, kind));
+        let idle: Vec<String> = kind
+            .slots
+            .iter()
+            .filter(|&&s| kind.share(s).is_empty())
+            .map(|&s| format!("cuda:{}", plan.devices[s].ordinal))
+            .collect();
+        if kind.slots.len() > 1 && !idle.is_empty() {
+            eprintln!(
+                "note: {} workloads to tune on {} GPUs of this kind; nothing for {}",
+                kind.assignment.iter().flatten().count(),
+                kind.slots.len(),
+                idle.join(", ")
+            );
+        }
+    }
+    let waiting: Vec<String> = (0..ordinals.len())
+        .map(|slot| {
+            let n = plan.kinds.iter().map(|k| k.share(slot).len()).sum::<usize>();
+            format!("{n} workloads queued")
+        })
+        .collect();
+    let bars = TuneBars::new(&ordinals, &waiting);
+    // The one place the tuner's options are built.
     let options = TuneOptions {
         budget: std::time::Duration::from_secs_f64(args.budget),
         seed: args.seed,
@@ -211,88 +280,122 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         baseline: !args.no_baseline,
         exhaustive: args.exhaustive,
     };
-    let run = tune(
-        &gpu,
-        &compiler,
-        &renderer,
-        &catalog,
-        &mut db,
-        &workloads,
-        &options,
-        &Bars { bar: bar.clone() },
-    )
-    .map_err(|e| anyhow::anyhow!(e))?;
-    bar.finish_and_clear();
-    let (results, spent) = (run.results, run.phases);
-    let ceilings_started = std::time::Instant::now();
-    let peaks = Peaks {
-        fp32: fp32_peak_flops(&gpu)?,
-        // Tensor-core rows are measured against what cuBLAS TF32 reaches on a large square
-        // GEMM in this run (a practical peak), not against the FP32 FMA peak.
-        tf32: if results.iter().any(|r| r.dtype == Dtype::Tf32 && r.flops > 0.0) {
-            Some(measure_tf32_peak(&gpu)?)
-        } else {
-            None
-        },
-        // f16 / bf16 rows: cuBLAS BF16 on the same square GEMM (16-bit tensor-core rate).
-        half: if results
-            .iter()
-            .any(|r| matches!(r.dtype, Dtype::F16 | Dtype::Bf16) && r.flops > 0.0)
-        {
-            Some(measure_half_peak(&gpu)?)
-        } else {
-            None
-        },
-        bytes: measure_copy_bandwidth(&gpu)?,
-    };
-    // Keep the ceilings in the database (the report draws them); figures not measured in this
-    // run keep their earlier values.
-    db.ceilings = Ceilings {
-        fp32_tflops: Some(peaks.fp32 / 1e12),
-        tf32_tflops: peaks.tf32.map(|p| p / 1e12),
-        bf16_tflops: peaks.half.map(|p| p / 1e12),
-        copy_gb_per_s: Some(peaks.bytes / 1e9),
-        measured_at: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+    let outcome = plan.run(&catalog, &options, &bars.progress());
+    bars.finish();
+    let kinds = outcome?;
+
+    // Peaks on the first GPU of each kind, kept as ceilings in its database (the report draws
+    // them); figures not measured in this run keep their earlier values.
+    let mut measured = Vec::new();
+    for kind in &kinds {
+        let ordinal = plan.devices[kind.plan.slots[0]].ordinal;
+        let gpu = Gpu::new(ordinal).with_context(|| format!("cuda:{ordinal}: opening it to measure the peaks"))?;
+        let peaks = Peaks::measure(&gpu, kind.results.iter().map(|r| &r.result))
+            .with_context(|| format!("cuda:{ordinal} ({}): measuring the peaks", gpu.info.name))?;
+        let compiler = Compiler::new(&gpu.info.arch())?;
+        let path = &kind.plan.db_path;
+        let mut db = TuningDb::open(path, DbHeader::for_device(&gpu, &compiler))?;
+        db.ceilings = peaks.ceilings(&db.ceilings);
+        db.save()
+            .with_context(|| format!("saving the measured ceilings to {}", path.display()))?;
+        measured.push((gpu.info.clone(), peaks));
     }
-    .or(&db.ceilings);
-    db.save()
-        .with_context(|| format!("saving the measured ceilings to {}", db_path.display()))?;
     let elapsed = started.elapsed().as_secs_f64();
-    let ceilings_s = ceilings_started.elapsed().as_secs_f64();
+    let several = ordinals.len() > 1;
 
     if args.json {
-        let doc = serde_json::json!({
-            "device": gpu.info,
-            "database": db_path,
-            "seconds": elapsed,
-            "phases": spent,
-            "fp32_peak_tflops": peaks.fp32 / 1e12,
-            "tf32_cublas_peak_tflops": peaks.tf32.map(|p| p / 1e12),
-            "bf16_cublas_peak_tflops": peaks.half.map(|p| p / 1e12),
-            "copy_bandwidth_gbs": peaks.bytes / 1e9,
-            "results": results,
-        });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json_doc(&kinds, &measured, elapsed)?)?
+        );
     } else {
-        print!("{}", results_table(&results, &peaks));
+        for (kind, (_, peaks)) in kinds.iter().zip(&measured) {
+            if kinds.len() > 1 {
+                println!("{} (database {})", kind.plan.describe(), kind.plan.db_path.display());
+            }
+            print!("{}", results_table(&kind.results, peaks, several));
+        }
     }
-    let cached = results.iter().filter(|r| r.from_db).count();
-    eprintln!(
-        "{} workloads ({} from the database) in {:.1} s: {}, ceilings {:.1} s\n{}",
-        results.len(),
-        cached,
-        elapsed,
-        spent.text(),
-        ceilings_s,
-        peaks.legend()
-    );
+    let results = kinds.iter().map(|k| k.results.len()).sum::<usize>();
+    let cached = kinds
+        .iter()
+        .flat_map(|k| &k.results)
+        .filter(|r| r.result.from_db)
+        .count();
+    let mut summary = format!("{results} workloads ({cached} from the database) in {elapsed:.1} s");
+    let work: Vec<_> = kinds.iter().flat_map(|k| &k.work).collect();
+    if several {
+        for w in work {
+            summary.push_str(&format!(
+                "\n  cuda:{} tuned {} in {:.1} s: {}",
+                w.device.ordinal,
+                w.tuned,
+                w.busy.as_secs_f64(),
+                w.phases.text()
+            ));
+        }
+    } else if let Some(w) = work.first() {
+        summary.push_str(&format!(": {}", w.phases.text()));
+    }
+    eprintln!("{summary}");
+    for (kind, (_, peaks)) in kinds.iter().zip(&measured) {
+        if kinds.len() > 1 {
+            eprintln!("{}: {}", kind.plan.describe(), peaks.legend());
+        } else {
+            eprintln!("{}", peaks.legend());
+        }
+    }
     if let Some(path) = &args.report {
-        write_report(&catalog, &db_path, path)?;
+        write_report(&catalog, &kinds[0].plan.db_path, path)?;
     }
     Ok(())
+}
+
+/// The `--json` document. One kind: the device the peaks were measured on, its database, the
+/// peaks and the results at the top level (as with one GPU), plus `devices`; several kinds:
+/// `devices` and `seconds` at the top level and one such document per kind under `kinds`.
+/// Every result says which GPU measured it (`device`: its ordinal, `null` from the database);
+/// every entry of `devices` has its ordinal, name, workloads tuned and busy seconds.
+fn json_doc(
+    kinds: &[KindOutcome],
+    measured: &[(crate::gpu::device::DeviceInfo, Peaks)],
+    seconds: f64,
+) -> Result<serde_json::Value> {
+    let devices: Vec<serde_json::Value> = kinds
+        .iter()
+        .flat_map(|k| &k.work)
+        .map(|w| {
+            serde_json::json!({
+                "ordinal": w.device.ordinal,
+                "name": w.device.name,
+                "tuned": w.tuned,
+                "busy_seconds": w.busy.as_secs_f64(),
+                "phases": w.phases,
+            })
+        })
+        .collect();
+    let mut docs = Vec::new();
+    for (kind, (info, peaks)) in kinds.iter().zip(measured) {
+        let mut doc = serde_json::json!({
+            "device": info,
+            "database": kind.plan.db_path,
+            "seconds": seconds,
+            "results": results_json(&kind.results)?,
+        });
+        if let (Some(map), Some(p)) = (doc.as_object_mut(), peaks.json().as_object()) {
+            map.extend(p.clone());
+        }
+        docs.push(doc);
+    }
+    let mut doc = if docs.len() == 1 {
+        docs.remove(0)
+    } else {
+        serde_json::json!({ "seconds": seconds, "kinds": docs })
+    };
+    if let Some(map) = doc.as_object_mut() {
+        map.insert("devices".into(), devices.into());
+    }
+    Ok(doc)
 }
 
 /// `tune --report`: the report site of the database just written (see [`ReportArgs`]).
@@ -336,162 +439,12 @@ fn write_report(catalog: &Catalog, db_path: &Path, path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn short_params(params: &indexmap::IndexMap<String, i64>) -> String {
-    params
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// Throughput and fraction of peak: TFLOP/s for compute-bound ops, GB/s for the rest.
-/// The references of the "% peak" column.
-struct Peaks {
-    /// FP32 FMA peak (SMs x 128 lanes x 2 x clock), for f32 compute-bound rows.
-    fp32: f64,
-    /// cuBLAS TF32 on an 8192³ GEMM, measured in this run, for tf32 rows (marked `tc`).
-    tf32: Option<f64>,
-    /// cuBLAS BF16 on the same GEMM, measured in this run, for f16 / bf16 rows (marked `tc`).
-    half: Option<f64>,
-    /// Measured device-to-device copy bandwidth, for memory-bound rows.
-    bytes: f64,
-}
-
-impl Peaks {
-    fn legend(&self) -> String {
-        let mut text = format!(
-            "% peak: f32 rows vs the FP32 FMA peak {:.1} TFLOP/s (clock x SMs)",
-            self.fp32 / 1e12
-        );
-        if let Some(tc) = self.tf32 {
-            text.push_str(&format!(
-                "; tf32 rows (marked tc) vs cuBLAS TF32 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
-                tc / 1e12,
-                n = TF32_PEAK_SIZE
-            ));
-        }
-        if let Some(tc) = self.half {
-            text.push_str(&format!(
-                "; f16/bf16 rows (marked tc) vs cuBLAS BF16 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
-                tc / 1e12,
-                n = TF32_PEAK_SIZE
-            ));
-        }
-        text.push_str(&format!(
-            "; memory-bound rows vs the copy bandwidth {:.0} GB/s (measured)",
-            self.bytes / 1e9
-        ));
-        text
-    }
-}
-
-fn throughput(r: &TuneResult, ms: f64, peaks: &Peaks) -> (String, String) {
-    if r.flops > 0.0 {
-        let f = r.flops / (ms * 1e-3);
-        let tensor_peak = match r.dtype {
-            Dtype::Tf32 => peaks.tf32,
-            Dtype::F16 | Dtype::Bf16 => peaks.half,
-            Dtype::F32 => None,
-        };
-        let pct = match tensor_peak {
-            Some(tc) => format!("{:.0}% tc", 100.0 * f / tc),
-            None => format!("{:.0}%", 100.0 * f / peaks.fp32),
-        };
-        (format!("{:.1} TFLOP/s", f / 1e12), pct)
-    } else if r.bytes > 0.0 {
-        let b = r.bytes / (ms * 1e-3);
-        (
-            format!("{:.0} GB/s", b / 1e9),
-            format!("{:.0}%", 100.0 * b / peaks.bytes),
-        )
-    } else {
-        ("-".into(), "-".into())
-    }
-}
-
-/// The final table, then what the peers are and why any row has none: "peer ms" is the vendor
-/// peer of the row's epilogue (cuBLASLt with its own fused epilogue, or cuBLAS + the qkv split
-/// kernel) and "speed vs peer" its time over the winner's.
-fn results_table(results: &[TuneResult], peaks: &Peaks) -> String {
-    use crate::tune::baseline::{entry_peer, peer_cells, PEER_LEGEND};
-    let mut rows = vec![[
-        "workload",
-        "dtype",
-        "shape",
-        "winner",
-        "time ms",
-        "±",
-        "throughput",
-        "% peak",
-        "peer",
-        "peer ms",
-        "speed vs peer",
-        "tried",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect::<Vec<_>>()];
-    let mut notes = Vec::new();
-    for r in results {
-        let Some(w) = &r.winner else {
-            rows.push(vec![
-                r.role.clone(),
-                r.dtype.to_string(),
-                shape_text(&r.shape),
-                "NO VALID VARIANT".into(),
-            ]);
-            continue;
-        };
-        let (tp, pct) = throughput(r, w.median_ms, peaks);
-        let (peer_ms, vs_peer) = peer_cells(w);
-        if let Some(why) = &w.baseline_unavailable {
-            notes.push(format!(
-                "no peer time for {} {} {}: {why}",
-                r.role,
-                r.dtype,
-                shape_text(&r.shape)
-            ));
-        }
-        rows.push(vec![
-            r.role.clone(),
-            r.dtype.to_string(),
-            shape_text(&r.shape),
-            format!("{} {}", w.family, short_params(&w.params)),
-            format!("{:.4}", w.median_ms),
-            format!("{:.4}", w.spread_ms),
-            tp,
-            pct,
-            entry_peer(w).unwrap_or("-").to_string(),
-            peer_ms,
-            vs_peer,
-            if r.from_db {
-                "(db)".into()
-            } else {
-                w.variants_tried.to_string()
-            },
-        ]);
-    }
-    let mut text = render_table(&rows);
-    if results
-        .iter()
-        .any(|r| r.winner.as_ref().is_some_and(|w| entry_peer(w).is_some()))
-    {
-        text.push_str(&format!(
-            "{PEER_LEGEND}; speed vs peer = peer time / winner time (above 1: the generated kernel is faster)\n"
-        ));
-    }
-    for note in notes {
-        text.push_str(&note);
-        text.push('\n');
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use clap::Parser;
 
     use super::super::{Cli, Command};
+    use crate::gpu::DeviceSelection;
     use crate::spec::Dtype;
 
     fn parse(args: &[&str]) -> Result<Command, String> {
@@ -533,6 +486,53 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn tune_takes_devices() {
+        let devices = |args: &[&str]| match parse(args) {
+            Ok(Command::Tune(a)) => Ok(a.devices),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        assert_eq!(devices(&["tune", "--model", "gpt2"]).unwrap(), None, "GPU 0 by default");
+        assert_eq!(
+            devices(&["tune", "--model", "gpt2", "--devices", "all"]).unwrap(),
+            Some(DeviceSelection::All)
+        );
+        assert_eq!(
+            devices(&["tune", "--model", "gpt2", "--devices", "0,1"]).unwrap(),
+            Some(DeviceSelection::List(vec![0, 1]))
+        );
+        assert_eq!(
+            devices(&["tune", "--op", "matmul", "--shape", "64,64,64", "--devices", "cuda:1"]).unwrap(),
+            Some(DeviceSelection::List(vec![1]))
+        );
+        let e = devices(&["tune", "--model", "gpt2", "--devices", "0,0"]).unwrap_err();
+        assert!(e.contains("--devices") && e.contains("GPU 0 twice"), "{e}");
+        let e = devices(&["tune", "--model", "gpt2", "--devices", "gpu1"]).unwrap_err();
+        assert!(e.contains("`gpu1` is not a GPU index"), "{e}");
+    }
+
+    /// Without a CUDA driver, `tune --devices` fails with one clear line, not a panic.
+    #[test]
+    fn tune_without_a_gpu_says_so() {
+        if crate::gpu::device::driver_present() {
+            return;
+        }
+        let Command::Tune(args) =
+            parse(&["tune", "--op", "layernorm", "--shape", "N=4,C=8", "--devices", "0,1"]).unwrap()
+        else {
+            panic!("not tune")
+        };
+        let e = format!(
+            "{:#}",
+            super::run(std::path::Path::new(env!("CARGO_MANIFEST_DIR")), args).unwrap_err()
+        );
+        assert!(
+            e.contains("tune measures kernels on the GPU") && e.contains("no CUDA driver"),
+            "{e}"
+        );
     }
 
     /// `tune --report FILE.html` writes the report site into FILE/ and a page that opens it.

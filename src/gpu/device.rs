@@ -86,6 +86,35 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The limits specs see, read through `attr` (a context's attributes, or a device's read
+/// without a context).
+pub(crate) fn read_limits(
+    attr: impl Fn(Attr) -> Result<i64, GpuError>,
+    compute_capability: (i32, i32),
+) -> Result<DeviceLimits, GpuError> {
+    Ok(DeviceLimits {
+        max_threads: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+        max_smem_static: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
+        max_smem_dynamic: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+        num_sms: attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        warp_size: attr(Attr::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?,
+        compute_capability,
+    })
+}
+
+/// The CUDA driver's version (13000 = 13.0); needs no context.
+pub fn driver_version() -> Result<i32, GpuError> {
+    if !driver_present() {
+        return Err(GpuError::NoDriver);
+    }
+    let mut version = 0;
+    // SAFETY: plain out-parameter call; the library is present.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(GpuError::cuda("reading the driver version"))?;
+    Ok(version)
+}
+
 impl Gpu {
     /// Opens device `ordinal`.
     pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
@@ -105,19 +134,8 @@ impl Gpu {
         let compute_capability = ctx
             .compute_capability()
             .map_err(GpuError::cuda("reading the compute capability"))?;
-        let limits = DeviceLimits {
-            max_threads: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
-            max_smem_static: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
-            max_smem_dynamic: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
-            num_sms: attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
-            warp_size: attr(Attr::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?,
-            compute_capability,
-        };
-        let mut driver_version = 0;
-        // SAFETY: plain out-parameter call.
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
-            .result()
-            .map_err(GpuError::cuda("reading the driver version"))?;
+        let limits = read_limits(attr, compute_capability)?;
+        let driver_version = driver_version()?;
         let info = DeviceInfo {
             name: ctx.name().map_err(GpuError::cuda("reading the device name"))?,
             compute_capability,

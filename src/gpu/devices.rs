@@ -5,6 +5,8 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
+use crate::spec::DeviceLimits;
+
 /// `--devices` as written: not given (the first GPU), `all`, or a list of CUDA ordinals.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum DeviceSelection {
@@ -133,6 +135,61 @@ pub fn sm_count(ordinal: usize) -> Result<usize, super::GpuError> {
         unsafe { result::device::get_attribute(device, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }
             .map_err(super::GpuError::cuda(format!("reading the SM count of cuda:{ordinal}")))?;
     Ok(usize::try_from(sms).unwrap_or(0))
+}
+
+/// What a GPU is, read without creating a CUDA context: enough to group GPUs by kind, name
+/// their tuning database and list the kernel variants valid on them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceIdentity {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    #[serde(skip)]
+    pub limits: DeviceLimits,
+}
+
+impl DeviceIdentity {
+    /// `cuda:1 (NVIDIA H200)`: how errors and progress name the device.
+    pub fn label(&self) -> String {
+        format!("cuda:{} ({})", self.ordinal, self.name)
+    }
+
+    /// `sm_90` for compute capability 9.0.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// Name, compute capability and limits of GPU `ordinal`, read without creating a CUDA context
+/// (as [`sm_count`]). An ordinal the driver does not know is [`super::GpuError::NoDevice`].
+pub fn identify(ordinal: usize) -> Result<DeviceIdentity, super::GpuError> {
+    use cudarc::driver::{result, sys::CUdevice_attribute as Attr};
+    if !super::device::driver_present() {
+        return Err(super::GpuError::NoDriver);
+    }
+    result::init().map_err(super::GpuError::cuda("initializing the CUDA driver"))?;
+    let no_device = |source| super::GpuError::NoDevice { ordinal, source };
+    let device = result::device::get(i32::try_from(ordinal).unwrap_or(i32::MAX)).map_err(no_device)?;
+    let attr = |a: Attr| {
+        // SAFETY: `device` is a valid handle from cuDeviceGet; the call only reads an attribute.
+        unsafe { result::device::get_attribute(device, a) }
+            .map(i64::from)
+            .map_err(super::GpuError::cuda(format!("reading an attribute of cuda:{ordinal}")))
+    };
+    let compute_capability = (
+        attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as i32,
+        attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as i32,
+    );
+    let limits = super::device::read_limits(attr, compute_capability)?;
+    let name = result::device::get_name(device)
+        .map_err(super::GpuError::cuda(format!("reading the name of cuda:{ordinal}")))?;
+    Ok(DeviceIdentity {
+        ordinal,
+        name,
+        compute_capability,
+        limits,
+    })
 }
 
 /// Cuts `batch` sequences into one contiguous range per device, in proportion to `weights`

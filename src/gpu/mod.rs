@@ -16,7 +16,7 @@ pub mod tensor_map;
 pub use bandwidth::{copy_bandwidth, BandwidthError, CopyBandwidth};
 pub use compile::{CompileError, Compiled, Compiler};
 pub use device::{Gpu, GpuError};
-pub use devices::{device_count, slice_batch, DeviceListError, DeviceSelection};
+pub use devices::{device_count, identify, slice_batch, DeviceIdentity, DeviceListError, DeviceSelection};
 pub use graph::{GraphMismatch, GraphUpdateError, KernelGraph};
 pub use run::{ArgValue, DeviceProblem, LoadedVariant, RunError};
 pub use tensor_map::TensorMap;

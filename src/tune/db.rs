@@ -9,7 +9,7 @@
 //! results. A file that does not parse is renamed aside (`*.corrupt-<unix time>`) and reported,
 //! never a crash.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -50,11 +50,22 @@ pub struct DbHeader {
 impl DbHeader {
     /// The header for results measured on `gpu` with `compiler`'s NVRTC.
     pub fn for_device(gpu: &crate::gpu::Gpu, compiler: &crate::gpu::Compiler) -> DbHeader {
+        DbHeader::new(
+            &gpu.info.name,
+            gpu.info.compute_capability,
+            gpu.info.driver_version,
+            compiler.nvrtc_version,
+        )
+    }
+
+    /// The header for a GPU known by its name and compute capability (read without a CUDA
+    /// context, as [`crate::tune::spread`] does before it opens any), the driver and NVRTC.
+    pub fn new(gpu: &str, compute_capability: (i32, i32), driver_version: i32, nvrtc_version: (i32, i32)) -> DbHeader {
         DbHeader {
-            gpu: gpu.info.name.clone(),
-            compute_capability: gpu.info.compute_capability,
-            driver_version: gpu.info.driver_version,
-            nvrtc_version: compiler.nvrtc_version,
+            gpu: gpu.to_string(),
+            compute_capability,
+            driver_version,
+            nvrtc_version,
             format: FORMAT_VERSION,
         }
     }
@@ -147,6 +158,12 @@ pub struct TuningDb {
     pub ceilings: Ceilings,
     /// Set when a corrupt file was set aside on open; the caller shows it.
     pub warning: Option<String>,
+    /// Keys this handle inserted since it last saved: on save they win over the file's
+    /// version; for every other key the file's (possibly newer) version wins.
+    inserted: BTreeSet<String>,
+    /// The ceilings as loaded or last saved: when they are still unchanged at save time,
+    /// another writer's newer figures win.
+    saved_ceilings: Ceilings,
 }
 
 /// `~/.cache/kernelforge/tuning/<gpu>-sm<XY>.json` (or under `$KERNELFORGE_CACHE`).
@@ -209,6 +226,8 @@ impl TuningDb {
             entries: BTreeMap::new(),
             ceilings: Ceilings::default(),
             warning: None,
+            inserted: BTreeSet::new(),
+            saved_ceilings: Ceilings::default(),
         };
         match read(path) {
             Ok(None) => {}
@@ -222,6 +241,7 @@ impl TuningDb {
                 }
                 if file.header == db.header {
                     db.entries = file.entries;
+                    db.saved_ceilings = file.ceilings.clone();
                     db.ceilings = file.ceilings;
                 } else {
                     db.warning = Some(format!(
@@ -262,8 +282,10 @@ impl TuningDb {
             path: path.to_path_buf(),
             header: file.header,
             entries: file.entries,
+            saved_ceilings: file.ceilings.clone(),
             ceilings: file.ceilings,
             warning: None,
+            inserted: BTreeSet::new(),
         })
     }
 
@@ -321,11 +343,16 @@ impl TuningDb {
     }
 
     pub fn insert(&mut self, key: &TuneKey, entry: Entry) {
-        self.entries.insert(key.text(), entry);
+        let text = key.text();
+        self.inserted.insert(text.clone());
+        self.entries.insert(text, entry);
     }
 
-    /// Saves: under an exclusive lock, re-reads the file, keeps entries others wrote meanwhile
-    /// (ours win on the same key), and replaces the file atomically.
+    /// Saves: under an exclusive lock, re-reads the file, merges, and replaces the file
+    /// atomically. The keys this handle inserted since its last save keep its entries; every
+    /// other key takes the file's version (another handle may have re-tuned it meanwhile: the
+    /// copy loaded at open must not overwrite that). Ceilings this handle changed win field by
+    /// field; unchanged ones take the file's. Afterwards the handle holds the merged contents.
     pub fn save(&mut self) -> Result<(), DbError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
@@ -344,9 +371,15 @@ impl TuningDb {
         if let Ok(Some(theirs)) = read(&self.path) {
             if theirs.header == self.header {
                 for (k, e) in theirs.entries {
-                    self.entries.entry(k).or_insert(e);
+                    if !self.inserted.contains(&k) {
+                        self.entries.insert(k, e);
+                    }
                 }
-                self.ceilings = self.ceilings.or(&theirs.ceilings);
+                self.ceilings = if self.ceilings == self.saved_ceilings {
+                    theirs.ceilings.or(&self.ceilings)
+                } else {
+                    self.ceilings.or(&theirs.ceilings)
+                };
             }
         }
         let layout = FileLayout {
@@ -363,6 +396,8 @@ impl TuningDb {
             source: e.error,
         })?;
         drop(lock); // released on close
+        self.inserted.clear();
+        self.saved_ceilings = self.ceilings.clone();
         Ok(())
     }
 }
@@ -477,6 +512,56 @@ mod tests {
         tb.join().unwrap();
         let merged = TuningDb::open(&pa, header()).unwrap();
         assert_eq!(merged.len(), 2, "{:?}", std::fs::read_to_string(&pb));
+    }
+
+    /// Two handles opened on the same file, each re-tuning a different key: neither save
+    /// rolls the other's key back to the copy it loaded at open.
+    #[test]
+    fn a_handle_never_overwrites_keys_it_did_not_insert() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.json");
+        let mut first = TuningDb::open(&path, header()).unwrap();
+        first.insert(&key(1024), entry(1024, "old_1024"));
+        first.insert(&key(8192), entry(8192, "old_8192"));
+        first.save().unwrap();
+
+        let mut a = TuningDb::open(&path, header()).unwrap();
+        let mut b = TuningDb::open(&path, header()).unwrap();
+        a.insert(&key(1024), entry(1024, "new_1024"));
+        b.insert(&key(8192), entry(8192, "new_8192"));
+        a.save().unwrap();
+        b.save().unwrap();
+        let merged = TuningDb::open(&path, header()).unwrap();
+        assert_eq!(merged.len(), 2);
+        assert_eq!(merged.get(&key(1024)).unwrap().family, "new_1024");
+        assert_eq!(merged.get(&key(8192)).unwrap().family, "new_8192");
+        // Each handle now holds the merged file too.
+        assert_eq!(b.get(&key(1024)).unwrap().family, "new_1024");
+
+        // A later save of `a` (a new key) keeps b's newer entry for the key `a` re-tuned before
+        // its previous save, once b re-tunes it again.
+        b.insert(&key(1024), entry(1024, "newest_1024"));
+        b.save().unwrap();
+        a.insert(&key(2048), entry(2048, "new_2048"));
+        a.save().unwrap();
+        let merged = TuningDb::open(&path, header()).unwrap();
+        assert_eq!(merged.len(), 3);
+        assert_eq!(merged.get(&key(1024)).unwrap().family, "newest_1024");
+        assert_eq!(merged.get(&key(8192)).unwrap().family, "new_8192");
+
+        // Ceilings a handle left as loaded do not roll back another's newer figures.
+        let mut c = TuningDb::open(&path, header()).unwrap();
+        let mut d = TuningDb::open(&path, header()).unwrap();
+        c.ceilings = Ceilings {
+            fp32_tflops: Some(60.0),
+            measured_at: 9,
+            ..Ceilings::default()
+        };
+        c.save().unwrap();
+        d.insert(&key(4096), entry(4096, "d"));
+        d.save().unwrap();
+        let c = TuningDb::read_only(&path).unwrap().ceilings;
+        assert_eq!((c.fp32_tflops, c.measured_at), (Some(60.0), 9));
     }
 
     #[test]

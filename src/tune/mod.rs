@@ -11,6 +11,7 @@ pub mod peer;
 pub mod records;
 pub mod registry;
 pub mod search;
+pub mod spread;
 pub mod time;
 pub mod tuner;
 pub mod verify;

@@ -139,7 +139,7 @@ impl ModelArgs {
     }
 }
 
-fn parse_devices(s: &str) -> Result<DeviceSelection, DeviceListError> {
+pub(crate) fn parse_devices(s: &str) -> Result<DeviceSelection, DeviceListError> {
     s.parse()
 }
 

@@ -1,0 +1,237 @@
+//! The output of `kernelforge tune`: the peaks the "% peak" column is measured against, the
+//! results table (with a `device` column when several GPUs ran), and the JSON document.
+
+use anyhow::Result;
+
+use super::kernels::render_table;
+use crate::gpu::Gpu;
+use crate::spec::{shape_text, Dtype};
+use crate::tune::baseline::{
+    fp32_peak_flops, measure_copy_bandwidth, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE,
+};
+use crate::tune::db::Ceilings;
+use crate::tune::spread::SpreadResult;
+use crate::tune::tuner::TuneResult;
+
+fn short_params(params: &indexmap::IndexMap<String, i64>) -> String {
+    params
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The references of the "% peak" column, measured on one GPU of the kind.
+pub struct Peaks {
+    /// FP32 FMA peak (SMs x 128 lanes x 2 x clock), for f32 compute-bound rows.
+    fp32: f64,
+    /// cuBLAS TF32 on an 8192³ GEMM, measured in this run, for tf32 rows (marked `tc`).
+    tf32: Option<f64>,
+    /// cuBLAS BF16 on the same GEMM, measured in this run, for f16 / bf16 rows (marked `tc`).
+    half: Option<f64>,
+    /// Measured device-to-device copy bandwidth, for memory-bound rows.
+    bytes: f64,
+}
+
+impl Peaks {
+    /// Measures on `gpu` the peaks the results need: the FP32 FMA peak and the copy bandwidth
+    /// always, cuBLAS TF32 / BF16 only when a tf32 / f16 / bf16 row has flops.
+    pub fn measure<'a>(gpu: &Gpu, results: impl Iterator<Item = &'a TuneResult> + Clone) -> Result<Peaks> {
+        let needs = |f: fn(Dtype) -> bool| results.clone().any(|r| f(r.dtype) && r.flops > 0.0);
+        Ok(Peaks {
+            fp32: fp32_peak_flops(gpu)?,
+            // Tensor-core rows are measured against what cuBLAS TF32 reaches on a large square
+            // GEMM in this run (a practical peak), not against the FP32 FMA peak.
+            tf32: if needs(|d| d == Dtype::Tf32) {
+                Some(measure_tf32_peak(gpu)?)
+            } else {
+                None
+            },
+            // f16 / bf16 rows: cuBLAS BF16 on the same square GEMM (16-bit tensor-core rate).
+            half: if needs(|d| matches!(d, Dtype::F16 | Dtype::Bf16)) {
+                Some(measure_half_peak(gpu)?)
+            } else {
+                None
+            },
+            bytes: measure_copy_bandwidth(gpu)?,
+        })
+    }
+
+    /// The ceilings the database keeps (the report draws them); figures not measured in this
+    /// run keep their earlier values in `earlier`.
+    pub fn ceilings(&self, earlier: &Ceilings) -> Ceilings {
+        Ceilings {
+            fp32_tflops: Some(self.fp32 / 1e12),
+            tf32_tflops: self.tf32.map(|p| p / 1e12),
+            bf16_tflops: self.half.map(|p| p / 1e12),
+            copy_gb_per_s: Some(self.bytes / 1e9),
+            measured_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        }
+        .or(earlier)
+    }
+
+    /// The peaks as the JSON document names them.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "fp32_peak_tflops": self.fp32 / 1e12,
+            "tf32_cublas_peak_tflops": self.tf32.map(|p| p / 1e12),
+            "bf16_cublas_peak_tflops": self.half.map(|p| p / 1e12),
+            "copy_bandwidth_gbs": self.bytes / 1e9,
+        })
+    }
+
+    pub fn legend(&self) -> String {
+        let mut text = format!(
+            "% peak: f32 rows vs the FP32 FMA peak {:.1} TFLOP/s (clock x SMs)",
+            self.fp32 / 1e12
+        );
+        if let Some(tc) = self.tf32 {
+            text.push_str(&format!(
+                "; tf32 rows (marked tc) vs cuBLAS TF32 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
+                tc / 1e12,
+                n = TF32_PEAK_SIZE
+            ));
+        }
+        if let Some(tc) = self.half {
+            text.push_str(&format!(
+                "; f16/bf16 rows (marked tc) vs cuBLAS BF16 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
+                tc / 1e12,
+                n = TF32_PEAK_SIZE
+            ));
+        }
+        text.push_str(&format!(
+            "; memory-bound rows vs the copy bandwidth {:.0} GB/s (measured)",
+            self.bytes / 1e9
+        ));
+        text
+    }
+}
+
+fn throughput(r: &TuneResult, ms: f64, peaks: &Peaks) -> (String, String) {
+    if r.flops > 0.0 {
+        let f = r.flops / (ms * 1e-3);
+        let tensor_peak = match r.dtype {
+            Dtype::Tf32 => peaks.tf32,
+            Dtype::F16 | Dtype::Bf16 => peaks.half,
+            Dtype::F32 => None,
+        };
+        let pct = match tensor_peak {
+            Some(tc) => format!("{:.0}% tc", 100.0 * f / tc),
+            None => format!("{:.0}%", 100.0 * f / peaks.fp32),
+        };
+        (format!("{:.1} TFLOP/s", f / 1e12), pct)
+    } else if r.bytes > 0.0 {
+        let b = r.bytes / (ms * 1e-3);
+        (
+            format!("{:.0} GB/s", b / 1e9),
+            format!("{:.0}%", 100.0 * b / peaks.bytes),
+        )
+    } else {
+        ("-".into(), "-".into())
+    }
+}
+
+/// The results as JSON, each with the CUDA ordinal that measured it (`null`: read from the
+/// database).
+pub fn results_json(results: &[SpreadResult]) -> Result<Vec<serde_json::Value>> {
+    results
+        .iter()
+        .map(|r| {
+            let mut value = serde_json::to_value(&r.result)?;
+            if let Some(map) = value.as_object_mut() {
+                map.insert("device".into(), serde_json::json!(r.device));
+            }
+            Ok(value)
+        })
+        .collect()
+}
+
+/// The final table, then what the peers are and why any row has none: "peer ms" is the vendor
+/// peer of the row's epilogue (cuBLASLt with its own fused epilogue, or cuBLAS + the qkv split
+/// kernel) and "speed vs peer" its time over the winner's. `with_device` adds a `device` column
+/// (the GPU that measured the row; `db` when read from the database).
+pub fn results_table(spread: &[SpreadResult], peaks: &Peaks, with_device: bool) -> String {
+    use crate::tune::baseline::{entry_peer, peer_cells, PEER_LEGEND};
+    let mut header = vec![
+        "workload",
+        "dtype",
+        "shape",
+        "winner",
+        "time ms",
+        "±",
+        "throughput",
+        "% peak",
+        "peer",
+        "peer ms",
+        "speed vs peer",
+        "tried",
+    ];
+    if with_device {
+        header.insert(0, "device");
+    }
+    let mut rows = vec![header.iter().map(|s| s.to_string()).collect::<Vec<_>>()];
+    let device_cell = |d: Option<usize>| d.map_or_else(|| "db".to_string(), |o| format!("cuda:{o}"));
+    let mut notes = Vec::new();
+    for SpreadResult { result: r, device } in spread {
+        let mut row = Vec::new();
+        if with_device {
+            row.push(device_cell(*device));
+        }
+        let Some(w) = &r.winner else {
+            row.extend([
+                r.role.clone(),
+                r.dtype.to_string(),
+                shape_text(&r.shape),
+                "NO VALID VARIANT".into(),
+            ]);
+            rows.push(row);
+            continue;
+        };
+        let (tp, pct) = throughput(r, w.median_ms, peaks);
+        let (peer_ms, vs_peer) = peer_cells(w);
+        if let Some(why) = &w.baseline_unavailable {
+            notes.push(format!(
+                "no peer time for {} {} {}: {why}",
+                r.role,
+                r.dtype,
+                shape_text(&r.shape)
+            ));
+        }
+        row.extend([
+            r.role.clone(),
+            r.dtype.to_string(),
+            shape_text(&r.shape),
+            format!("{} {}", w.family, short_params(&w.params)),
+            format!("{:.4}", w.median_ms),
+            format!("{:.4}", w.spread_ms),
+            tp,
+            pct,
+            entry_peer(w).unwrap_or("-").to_string(),
+            peer_ms,
+            vs_peer,
+            if r.from_db {
+                "(db)".into()
+            } else {
+                w.variants_tried.to_string()
+            },
+        ]);
+        rows.push(row);
+    }
+    let mut text = render_table(&rows);
+    if spread
+        .iter()
+        .any(|r| r.result.winner.as_ref().is_some_and(|w| entry_peer(w).is_some()))
+    {
+        text.push_str(&format!(
+            "{PEER_LEGEND}; speed vs peer = peer time / winner time (above 1: the generated kernel is faster)\n"
+        ));
+    }
+    for note in notes {
+        text.push_str(&note);
+        text.push('\n');
+    }
+    text
+}
