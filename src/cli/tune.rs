@@ -285,19 +285,28 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     let kinds = outcome?;
 
     // Peaks on the first GPU of each kind, kept as ceilings in its database (the report draws
-    // them); figures not measured in this run keep their earlier values.
+    // them); figures not measured in this run keep their earlier values. A run that tuned
+    // nothing reads them back from the database when it has every figure the table needs.
     let mut measured = Vec::new();
     for kind in &kinds {
         let ordinal = plan.devices[kind.plan.slots[0]].ordinal;
         let gpu = Gpu::new(ordinal).with_context(|| format!("cuda:{ordinal}: opening it to measure the peaks"))?;
-        let peaks = Peaks::measure(&gpu, kind.results.iter().map(|r| &r.result))
-            .with_context(|| format!("cuda:{ordinal} ({}): measuring the peaks", gpu.info.name))?;
         let compiler = Compiler::new(&gpu.info.arch())?;
         let path = &kind.plan.db_path;
         let mut db = TuningDb::open(path, DbHeader::for_device(&gpu, &compiler))?;
-        db.ceilings = peaks.ceilings(&db.ceilings);
-        db.save()
-            .with_context(|| format!("saving the measured ceilings to {}", path.display()))?;
+        let results = || kind.results.iter().map(|r| &r.result);
+        let stored = Peaks::from_ceilings(&db.ceilings, results()).filter(|_| results().all(|r| r.from_db));
+        let peaks = match stored {
+            Some(peaks) => peaks,
+            None => {
+                let peaks = Peaks::measure(&gpu, results())
+                    .with_context(|| format!("cuda:{ordinal} ({}): measuring the peaks", gpu.info.name))?;
+                db.ceilings = peaks.ceilings(&db.ceilings);
+                db.save()
+                    .with_context(|| format!("saving the measured ceilings to {}", path.display()))?;
+                peaks
+            }
+        };
         measured.push((gpu.info.clone(), peaks));
     }
     let elapsed = started.elapsed().as_secs_f64();

@@ -57,6 +57,25 @@ impl Peaks {
         })
     }
 
+    /// The peaks from the ceilings a database kept, when it has every one the rows of
+    /// `results` need (a run that tuned nothing does not measure them again).
+    pub fn from_ceilings<'a>(c: &Ceilings, results: impl Iterator<Item = &'a TuneResult> + Clone) -> Option<Peaks> {
+        let needs = |f: fn(Dtype) -> bool| results.clone().any(|r| f(r.dtype) && r.flops > 0.0);
+        let tera = |v: Option<f64>| v.map(|t| t * 1e12);
+        Some(Peaks {
+            fp32: tera(c.fp32_tflops)?,
+            tf32: match needs(|d| d == Dtype::Tf32) {
+                true => Some(tera(c.tf32_tflops)?),
+                false => None,
+            },
+            half: match needs(|d| matches!(d, Dtype::F16 | Dtype::Bf16)) {
+                true => Some(tera(c.bf16_tflops)?),
+                false => None,
+            },
+            bytes: c.copy_gb_per_s? * 1e9,
+        })
+    }
+
     /// The ceilings the database keeps (the report draws them); figures not measured in this
     /// run keep their earlier values in `earlier`.
     pub fn ceilings(&self, earlier: &Ceilings) -> Ceilings {
@@ -234,4 +253,46 @@ pub fn results_table(spread: &[SpreadResult], peaks: &Peaks, with_device: bool) 
         text.push('\n');
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(dtype: Dtype, flops: f64) -> TuneResult {
+        TuneResult {
+            role: "fc".into(),
+            op: "matmul".into(),
+            dtype,
+            variant_kind: "none".into(),
+            shape: Default::default(),
+            winner: None,
+            from_db: true,
+            tried: Vec::new(),
+            flops,
+            bytes: 1.0,
+        }
+    }
+
+    /// Stored ceilings serve a run that tuned nothing only when they hold every figure its rows
+    /// need.
+    #[test]
+    fn peaks_come_from_the_ceilings_only_when_complete() {
+        let c = Ceilings {
+            fp32_tflops: Some(60.0),
+            tf32_tflops: None,
+            bf16_tflops: Some(700.0),
+            copy_gb_per_s: Some(3000.0),
+            measured_at: 1,
+        };
+        let bf16 = [result(Dtype::Bf16, 1e9)];
+        let p = Peaks::from_ceilings(&c, bf16.iter()).expect("bf16 rows have their ceiling");
+        assert_eq!((p.fp32, p.half, p.tf32, p.bytes), (60e12, Some(700e12), None, 3000e9));
+        let tf32 = [result(Dtype::Tf32, 1e9)];
+        assert!(
+            Peaks::from_ceilings(&c, tf32.iter()).is_none(),
+            "no tf32 ceiling stored"
+        );
+        assert!(Peaks::from_ceilings(&Ceilings::default(), bf16.iter()).is_none());
+    }
 }

@@ -35,9 +35,34 @@ pub enum CompileError {
 pub struct Compiled {
     pub kernel_name: String,
     pub cubin: Vec<u8>,
+    /// NVRTC's warnings (ptxas's resource report taken out).
     pub log: String,
     /// Whether it came from the on-disk cache.
     pub cached: bool,
+    /// Bytes of register spill stores ptxas reported, summed over the kernels (`None` when
+    /// unknown: a cache entry written without its report).
+    pub spill_stores: Option<u64>,
+}
+
+/// Splits NVRTC's log into the user-facing part and the sum of ptxas's `N bytes spill stores`
+/// (the log of a compile with `--ptxas-options=-v`).
+pub fn split_ptxas_report(log: &str) -> (String, u64) {
+    let mut spills = 0;
+    for line in log.lines().filter(|l| l.starts_with("ptxas")) {
+        if let Some(before) = line
+            .split(" bytes spill stores")
+            .next()
+            .filter(|_| line.contains("spill stores"))
+        {
+            spills += before
+                .rsplit(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    let rest: Vec<&str> = log.lines().filter(|l| !l.starts_with("ptxas")).collect();
+    (rest.join("\n").trim().to_string(), spills)
 }
 
 /// Compiles CUDA sources with NVRTC for one architecture.
@@ -132,7 +157,10 @@ impl Compiler {
 
     /// Compiles to CUBIN (from the cache when the same source and options were compiled before).
     pub fn compile(&self, source: &Source) -> Result<Compiled, CompileError> {
-        let options = self.options(&self.arch);
+        let mut options = self.options(&self.arch);
+        // ptxas's resource report (registers, stack, spills) goes to the log: the tuner prunes
+        // variants that spill before running them.
+        options.push("--ptxas-options=--verbose".to_string());
         let cache_file = self.cache_dir.as_ref().map(|d| {
             d.join(format!(
                 "{}-{}.cubin",
@@ -140,23 +168,36 @@ impl Compiler {
                 self.cache_key(source, &options)
             ))
         });
+        // The spill count lives beside the CUBIN, written first (a CUBIN without it reads as
+        // unknown, never as spill-free).
+        let spill_file = |f: &PathBuf| f.with_extension("spills");
         if let Some(bytes) = cache_file.as_ref().and_then(|f| std::fs::read(f).ok()) {
+            let spill_stores = cache_file
+                .as_ref()
+                .and_then(|f| std::fs::read_to_string(spill_file(f)).ok())
+                .and_then(|t| t.trim().parse().ok());
             return Ok(Compiled {
                 kernel_name: source.kernel_name.clone(),
                 cubin: bytes,
                 log: String::new(),
                 cached: true,
+                spill_stores,
             });
         }
         let (cubin, log) = self.run_nvrtc(source, &options, Output::Cubin)?;
+        let (log, spills) = split_ptxas_report(&log);
         if let Some(file) = &cache_file {
-            write_atomic(file, &cubin); // a cache that cannot be written only costs time
+            // A cache that cannot be written only costs time.
+            if write_atomic(&spill_file(file), spills.to_string().as_bytes()) {
+                write_atomic(file, &cubin);
+            }
         }
         Ok(Compiled {
             kernel_name: source.kernel_name.clone(),
             cubin,
             log,
             cached: false,
+            spill_stores: Some(spills),
         })
     }
 
@@ -302,6 +343,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ptxas_report_gives_the_spills_and_leaves_the_warnings() {
+        let log = "k.cu(509): warning #177-D: variable \"leader\" was declared but never referenced\n\
+                   ptxas info    : 44 bytes gmem\n\
+                   ptxas info    : Function properties for a_main\n\
+                   ptxas         .     16 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads\n\
+                   ptxas info    : Function properties for a_reduce\n\
+                   ptxas         .     0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n\
+                   ptxas info    : Used 168 registers, used 16 barriers, 16 bytes cumulative stack size";
+        let (rest, spills) = split_ptxas_report(log);
+        assert_eq!(spills, 32);
+        assert_eq!(
+            rest,
+            "k.cu(509): warning #177-D: variable \"leader\" was declared but never referenced"
+        );
+        assert_eq!(
+            split_ptxas_report("ptxas . 16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads").1,
+            0
+        );
+    }
 
     #[test]
     fn context_points_at_the_error_line() {

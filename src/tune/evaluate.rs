@@ -148,9 +148,10 @@ impl<'a> Evaluator<'a> {
     }
 
     /// Loads `v` and refuses it from what ptxas made of it, before it runs: a kernel that
-    /// spills registers to local memory (slower than a neighbouring point that does not, and
-    /// the tuner will find that one), or one of which no block fits on an SM at `shape`'s
-    /// launch geometry (registers x threads or shared memory over the SM's).
+    /// spills registers (ptxas's `spill stores`; a stack frame alone is fine), slower than a
+    /// neighbouring point that does not and the climb will find, or one of which no block fits
+    /// on an SM at `shape`'s launch geometry (registers x threads or shared memory over the
+    /// SM's).
     pub fn screen(&mut self, v: &Variant, shape: &Shape) -> Result<(), String> {
         let started = Instant::now();
         let outcome = self.screen_now(v, shape);
@@ -160,14 +161,18 @@ impl<'a> Evaluator<'a> {
 
     fn screen_now(&mut self, v: &Variant, shape: &Shape) -> Result<(), String> {
         let gpu = self.gpu;
-        let loaded = self.load(v)?;
-        let resources = loaded.resources().map_err(|e| e.to_string())?;
-        if let Some(r) = resources.iter().find(|r| r.local_bytes > 0) {
+        let spills = self
+            .compiled
+            .get(&v.kernel_name())
+            .and_then(|c| c.as_ref().ok())
+            .and_then(|c| c.spill_stores);
+        if let Some(bytes @ 1..) = spills {
             return Err(format!(
-                "pruned: kernel {} uses {} bytes of local memory per thread (register spills; {} registers)",
-                r.kernel, r.local_bytes, r.registers
+                "pruned: ptxas spills {bytes} bytes of registers to local memory"
             ));
         }
+        let loaded = self.load(v)?;
+        let resources = loaded.resources().map_err(|e| e.to_string())?;
         let launches = loaded.plan(gpu, shape).map_err(|e| e.to_string())?;
         loaded.allow_shared_memory(&launches).map_err(|e| e.to_string())?;
         for ((function, launch), r) in loaded.functions().iter().zip(&launches).zip(&resources) {

@@ -48,27 +48,41 @@ fn expand_kind(catalog: &Catalog, w: &Workload, limits: &DeviceLimits) -> Result
     Ok(all)
 }
 
-/// The valid variants of each (op, dtype, epilogue, mask), expanded once per run: expanding
-/// a tensor-core family's space evaluates its constraints on tens of thousands of points. The
-/// shape check stays per workload.
-#[derive(Default)]
+/// The variants of each (op, dtype, epilogue, mask) the workloads need, expanded once per run
+/// and in parallel: expanding a tensor-core family's space evaluates its constraints on tens of
+/// thousands of points. The shape check stays per workload.
 pub struct Pools {
     expanded: HashMap<(&'static str, Dtype, Epilogue, Mask), Vec<Variant>>,
 }
 
 impl Pools {
-    /// [`pool`], from the expansion cached for the workload's kind.
-    pub fn pool(&mut self, catalog: &Catalog, w: &Workload, limits: &DeviceLimits) -> Result<Vec<Variant>, String> {
-        let kind = (w.op, w.dtype, w.epilogue, w.mask);
-        let expanded = match self.expanded.entry(kind) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(expand_kind(catalog, w, limits)?),
-        };
-        Ok(expanded
-            .iter()
+    pub fn new(catalog: &Catalog, workloads: &[&Workload], limits: &DeviceLimits) -> Result<Pools, String> {
+        use rayon::prelude::*;
+        let mut kinds: Vec<&Workload> = Vec::new();
+        for w in workloads {
+            if !kinds
+                .iter()
+                .any(|k| (k.op, k.dtype, k.epilogue, k.mask) == (w.op, w.dtype, w.epilogue, w.mask))
+            {
+                kinds.push(w);
+            }
+        }
+        let expanded = kinds
+            .par_iter()
+            .map(|w| Ok(((w.op, w.dtype, w.epilogue, w.mask), expand_kind(catalog, w, limits)?)))
+            .collect::<Result<_, String>>()?;
+        Ok(Pools { expanded })
+    }
+
+    /// [`pool`] of a workload given to [`Pools::new`].
+    pub fn pool(&self, w: &Workload, limits: &DeviceLimits) -> Vec<Variant> {
+        self.expanded
+            .get(&(w.op, w.dtype, w.epilogue, w.mask))
+            .into_iter()
+            .flatten()
             .filter(|v| v.check_shape(&w.shape, limits).is_ok())
             .cloned()
-            .collect())
+            .collect()
     }
 }
 

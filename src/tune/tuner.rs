@@ -207,22 +207,26 @@ pub fn tune(
         .filter(|(_, w)| options.force || db.get(&key_of(w)).is_none())
         .collect();
 
-    // Inputs and references on the CPU, all workloads in parallel; then pools and uploads.
+    // Inputs, references and the families' variants on the CPU, all in parallel; then uploads.
     let prepare_started = Instant::now();
     progress.stage("preparing inputs", todo.len() as u64);
-    let inputs: Vec<Inputs> = todo
-        .par_iter()
-        .map(|(i, w)| {
-            let inputs = Inputs::new(w, options.seed ^ 0x5eed ^ *i as u64);
-            progress.advance(&w.role);
-            inputs
-        })
-        .collect::<Result<_, _>>()?;
-    let mut pools = search::Pools::default();
+    let todo_workloads: Vec<&Workload> = todo.iter().map(|(_, w)| *w).collect();
+    let (inputs, pools) = rayon::join(
+        || {
+            todo.par_iter()
+                .map(|(i, w)| {
+                    let inputs = Inputs::new(w, options.seed ^ 0x5eed ^ *i as u64);
+                    progress.advance(&w.role);
+                    inputs
+                })
+                .collect::<Result<Vec<Inputs>, _>>()
+        },
+        || search::Pools::new(catalog, &todo_workloads, &limits),
+    );
+    let (inputs, pools) = (inputs?, pools?);
     let mut states: Vec<WorkloadSearch> = Vec::with_capacity(todo.len());
     for ((_, w), inputs) in todo.iter().zip(inputs) {
-        let pool = pools.pool(catalog, w, &limits)?;
-        states.push(WorkloadSearch::new(gpu, w, inputs, pool)?);
+        states.push(WorkloadSearch::new(gpu, w, inputs, pools.pool(w, &limits))?);
     }
     let cublas = if options.baseline && todo.iter().any(|(_, w)| w.op == "matmul") {
         Some(CublasBaseline::new(gpu, compiler, renderer).map_err(|e| e.to_string())?)
