@@ -23,6 +23,8 @@ fn short_params(params: &indexmap::IndexMap<String, i64>) -> String {
 
 /// The references of the "% peak" column, measured on one GPU of the kind.
 pub struct Peaks {
+    /// Read back from the database (a run that tuned nothing) rather than measured now.
+    stored: bool,
     /// FP32 FMA peak (SMs x 128 lanes x 2 x clock), for f32 compute-bound rows.
     fp32: f64,
     /// cuBLAS TF32 on an 8192³ GEMM, measured in this run, for tf32 rows (marked `tc`).
@@ -39,6 +41,7 @@ impl Peaks {
     pub fn measure<'a>(gpu: &Gpu, results: impl Iterator<Item = &'a TuneResult> + Clone) -> Result<Peaks> {
         let needs = |f: fn(Dtype) -> bool| results.clone().any(|r| f(r.dtype) && r.flops > 0.0);
         Ok(Peaks {
+            stored: false,
             fp32: fp32_peak_flops(gpu)?,
             // Tensor-core rows are measured against what cuBLAS TF32 reaches on a large square
             // GEMM in this run (a practical peak), not against the FP32 FMA peak.
@@ -63,6 +66,7 @@ impl Peaks {
         let needs = |f: fn(Dtype) -> bool| results.clone().any(|r| f(r.dtype) && r.flops > 0.0);
         let tera = |v: Option<f64>| v.map(|t| t * 1e12);
         Some(Peaks {
+            stored: true,
             fp32: tera(c.fp32_tflops)?,
             tf32: match needs(|d| d == Dtype::Tf32) {
                 true => Some(tera(c.tf32_tflops)?),
@@ -74,6 +78,14 @@ impl Peaks {
             },
             bytes: c.copy_gb_per_s? * 1e9,
         })
+    }
+
+    fn when(&self) -> &'static str {
+        if self.stored {
+            "measured earlier, from the database"
+        } else {
+            "measured now"
+        }
     }
 
     /// The ceilings the database keeps (the report draws them); figures not measured in this
@@ -109,21 +121,24 @@ impl Peaks {
         );
         if let Some(tc) = self.tf32 {
             text.push_str(&format!(
-                "; tf32 rows (marked tc) vs cuBLAS TF32 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
+                "; tf32 rows (marked tc) vs cuBLAS TF32 on {n}x{n}x{n}, {:.1} TFLOP/s {when}",
                 tc / 1e12,
+                when = self.when(),
                 n = TF32_PEAK_SIZE
             ));
         }
         if let Some(tc) = self.half {
             text.push_str(&format!(
-                "; f16/bf16 rows (marked tc) vs cuBLAS BF16 on {n}x{n}x{n}, {:.1} TFLOP/s measured now",
+                "; f16/bf16 rows (marked tc) vs cuBLAS BF16 on {n}x{n}x{n}, {:.1} TFLOP/s {when}",
                 tc / 1e12,
+                when = self.when(),
                 n = TF32_PEAK_SIZE
             ));
         }
         text.push_str(&format!(
-            "; memory-bound rows vs the copy bandwidth {:.0} GB/s (measured)",
-            self.bytes / 1e9
+            "; memory-bound rows vs the copy bandwidth {:.0} GB/s ({})",
+            self.bytes / 1e9,
+            self.when()
         ));
         text
     }

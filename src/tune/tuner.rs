@@ -166,9 +166,10 @@ fn unix_now() -> u64 {
 /// compile in one parallel batch (one variant often serves several shapes): the first round
 /// ([`search::first_round`]: defaults, seeds from neighbouring shapes in `db`, a sample of each
 /// family), then a climb of one-parameter steps from each workload's best points, and from the
-/// best points of its sibling workloads (same op and dtype), until a round gains less than
+/// best points of its sibling workloads (same op), until a round gains less than
 /// [`search::MIN_GAIN`] or the budget is spent; then successive halving among each workload's
-/// fastest. `options.exhaustive` measures every workload's whole pool instead, with no budget.
+/// fastest. `options.exhaustive` measures every workload's whole pool instead, one workload
+/// after the other, with no budget.
 #[allow(clippy::too_many_arguments)]
 pub fn tune(
     gpu: &Gpu,
@@ -235,94 +236,124 @@ pub fn tune(
     };
     eval.phases.prepare_s += prepare_started.elapsed().as_secs_f64();
 
-    // Round 0: the first round (or everything); then the climb.
-    let mut next: Vec<Vec<Variant>> = states
-        .iter()
-        .map(|s| {
-            if options.exhaustive {
-                s.pool.clone()
-            } else {
-                let seeds = search::seeds_from_db(db, &s.key, &s.pool);
-                search::first_round(&s.pool, &seeds, options.seed)
-            }
-        })
-        .collect();
-    let climb_deadline = started + options.budget.mul_f64(0.8);
-    for round in 0..=search::MAX_ROUNDS {
-        let batch: Vec<Variant> = next.iter().flatten().cloned().collect();
-        eval.compile(&batch, progress);
-        for (s, variants) in states.iter_mut().zip(std::mem::take(&mut next)) {
-            if variants.is_empty() {
-                continue;
-            }
-            let label = match round {
-                0 => s.title(),
-                r => format!("{} (climb {r})", s.title()),
-            };
-            progress.stage(&label, variants.len() as u64);
-            s.measure(&mut eval, variants, true, progress)?;
+    // Exhaustive: one workload at a time, each saved as soon as it is measured (a long run that
+    // is stopped keeps what it finished). Search: all workloads advance together, round by
+    // round (the first round, then the climb), and are finished at the end (a minute or two).
+    let mut finished: Vec<Option<TuneResult>> = vec![None; states.len()];
+    if options.exhaustive {
+        for (s, slot) in states.iter_mut().zip(finished.iter_mut()) {
+            let pool = s.pool.clone();
+            eval.compile(&pool, progress);
+            progress.stage(&s.title(), pool.len() as u64);
+            s.measure(&mut eval, pool, true, progress)?;
+            *slot = Some(finish(s, &mut eval, cublas.as_ref(), db, progress)?);
         }
-        if options.exhaustive || round == search::MAX_ROUNDS || Instant::now() >= climb_deadline {
-            break;
+    } else {
+        let mut next: Vec<Vec<Variant>> = states
+            .iter()
+            .map(|s| search::first_round(&s.pool, &search::seeds_from_db(db, &s.key, &s.pool), options.seed))
+            .collect();
+        let climb_deadline = started + options.budget.mul_f64(0.8);
+        for round in 0..=search::MAX_ROUNDS {
+            let batch: Vec<Variant> = next.iter().flatten().cloned().collect();
+            eval.compile(&batch, progress);
+            for (s, variants) in states.iter_mut().zip(std::mem::take(&mut next)) {
+                if variants.is_empty() {
+                    continue;
+                }
+                let label = match round {
+                    0 => s.title(),
+                    r => format!("{} (climb {r})", s.title()),
+                };
+                progress.stage(&label, variants.len() as u64);
+                s.measure(&mut eval, variants, true, progress)?;
+            }
+            if round == search::MAX_ROUNDS || Instant::now() >= climb_deadline {
+                break;
+            }
+            next = climb_steps(&mut states, &limits);
+            if next.iter().all(Vec::is_empty) {
+                break;
+            }
         }
-        next = climb_steps(&mut states, &limits);
-        if next.iter().all(Vec::is_empty) {
-            break;
+        for (s, slot) in states.iter_mut().zip(finished.iter_mut()) {
+            *slot = Some(finish(s, &mut eval, cublas.as_ref(), db, progress)?);
         }
     }
 
-    // Finals, the peer, the database, in workload order.
-    let mut by_index: Vec<Option<WorkloadSearch>> = states.into_iter().map(Some).collect();
-    let mut results = Vec::new();
-    for (index, w) in workloads.iter().enumerate() {
-        let Some(at) = todo.iter().position(|(i, _)| *i == index) else {
-            let entry = db.get(&key_of(w)).cloned();
-            results.push(result_of(w, entry, true, Vec::new(), 0.0));
-            continue;
-        };
-        let mut s = by_index[at].take().expect("each workload once");
-        progress.stage(&format!("{} (finals)", s.title()), 1);
-        s.measure_pruned_if_nothing_ran(&mut eval, progress)?;
-        let best = s.finals(&mut eval);
-        // The vendor peer (cuBLASLt with its fused epilogue; cuBLAS + split kernel for qkv),
-        // checked on the verification row count of the real problem, then timed.
-        let peer_started = Instant::now();
-        let peer = match (&cublas, w.op) {
-            (Some(c), "matmul") => {
-                let rows = s.inputs.check_shape.get("M").copied().unwrap_or(1).max(1) as usize;
-                Some(
-                    c.measure_matmul(gpu, &s.inputs.problem, w.dtype, &TimingPlan::default(), rows)
-                        .map_err(|e| e.to_string())?,
-                )
-            }
-            _ => None,
-        };
-        eval.phases.peer_s += peer_started.elapsed().as_secs_f64();
-        let winner = best.map(|(v, t)| Entry {
-            family: v.family.name.clone(),
-            params: v.params.clone(),
-            shape: w.shape.clone(),
-            median_ms: t.median_ms,
-            spread_ms: t.spread_ms(),
-            baseline_ms: peer.as_ref().and_then(|p| p.outcome.as_ref().ok().map(|t| t.median_ms)),
-            baseline: peer.as_ref().map(|p| p.peer.to_string()),
-            baseline_unavailable: peer.as_ref().and_then(|p| p.outcome.as_ref().err().cloned()),
-            variants_tried: s.tried.len(),
-            tuned_at: unix_now(),
-            role: Some(w.role.clone()),
-            flops: workload_flops(w),
-            bytes: s.bytes,
-            candidates: std::mem::take(&mut s.kept),
-        });
-        if let Some(e) = &winner {
-            db.insert(&s.key, e.clone());
-            db.save().map_err(|e| e.to_string())?;
-        }
-        results.push(result_of(w, winner, false, std::mem::take(&mut s.tried), s.bytes));
-    }
+    // In workload order, those taken from the database included.
+    let mut finished = finished.into_iter();
+    let results = workloads
+        .iter()
+        .enumerate()
+        .map(|(index, w)| match todo.iter().any(|(i, _)| *i == index) {
+            true => finished.next().flatten().expect("each tuned workload finished once"),
+            false => result_of(w, db.get(&key_of(w)).cloned(), true, Vec::new(), 0.0),
+        })
+        .collect();
     Ok(TuneRun {
         results,
         phases: eval.phases,
+    })
+}
+
+/// Finishes one workload: the pruned candidates after all if nothing else ran, the halving
+/// rounds, the vendor peer (cuBLASLt with its fused epilogue; cuBLAS + split kernel for qkv,
+/// checked on the verification rows of the real problem, then timed), the winner saved.
+fn finish(
+    s: &mut WorkloadSearch,
+    eval: &mut Evaluator,
+    cublas: Option<&CublasBaseline>,
+    db: &mut TuningDb,
+    progress: &dyn Progress,
+) -> Result<TuneResult, String> {
+    let w = s.workload;
+    progress.stage(&format!("{} (finals)", s.title()), 1);
+    s.measure_pruned_if_nothing_ran(eval, progress)?;
+    let best = s.finals(eval);
+    let peer_started = Instant::now();
+    let peer = match (cublas, w.op) {
+        (Some(c), "matmul") => {
+            let rows = s.inputs.check_shape.get("M").copied().unwrap_or(1).max(1) as usize;
+            Some(
+                c.measure_matmul(eval.gpu, &s.inputs.problem, w.dtype, &TimingPlan::default(), rows)
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        _ => None,
+    };
+    eval.phases.peer_s += peer_started.elapsed().as_secs_f64();
+    let winner = best.map(|(v, t)| Entry {
+        family: v.family.name.clone(),
+        params: v.params.clone(),
+        shape: w.shape.clone(),
+        median_ms: t.median_ms,
+        spread_ms: t.spread_ms(),
+        baseline_ms: peer.as_ref().and_then(|p| p.outcome.as_ref().ok().map(|t| t.median_ms)),
+        baseline: peer.as_ref().map(|p| p.peer.to_string()),
+        baseline_unavailable: peer.as_ref().and_then(|p| p.outcome.as_ref().err().cloned()),
+        variants_tried: s.tried.len(),
+        tuned_at: unix_now(),
+        role: Some(w.role.clone()),
+        flops: workload_flops(w),
+        bytes: s.bytes,
+        candidates: std::mem::take(&mut s.kept),
+    });
+    if let Some(e) = &winner {
+        db.insert(&s.key, e.clone());
+        db.save().map_err(|e| e.to_string())?;
+    }
+    Ok(TuneResult {
+        role: w.role.clone(),
+        op: w.op.to_string(),
+        dtype: w.dtype,
+        variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
+        shape: w.shape.clone(),
+        winner,
+        from_db: false,
+        tried: std::mem::take(&mut s.tried),
+        flops: workload_flops(w),
+        bytes: s.bytes,
     })
 }
 
