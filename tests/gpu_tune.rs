@@ -52,21 +52,8 @@ fn gpu_tune_store_reuse_and_registry() {
         .as_deref()
         .unwrap_or("")
         .contains("not a valid tuning database"));
-    let workloads = vec![
-        workload(
-            "matmul",
-            Epilogue::BiasGelu,
-            Mask::None,
-            &[("M", 300), ("N", 384), ("K", 256)],
-        ),
-        workload("layernorm", Epilogue::None, Mask::None, &[("N", 300), ("C", 768)]),
-        workload(
-            "attention",
-            Epilogue::None,
-            Mask::Causal,
-            &[("B", 1), ("NH", 2), ("T", 200), ("HS", 64)],
-        ),
-    ];
+    // A matmul with its epilogue, a layernorm and an attention.
+    let workloads: Vec<Workload> = small_workloads().into_iter().take(3).collect();
     let options = TuneOptions {
         budget: Duration::from_secs(40),
         seed: 3,
@@ -306,8 +293,8 @@ impl kernelforge::tune::tuner::Progress for Counted {
     }
 }
 
-/// Small workloads of four kinds for the spread tests.
-fn spread_workloads() -> Vec<Workload> {
+/// Small workloads of four kinds (a matmul with its epilogue, a layernorm, an attention, ...).
+fn small_workloads() -> Vec<Workload> {
     vec![
         workload(
             "matmul",
@@ -423,7 +410,7 @@ fn gpu_spread_tunes_every_workload_once_in_order() {
     use kernelforge::gpu::{device_count, identify};
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
-    let workloads = spread_workloads();
+    let workloads = small_workloads();
     let dir = tempfile::tempdir().unwrap();
     spread_cold_then_warm(&catalog, &[0, 0], &dir.path().join("same.json"), &workloads);
 
@@ -463,7 +450,7 @@ fn gpu_spread_names_a_missing_device() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
     let count = kernelforge::gpu::device_count().unwrap();
-    let e = SpreadPlan::new(&catalog, &[0, count], None, &spread_workloads(), false)
+    let e = SpreadPlan::new(&catalog, &[0, count], None, &small_workloads(), false)
         .unwrap_err()
         .to_string();
     assert!(

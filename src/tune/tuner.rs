@@ -190,18 +190,6 @@ pub fn tune(
         variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
         shape: w.shape.clone(),
     };
-    let result_of = |w: &Workload, winner: Option<Entry>, from_db: bool, tried: Vec<Tried>, bytes: f64| TuneResult {
-        role: w.role.clone(),
-        op: w.op.to_string(),
-        dtype: w.dtype,
-        variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
-        shape: w.shape.clone(),
-        winner,
-        from_db,
-        tried,
-        flops: workload_flops(w),
-        bytes,
-    };
     let todo: Vec<(usize, &Workload)> = workloads
         .iter()
         .enumerate()
@@ -288,7 +276,7 @@ pub fn tune(
         .enumerate()
         .map(|(index, w)| match todo.iter().any(|(i, _)| *i == index) {
             true => finished.next().flatten().expect("each tuned workload finished once"),
-            false => result_of(w, db.get(&key_of(w)).cloned(), true, Vec::new(), 0.0),
+            false => result_for(w, db.get(&key_of(w)).cloned(), true, Vec::new(), 0.0),
         })
         .collect();
     Ok(TuneRun {
@@ -343,18 +331,22 @@ fn finish(
         db.insert(&s.key, e.clone());
         db.save().map_err(|e| e.to_string())?;
     }
-    Ok(TuneResult {
+    Ok(result_for(w, winner, false, std::mem::take(&mut s.tried), s.bytes))
+}
+
+fn result_for(w: &Workload, winner: Option<Entry>, from_db: bool, tried: Vec<Tried>, bytes: f64) -> TuneResult {
+    TuneResult {
         role: w.role.clone(),
         op: w.op.to_string(),
         dtype: w.dtype,
         variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
         shape: w.shape.clone(),
         winner,
-        from_db: false,
-        tried: std::mem::take(&mut s.tried),
+        from_db,
+        tried,
         flops: workload_flops(w),
-        bytes: s.bytes,
-    })
+        bytes,
+    }
 }
 
 /// The next round of the climb for each workload still climbing: the best point of each sibling
