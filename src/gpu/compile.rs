@@ -218,6 +218,25 @@ impl Compiler {
             .collect()
     }
 
+    /// Compiles many (family, source) pairs on a pool of `threads` threads, handing each result
+    /// to `on_done` as it lands (the tuner measures a kernel while the others still compile, on
+    /// its own thread, so it leaves one core free).
+    pub fn compile_each(
+        &self,
+        jobs: &[(&crate::spec::Family, &Source)],
+        threads: usize,
+        on_done: impl Fn(&Source, Result<Compiled, CompileError>) + Sync,
+    ) {
+        let run = || {
+            jobs.par_iter()
+                .for_each(|(family, source)| on_done(source, self.for_family(family).compile(source)))
+        };
+        match rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build() {
+            Ok(pool) => pool.install(run),
+            Err(_) => run(),
+        }
+    }
+
     /// PTX for reading (`inspect --ptx`): compiled for the virtual architecture `compute_XY`
     /// (`compute_90a` for `sm_90a`).
     pub fn ptx(&self, source: &Source) -> Result<String, CompileError> {

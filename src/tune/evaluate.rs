@@ -9,7 +9,6 @@ use std::time::Instant;
 
 use super::records::Resources;
 use super::time::{time_variant, Timing, TimingPlan};
-use super::tuner::Progress;
 use super::verify::{error_text, run_and_compare, tolerance, RunFailure};
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
@@ -21,7 +20,8 @@ use crate::spec::{Family, Variant};
 pub struct Phases {
     /// Building inputs and f64 references, expanding the families, uploading.
     pub prepare_s: f64,
-    /// Rendering and NVRTC + ptxas (wall time of the parallel compiles).
+    /// Rendering and NVRTC + ptxas: the wall time spent waiting for compiles (measuring runs
+    /// while the rest of a batch compiles; that overlap is not counted here).
     pub compile_s: f64,
     /// Kernels compiled in this run (not found in the on-disk cache).
     pub compiled: usize,
@@ -70,6 +70,7 @@ impl Phases {
 
 /// Compiles, loads, screens, verifies and times variants on one GPU; compiled and loaded
 /// variants are kept for the whole run (workloads of one epilogue share most of them).
+/// `compile_s` counts the wall time of compiling that measuring did not overlap.
 pub struct Evaluator<'a> {
     pub gpu: &'a Gpu,
     compiler: &'a Compiler,
@@ -91,36 +92,74 @@ impl<'a> Evaluator<'a> {
         }
     }
 
-    /// Renders and compiles (in parallel) every variant not compiled yet.
-    pub fn compile(&mut self, variants: &[Variant], progress: &dyn Progress) {
+    /// Compiles `variants` in the background, on all but one CPU core, and calls `ready` with
+    /// each kernel name as soon as its compile lands (at once for those compiled before or
+    /// that fail to render), on this thread, which owns the CUDA context: measuring overlaps
+    /// compiling. A `ready` error stops the measuring (the compiles in flight finish).
+    pub fn compile_streaming(
+        &mut self,
+        variants: &[Variant],
+        mut ready: impl FnMut(&mut Self, &str) -> Result<(), String>,
+    ) -> Result<(), String> {
         let started = Instant::now();
+        let mut in_ready = std::time::Duration::ZERO;
         let mut sources: Vec<(&Family, Source)> = Vec::new();
+        let mut at_once: Vec<String> = Vec::new();
         for v in variants {
             let name = v.kernel_name();
-            if self.compiled.contains_key(&name) || sources.iter().any(|(_, s)| s.kernel_name == name) {
+            if at_once.contains(&name) || sources.iter().any(|(_, s)| s.kernel_name == name) {
+                continue;
+            }
+            if self.compiled.contains_key(&name) {
+                at_once.push(name);
                 continue;
             }
             match self.renderer.render(v) {
                 Ok(s) => sources.push((&v.family, s)),
                 Err(e) => {
-                    self.compiled.insert(name, Err(e.to_string()));
+                    self.compiled.insert(name.clone(), Err(e.to_string()));
+                    at_once.push(name);
                 }
             }
         }
-        if !sources.is_empty() {
-            progress.stage("compiling", sources.len() as u64);
-            let jobs: Vec<_> = sources.iter().map(|(f, s)| (*f, s)).collect();
-            let results = self.compiler.compile_all(&jobs, |s| progress.advance(&s.kernel_name));
-            for ((_, s), r) in sources.iter().zip(results) {
-                match &r {
-                    Ok(c) if c.cached => self.phases.cached += 1,
-                    _ => self.phases.compiled += 1,
-                }
-                self.compiled
-                    .insert(s.kernel_name.clone(), r.map_err(|e| e.to_string()));
+        let outcome = (|| {
+            for name in &at_once {
+                let t = Instant::now();
+                ready(self, name)?;
+                in_ready += t.elapsed();
             }
-        }
-        self.phases.compile_s += started.elapsed().as_secs_f64();
+            if sources.is_empty() {
+                return Ok(());
+            }
+            let compiler = self.compiler;
+            let threads = std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+                .saturating_sub(1);
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::scope(|scope| {
+                let jobs: Vec<(&Family, &Source)> = sources.iter().map(|(f, s)| (*f, s)).collect();
+                scope.spawn(move || {
+                    compiler.compile_each(&jobs, threads, |source, result| {
+                        // The receiver is gone only when measuring stopped on an error.
+                        let _ = tx.send((source.kernel_name.clone(), result));
+                    })
+                });
+                for (name, result) in rx {
+                    match &result {
+                        Ok(c) if c.cached => self.phases.cached += 1,
+                        _ => self.phases.compiled += 1,
+                    }
+                    self.compiled.insert(name.clone(), result.map_err(|e| e.to_string()));
+                    let t = Instant::now();
+                    ready(self, &name)?;
+                    in_ready += t.elapsed();
+                }
+                Ok(())
+            })
+        })();
+        self.phases.compile_s += started.elapsed().saturating_sub(in_ready).as_secs_f64();
+        outcome
     }
 
     fn load(&mut self, v: &Variant) -> Result<&LoadedVariant, String> {

@@ -6,6 +6,7 @@
 //! beside it (cuBLASLt with its fused epilogue, cuBLAS + a split kernel for qkv) in the tuning
 //! database.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
@@ -230,10 +231,9 @@ pub fn tune(
     let mut finished: Vec<Option<TuneResult>> = vec![None; states.len()];
     if options.exhaustive {
         for (s, slot) in states.iter_mut().zip(finished.iter_mut()) {
-            let pool = s.pool.clone();
-            eval.compile(&pool, progress);
-            progress.stage(&s.title(), pool.len() as u64);
-            s.measure(&mut eval, pool, true, progress)?;
+            progress.stage(&s.title(), s.pool.len() as u64);
+            let pool = vec![s.pool.clone()];
+            compile_and_measure(&mut eval, std::slice::from_mut(s), pool, progress)?;
             *slot = Some(finish(s, &mut eval, cublas.as_ref(), db, progress)?);
         }
     } else {
@@ -243,19 +243,17 @@ pub fn tune(
             .collect();
         let climb_deadline = started + options.budget.mul_f64(0.8);
         for round in 0..=search::MAX_ROUNDS {
-            let batch: Vec<Variant> = next.iter().flatten().cloned().collect();
-            eval.compile(&batch, progress);
-            for (s, variants) in states.iter_mut().zip(std::mem::take(&mut next)) {
-                if variants.is_empty() {
-                    continue;
-                }
-                let label = match round {
-                    0 => s.title(),
-                    r => format!("{} (climb {r})", s.title()),
-                };
-                progress.stage(&label, variants.len() as u64);
-                s.measure(&mut eval, variants, true, progress)?;
-            }
+            let label = match round {
+                0 => "first round".to_string(),
+                r => format!("climb {r}"),
+            };
+            let shapes = next.iter().filter(|n| !n.is_empty()).count();
+            let pairs: usize = next.iter().map(Vec::len).sum();
+            progress.stage(
+                &format!("{label}: {pairs} candidates over {shapes} shapes"),
+                pairs as u64,
+            );
+            compile_and_measure(&mut eval, &mut states, std::mem::take(&mut next), progress)?;
             if round == search::MAX_ROUNDS || Instant::now() >= climb_deadline {
                 break;
             }
@@ -282,6 +280,29 @@ pub fn tune(
     Ok(TuneRun {
         results,
         phases: eval.phases,
+    })
+}
+
+/// Compiles the variants of every workload's list in one batch and measures each on its
+/// workload as soon as its compile lands (see [`Evaluator::compile_streaming`]).
+fn compile_and_measure(
+    eval: &mut Evaluator,
+    states: &mut [WorkloadSearch],
+    lists: Vec<Vec<Variant>>,
+    progress: &dyn Progress,
+) -> Result<(), String> {
+    let mut waiting: HashMap<String, Vec<(usize, Variant)>> = HashMap::new();
+    for (i, list) in lists.into_iter().enumerate() {
+        for v in list {
+            waiting.entry(v.kernel_name()).or_default().push((i, v));
+        }
+    }
+    let batch: Vec<Variant> = waiting.values().flatten().map(|(_, v)| v.clone()).collect();
+    eval.compile_streaming(&batch, |eval, name| {
+        for (i, v) in waiting.remove(name).unwrap_or_default() {
+            states[i].measure(eval, vec![v], true, progress)?;
+        }
+        Ok(())
     })
 }
 
