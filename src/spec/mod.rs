@@ -972,10 +972,15 @@ impl Catalog {
         if files.is_empty() {
             return Err(SpecError::NoSpecs(specs_dir.to_path_buf()));
         }
-        let families = files
-            .iter()
-            .map(|f| Family::load(f, templates_dir).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()?;
+        // In parallel: checking a family expands its whole space (tens of thousands of points
+        // for the tensor-core GEMMs), which every command pays at start-up.
+        let families = {
+            use rayon::prelude::*;
+            files
+                .par_iter()
+                .map(|f| Family::load(f, templates_dir).map(Arc::new))
+                .collect::<Result<Vec<_>, _>>()?
+        };
         Ok(Catalog {
             families,
             specs_dir: specs_dir.to_path_buf(),
