@@ -1,6 +1,6 @@
 //! `kernelforge tune`: tune every shape a model uses (or one op at one shape) on one GPU, or
-//! spread over several (`--devices`, see [`crate::tune::spread`]), against cuBLAS, into the
-//! tuning database of each GPU kind; print a table, JSON or an HTML report.
+//! spread over several (`--devices`, see [`crate::tune::spread`]), against the vendor peer
+//! (cuBLASLt), into the tuning database of each GPU kind; print a table, JSON or an HTML report.
 
 use std::path::{Path, PathBuf};
 
@@ -33,9 +33,9 @@ use crate::tune::workloads::{model_workloads, Workload};
 /// --exhaustive measures every variant instead of searching.
 ///
 /// --dtype tf32 tunes the matmuls on tensor cores (TF32 inputs, f32 accumulation, relative L2
-/// error < 1e-3) against cuBLAS in TF32 math mode; the other ops of a model stay f32.
+/// error < 1e-3) against cuBLASLt in TF32 compute; the other ops of a model stay f32.
 /// --dtype f16 / bf16 stores the matmul tensors as halves (f32 accumulation, relative L2
-/// error < 1e-2) and compares with cuBLAS on the same halves (cublasGemmEx, f32 compute).
+/// error < 1e-2) and compares with cuBLASLt on the same halves (f32 compute).
 ///
 /// --devices 0,1 (or all) spreads the work over several GPUs of this host: the GPUs of one kind
 /// (same name and compute capability) split the workloads not tuned yet, longest first to the
@@ -43,11 +43,16 @@ use crate::tune::workloads::{model_workloads, Workload};
 /// database; every kind in the list tunes every workload into its own database.
 ///
 /// Examples:
+///
 ///   kernelforge tune --model gpt2 --batch 8 --seq 1024
-///   kernelforge tune --op matmul --shape 8192,3072,768 --epilogue bias_gelu
-///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype tf32
-///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype bf16
+///
 ///   kernelforge tune --model gpt2 --batch 1,8 --dtype bf16 --devices all
+///
+///   kernelforge tune --op matmul --shape 8192,3072,768 --epilogue bias_gelu
+///
+///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype tf32
+///
+///   kernelforge tune --op matmul --shape 1024,768,768 --dtype bf16 --exhaustive
 #[derive(Debug, Args)]
 pub struct TuneArgs {
     /// gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face folder with config.json.
@@ -60,8 +65,8 @@ pub struct TuneArgs {
     #[arg(long, value_delimiter = ',', default_value = "1024")]
     pub seq: Vec<i64>,
     /// Precision of the matmuls: f32 (FP32 FMA), tf32 (tensor cores, f32 storage; compared
-    /// with cuBLAS in TF32 math mode), f16 or bf16 (half storage, f32 accumulation; compared
-    /// with cuBLAS on the same halves). With --model, tf32 applies to the matmul workloads only:
+    /// with cuBLASLt in TF32 compute), f16 or bf16 (half storage, f32 accumulation; compared
+    /// with cuBLASLt on the same halves). With --model, tf32 applies to the matmul workloads only:
     /// layernorm, attention, embedding and the other ops stay f32 (they have no tf32 kernels).
     #[arg(long, default_value = "f32", value_parser = super::kernels::parse_dtype)]
     pub dtype: Dtype,
@@ -102,7 +107,7 @@ pub struct TuneArgs {
     /// Re-tune shapes the database already has.
     #[arg(long)]
     pub force: bool,
-    /// Do not measure cuBLAS.
+    /// Do not measure the vendor peer (cuBLASLt).
     #[arg(long)]
     pub no_baseline: bool,
     /// Seed for inputs and sampling.
