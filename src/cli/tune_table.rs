@@ -119,21 +119,15 @@ impl Peaks {
             "% peak: f32 rows vs the FP32 FMA peak {:.1} TFLOP/s (clock x SMs)",
             self.fp32 / 1e12
         );
-        if let Some(tc) = self.tf32 {
-            text.push_str(&format!(
-                "; tf32 rows (marked tc) vs cuBLAS TF32 on {n}x{n}x{n}, {:.1} TFLOP/s {when}",
-                tc / 1e12,
-                when = self.when(),
-                n = TF32_PEAK_SIZE
-            ));
-        }
-        if let Some(tc) = self.half {
-            text.push_str(&format!(
-                "; f16/bf16 rows (marked tc) vs cuBLAS BF16 on {n}x{n}x{n}, {:.1} TFLOP/s {when}",
-                tc / 1e12,
-                when = self.when(),
-                n = TF32_PEAK_SIZE
-            ));
+        for (rows, cublas, peak) in [("tf32", "TF32", self.tf32), ("f16/bf16", "BF16", self.half)] {
+            if let Some(tc) = peak {
+                text.push_str(&format!(
+                    "; {rows} rows (marked tc) vs cuBLAS {cublas} on {n}x{n}x{n}, {:.1} TFLOP/s {when}",
+                    tc / 1e12,
+                    when = self.when(),
+                    n = TF32_PEAK_SIZE
+                ));
+            }
         }
         text.push_str(&format!(
             "; memory-bound rows vs the copy bandwidth {:.0} GB/s ({})",

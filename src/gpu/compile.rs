@@ -49,16 +49,10 @@ pub struct Compiled {
 pub fn split_ptxas_report(log: &str) -> (String, u64) {
     let mut spills = 0;
     for line in log.lines().filter(|l| l.starts_with("ptxas")) {
-        if let Some(before) = line
-            .split(" bytes spill stores")
-            .next()
-            .filter(|_| line.contains("spill stores"))
-        {
-            spills += before
-                .rsplit(|c: char| !c.is_ascii_digit())
-                .next()
-                .and_then(|n| n.parse::<u64>().ok())
-                .unwrap_or(0);
+        if let Some((before, _)) = line.split_once(" bytes spill stores") {
+            // The number right before: `..., 24 bytes spill stores`.
+            let digits = before.rsplit(|c: char| !c.is_ascii_digit()).next().unwrap_or("");
+            spills += digits.parse::<u64>().unwrap_or(0);
         }
     }
     let rest: Vec<&str> = log.lines().filter(|l| !l.starts_with("ptxas")).collect();

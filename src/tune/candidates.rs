@@ -9,7 +9,6 @@ use rand::SeedableRng;
 
 use super::db::{Candidate, TuneKey};
 use super::evaluate::Evaluator;
-use super::registry::variant_kind;
 use super::search;
 use super::time::{rotation_count, Timing};
 use super::tuner::{verification_shape, workload_bytes, Progress, Tried};
@@ -57,7 +56,7 @@ pub struct WorkloadSearch<'w> {
     pub key: TuneKey,
     pub inputs: Inputs,
     pub bytes: f64,
-    /// Every valid variant (see `search::pool`).
+    /// Every valid variant (see `search::Pools`).
     pub pool: Vec<Variant>,
     check_device: DeviceProblem,
     copies: Vec<DeviceProblem>,
@@ -81,12 +80,7 @@ impl<'w> WorkloadSearch<'w> {
             .map(|_| upload(&inputs.problem))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(WorkloadSearch {
-            key: TuneKey {
-                op: workload.op.to_string(),
-                dtype: workload.dtype.to_string(),
-                variant_kind: variant_kind(workload.epilogue, workload.mask).to_string(),
-                shape: workload.shape.clone(),
-            },
+            key: workload.key(),
             bytes: workload_bytes(workload, &inputs.problem),
             check_device: upload(&inputs.check)?,
             workload,
@@ -125,7 +119,7 @@ impl<'w> WorkloadSearch<'w> {
     }
 
     /// Screens (unless `screen` is off), verifies and screen-times each variant not seen yet;
-    /// they must be compiled already (see [`Evaluator::compile`]). A kernel fault ends the run
+    /// they must be compiled already (see [`Evaluator::compile_streaming`]). A kernel fault ends the run
     /// (the context is lost).
     pub fn measure(
         &mut self,

@@ -325,21 +325,17 @@ impl TuningDb {
         }
         let free_dim = *free.first()?;
         let want = *key.shape.get(free_dim)? as f64;
-        let group = key.group();
-        self.entries
-            .iter()
-            .filter(|(k, _)| k.rsplit_once('|').is_some_and(|(g, _)| g == group))
-            .filter(|(_, e)| {
+        self.same_group(key)
+            .filter(|e| {
                 e.shape.len() == key.shape.len()
                     && e.shape
                         .iter()
                         .all(|(name, v)| free.contains(&name.as_str()) || key.shape.get(name) == Some(v))
             })
-            .min_by(|(_, a), (_, b)| {
+            .min_by(|a, b| {
                 let d = |e: &Entry| ((e.shape[free_dim] as f64).ln() - want.ln()).abs();
                 d(a).total_cmp(&d(b))
             })
-            .map(|(_, e)| e)
     }
 
     pub fn insert(&mut self, key: &TuneKey, entry: Entry) {

@@ -192,10 +192,7 @@ impl<'a> Evaluator<'a> {
     /// on an SM at `shape`'s launch geometry (registers x threads or shared memory over the
     /// SM's).
     pub fn screen(&mut self, v: &Variant, shape: &Shape) -> Result<(), String> {
-        let started = Instant::now();
-        let outcome = self.screen_now(v, shape);
-        self.phases.verify_s += started.elapsed().as_secs_f64();
-        outcome
+        self.clocked(|p| &mut p.verify_s, |eval| eval.screen_now(v, shape))
     }
 
     fn screen_now(&mut self, v: &Variant, shape: &Shape) -> Result<(), String> {
@@ -238,18 +235,19 @@ impl<'a> Evaluator<'a> {
         device: &mut DeviceProblem,
         reference: &[(usize, Vec<f64>)],
     ) -> Result<f64, String> {
-        let started = Instant::now();
-        let gpu = self.gpu;
-        let outcome = self.load(v).and_then(
-            |loaded| match run_and_compare(gpu, loaded, problem, device, reference) {
-                Ok(err) if err < tolerance(v.dtype) => Ok(err),
-                Ok(err) => Err(format!("wrong result: {}", error_text(v, err))),
-                Err(RunFailure::Soft(why)) => Err(why),
-                Err(RunFailure::Fault(why)) => Err(format!("kernel fault: {why}")),
+        self.clocked(
+            |p| &mut p.verify_s,
+            |eval| {
+                let gpu = eval.gpu;
+                let loaded = eval.load(v)?;
+                match run_and_compare(gpu, loaded, problem, device, reference) {
+                    Ok(err) if err < tolerance(v.dtype) => Ok(err),
+                    Ok(err) => Err(format!("wrong result: {}", error_text(v, err))),
+                    Err(RunFailure::Soft(why)) => Err(why),
+                    Err(RunFailure::Fault(why)) => Err(format!("kernel fault: {why}")),
+                }
             },
-        );
-        self.phases.verify_s += started.elapsed().as_secs_f64();
-        outcome
+        )
     }
 
     /// Times `v` on the real problem, rotating through `copies`.
@@ -260,9 +258,14 @@ impl<'a> Evaluator<'a> {
         copies: &mut [DeviceProblem],
         plan: &TimingPlan,
     ) -> Result<Timing, String> {
+        self.clocked(|p| &mut p.time_s, |eval| eval.time_now(v, problem, copies, plan))
+    }
+
+    /// Runs `work`, adding its wall time to the phase `phase` picks.
+    fn clocked<T>(&mut self, phase: fn(&mut Phases) -> &mut f64, work: impl FnOnce(&mut Self) -> T) -> T {
         let started = Instant::now();
-        let outcome = self.time_now(v, problem, copies, plan);
-        self.phases.time_s += started.elapsed().as_secs_f64();
+        let outcome = work(self);
+        *phase(&mut self.phases) += started.elapsed().as_secs_f64();
         outcome
     }
 

@@ -11,6 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use indexmap::IndexMap;
 
@@ -18,71 +19,69 @@ use super::db::{Entry, TuneKey, TuningDb};
 use super::time::TimingPlan;
 use super::workloads::Workload;
 use crate::ops::{Epilogue, Mask};
-use crate::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Points, Variant};
+use crate::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Family, Points, Variant};
 
-/// Every variant of every family of the workload's op that computes in its dtype, has its
-/// epilogue and mask, and can run its shape on this device.
-pub fn pool(catalog: &Catalog, w: &Workload, limits: &DeviceLimits) -> Result<Vec<Variant>, String> {
-    Ok(expand_kind(catalog, w, limits)?
-        .into_iter()
-        .filter(|v| v.check_shape(&w.shape, limits).is_ok())
-        .collect())
+/// What a workload draws its variants from: op, dtype, epilogue, mask.
+type Kind = (&'static str, Dtype, Epilogue, Mask);
+
+fn kind_of(w: &Workload) -> Kind {
+    (w.op, w.dtype, w.epilogue, w.mask)
 }
 
-/// Every variant of the workload's op, dtype, epilogue and mask, whatever the shape.
-fn expand_kind(catalog: &Catalog, w: &Workload, limits: &DeviceLimits) -> Result<Vec<Variant>, String> {
-    let mut all = Vec::new();
-    for f in catalog.for_op(w.op) {
-        // Candidates compute in the workload's dtype: tf32 workloads get the tf32 variants,
-        // f32 workloads the f32 ones.
-        if !f.dtypes.contains(&w.dtype) || !f.epilogues.contains(&w.epilogue) || !f.masks.contains(&w.mask) {
-            continue;
-        }
-        let variants = expand(f, Points::All, limits).map_err(|e| e.to_string())?;
-        all.extend(
-            variants
-                .into_iter()
-                .filter(|v| v.dtype == w.dtype && v.epilogue == w.epilogue && v.mask == w.mask),
-        );
-    }
-    Ok(all)
-}
-
-/// The variants of each (op, dtype, epilogue, mask) the workloads need, expanded once per run
-/// and in parallel: expanding a tensor-core family's space evaluates its constraints on tens of
-/// thousands of points. The shape check stays per workload.
+/// The variants of each (op, dtype, epilogue, mask) the workloads need. Every family that
+/// serves one of them is expanded once, in parallel (expanding a tensor-core family's space
+/// evaluates its constraints on tens of thousands of points, and one family serves several
+/// epilogues); the shape check stays per workload.
 pub struct Pools {
-    expanded: HashMap<(&'static str, Dtype, Epilogue, Mask), Vec<Variant>>,
+    by_kind: HashMap<Kind, Vec<Variant>>,
 }
 
 impl Pools {
     pub fn new(catalog: &Catalog, workloads: &[&Workload], limits: &DeviceLimits) -> Result<Pools, String> {
         use rayon::prelude::*;
-        let mut kinds: Vec<&Workload> = Vec::new();
-        for w in workloads {
-            if !kinds
-                .iter()
-                .any(|k| (k.op, k.dtype, k.epilogue, k.mask) == (w.op, w.dtype, w.epilogue, w.mask))
-            {
-                kinds.push(w);
+        let mut by_kind: HashMap<Kind, Vec<Variant>> = workloads.iter().map(|w| (kind_of(w), Vec::new())).collect();
+        // Candidates compute in the workload's dtype: tf32 workloads get the tf32 variants, f32
+        // workloads the f32 ones.
+        let serves = |f: &Family| {
+            by_kind.keys().any(|(op, dtype, epilogue, mask)| {
+                f.op.name() == *op
+                    && f.dtypes.contains(dtype)
+                    && f.epilogues.contains(epilogue)
+                    && f.masks.contains(mask)
+            })
+        };
+        let families: Vec<&Arc<Family>> = catalog.families.iter().filter(|f| serves(f)).collect();
+        let expanded = families
+            .par_iter()
+            .map(|f| expand(f, Points::All, limits).map_err(|e| e.to_string()))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Catalog order within each kind.
+        for v in expanded.into_iter().flatten() {
+            if let Some(list) = by_kind.get_mut(&(v.family.op.name(), v.dtype, v.epilogue, v.mask)) {
+                list.push(v);
             }
         }
-        let expanded = kinds
-            .par_iter()
-            .map(|w| Ok(((w.op, w.dtype, w.epilogue, w.mask), expand_kind(catalog, w, limits)?)))
-            .collect::<Result<_, String>>()?;
-        Ok(Pools { expanded })
+        Ok(Pools { by_kind })
     }
 
-    /// [`pool`] of a workload given to [`Pools::new`].
-    pub fn pool(&self, w: &Workload, limits: &DeviceLimits) -> Vec<Variant> {
-        self.expanded
-            .get(&(w.op, w.dtype, w.epilogue, w.mask))
+    /// The variants of every family of the workload's op that compute in its dtype, have its
+    /// epilogue and mask, and can run its shape on this device (`w` must be one of the
+    /// workloads given to [`Pools::new`]).
+    pub fn candidates<'a>(
+        &'a self,
+        w: &'a Workload,
+        limits: &'a DeviceLimits,
+    ) -> impl Iterator<Item = &'a Variant> + 'a {
+        self.by_kind
+            .get(&kind_of(w))
             .into_iter()
             .flatten()
-            .filter(|v| v.check_shape(&w.shape, limits).is_ok())
-            .cloned()
-            .collect()
+            .filter(move |v| v.check_shape(&w.shape, limits).is_ok())
+    }
+
+    /// [`Pools::candidates`], owned: a workload's pool.
+    pub fn pool(&self, w: &Workload, limits: &DeviceLimits) -> Vec<Variant> {
+        self.candidates(w, limits).cloned().collect()
     }
 }
 
@@ -283,7 +282,8 @@ mod tests {
     }
 
     fn pool_of(w: &Workload) -> Vec<Variant> {
-        pool(&catalog(), w, &DeviceLimits::default()).unwrap()
+        let limits = DeviceLimits::default();
+        Pools::new(&catalog(), &[w], &limits).unwrap().pool(w, &limits)
     }
 
     #[test]
@@ -324,7 +324,7 @@ mod tests {
     fn steps_move_one_parameter_to_an_adjacent_value() {
         let limits = DeviceLimits::default();
         let w = workload(Dtype::Bf16, 1024);
-        let pool = pool(&catalog(), &w, &limits).unwrap();
+        let pool = pool_of(&w);
         let start = pool
             .iter()
             .find(|v| v.family.name == "matmul_wgmma_tma" && v.params == v.family.default)
@@ -373,9 +373,8 @@ mod tests {
     /// variants the pool holds.
     #[test]
     fn seeds_come_from_the_nearest_tuned_shapes() {
-        let limits = DeviceLimits::default();
         let w = workload(Dtype::Bf16, 1024);
-        let pool = pool(&catalog(), &w, &limits).unwrap();
+        let pool = pool_of(&w);
         let dir = tempfile::tempdir().unwrap();
         let header = crate::tune::db::DbHeader {
             gpu: "NVIDIA H100 80GB HBM3".into(),

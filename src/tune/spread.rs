@@ -23,14 +23,14 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::db::{default_path, DbHeader, TuneKey, TuningDb};
-use super::registry::variant_kind;
+use super::db::{default_path, DbHeader, TuningDb};
+use super::search;
 use super::tuner::{tune, workload_flops, Phases, Progress, Quiet, TuneOptions, TuneResult, TuneRun};
 use super::workloads::Workload;
 use crate::codegen::Renderer;
 use crate::gpu::device::driver_version;
 use crate::gpu::{device_count, identify, CompileError, Compiler, DeviceIdentity, DeviceListError, Gpu, GpuError};
-use crate::spec::{expand, Catalog, DeviceLimits, Dtype, Points};
+use crate::spec::{Catalog, DeviceLimits, Dtype};
 
 /// Why a spread cannot start or did not finish. Every variant names the device or flag at
 /// fault and the fix.
@@ -95,51 +95,17 @@ pub fn estimated_cost(w: &Workload, candidates: usize) -> f64 {
 }
 
 /// For each workload, how many variants of the catalog are candidates on a device with
-/// `limits` (the valid points of every family of its op in its dtype, epilogue and mask that
-/// take its shape: what the tuner draws its candidates from), counted up to
-/// [`CANDIDATES_COUNTED`]. Each family is expanded once (in parallel), whatever the number of
-/// workloads; a family that does not expand counts nothing (the tuner reports it).
+/// `limits` (its pool, as the tuner draws it: see [`search::Pools`]), counted up to
+/// [`CANDIDATES_COUNTED`]. A catalog that does not expand counts nothing (the tuner reports
+/// it).
 pub fn candidate_counts(catalog: &Catalog, workloads: &[&Workload], limits: &DeviceLimits) -> Vec<usize> {
-    use rayon::prelude::*;
-    let serves = |f: &crate::spec::Family, w: &Workload| {
-        f.op.name() == w.op
-            && f.dtypes.contains(&w.dtype)
-            && f.epilogues.contains(&w.epilogue)
-            && f.masks.contains(&w.mask)
-    };
-    let expanded: Vec<Vec<crate::spec::Variant>> = catalog
-        .families
-        .par_iter()
-        .map(|f| {
-            if workloads.iter().any(|w| serves(f, w)) {
-                expand(f, Points::All, limits).unwrap_or_default()
-            } else {
-                Vec::new()
-            }
-        })
-        .collect();
-    workloads
-        .par_iter()
-        .map(|w| {
-            let mut count = 0;
-            for (f, variants) in catalog.families.iter().zip(&expanded) {
-                if count >= CANDIDATES_COUNTED || !serves(f, w) {
-                    continue;
-                }
-                count += variants
-                    .iter()
-                    .filter(|v| {
-                        v.dtype == w.dtype
-                            && v.epilogue == w.epilogue
-                            && v.mask == w.mask
-                            && v.check_shape(&w.shape, limits).is_ok()
-                    })
-                    .take(CANDIDATES_COUNTED - count)
-                    .count();
-            }
-            count
-        })
-        .collect()
+    match search::Pools::new(catalog, workloads, limits) {
+        Ok(pools) => workloads
+            .iter()
+            .map(|w| pools.candidates(w, limits).take(CANDIDATES_COUNTED).count())
+            .collect(),
+        Err(_) => vec![0; workloads.len()],
+    }
 }
 
 /// Longest-processing-time-first assignment: jobs with a cost (`None`: nothing to do) taken
@@ -191,16 +157,6 @@ pub fn group_by_kind(devices: &[DeviceIdentity]) -> Vec<Vec<usize>> {
         }
     }
     groups
-}
-
-/// The tuning key of a workload (as the tuner forms it).
-fn key_of(w: &Workload) -> TuneKey {
-    TuneKey {
-        op: w.op.to_string(),
-        dtype: w.dtype.to_string(),
-        variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
-        shape: w.shape.clone(),
-    }
 }
 
 /// One kind of GPU in a plan: its database and how its GPUs share the workloads.
@@ -360,7 +316,7 @@ impl SpreadPlan {
             })?;
             let todo: Vec<bool> = workloads
                 .iter()
-                .map(|w| force || opened.get(&key_of(w)).is_none())
+                .map(|w| force || opened.get(&w.key()).is_none())
                 .collect();
             let to_count: Vec<&Workload> = workloads
                 .iter()

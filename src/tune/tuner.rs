@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::baseline::CublasBaseline;
 use super::candidates::{Inputs, WorkloadSearch};
-use super::db::{Entry, TuneKey, TuningDb};
+use super::db::{Entry, TuningDb};
 use super::evaluate::Evaluator;
 pub use super::evaluate::Phases;
 use super::registry::variant_kind;
@@ -28,8 +28,9 @@ use crate::spec::{Catalog, Dtype, Variant};
 /// Knobs of a tuning run.
 #[derive(Debug, Clone)]
 pub struct TuneOptions {
-    /// Wall-clock budget for the whole run (compiles included): each workload's climb stops at
-    /// its share. The search usually ends well before, when a round stops paying.
+    /// Wall-clock budget for the whole run (compiles included): the climb stops at 80% of it
+    /// (the finals and the peers take the rest). The search usually ends well before, when a
+    /// round stops paying.
     pub budget: Duration,
     pub seed: u64,
     /// Re-tune workloads the database already has.
@@ -185,16 +186,10 @@ pub fn tune(
     let started = Instant::now();
     let limits = gpu.info.limits;
     let mut eval = Evaluator::new(gpu, compiler, renderer);
-    let key_of = |w: &Workload| TuneKey {
-        op: w.op.to_string(),
-        dtype: w.dtype.to_string(),
-        variant_kind: variant_kind(w.epilogue, w.mask).to_string(),
-        shape: w.shape.clone(),
-    };
     let todo: Vec<(usize, &Workload)> = workloads
         .iter()
         .enumerate()
-        .filter(|(_, w)| options.force || db.get(&key_of(w)).is_none())
+        .filter(|(_, w)| options.force || db.get(&w.key()).is_none())
         .collect();
 
     // Inputs, references and the families' variants on the CPU, all in parallel; then uploads.
@@ -274,7 +269,7 @@ pub fn tune(
         .enumerate()
         .map(|(index, w)| match todo.iter().any(|(i, _)| *i == index) {
             true => finished.next().flatten().expect("each tuned workload finished once"),
-            false => result_for(w, db.get(&key_of(w)).cloned(), true, Vec::new(), 0.0),
+            false => result_for(w, db.get(&w.key()).cloned(), true, Vec::new(), 0.0),
         })
         .collect();
     Ok(TuneRun {
@@ -370,9 +365,10 @@ fn result_for(w: &Workload, winner: Option<Entry>, from_db: bool, tried: Vec<Tri
     }
 }
 
-/// The next round of the climb for each workload still climbing: the best point of each sibling
-/// workload (same op; its nearest point in this pool), then one-parameter steps from its own
-/// best points, those not measured yet. A workload stops climbing when its last round gained
+/// The next round of the climb for each workload still climbing: one-parameter steps from its
+/// own best points (at most [`search::MAX_STEPS`]), then the best point of each sibling
+/// workload (same op; its nearest point in this pool; at most [`search::MAX_SIBLINGS`]), those
+/// not measured yet. A workload stops climbing when its last round gained
 /// less than [`search::MIN_GAIN`] or it has nothing new to try.
 fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits) -> Vec<Vec<Variant>> {
     // Each workload's best point: (op, family, params).

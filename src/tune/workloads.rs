@@ -21,6 +21,18 @@ pub struct Workload {
     pub calls: i64,
 }
 
+impl Workload {
+    /// Its key in the tuning database: op, dtype, epilogue or mask, shape.
+    pub fn key(&self) -> super::db::TuneKey {
+        super::db::TuneKey {
+            op: self.op.to_string(),
+            dtype: self.dtype.to_string(),
+            variant_kind: super::registry::variant_kind(self.epilogue, self.mask).to_string(),
+            shape: self.shape.clone(),
+        }
+    }
+}
+
 fn shape(pairs: &[(&str, i64)]) -> Shape {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
