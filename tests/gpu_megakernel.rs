@@ -350,3 +350,107 @@ fn megakernel_points_of_gpt2_small() {
         }
     }
 }
+
+/// The kernelforge binary: `KERNELFORGE_BIN` (the GPU machine runs carried binaries), else the
+/// one cargo built beside this test.
+fn kernelforge_bin() -> std::path::PathBuf {
+    std::env::var_os("KERNELFORGE_BIN")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_kernelforge").into())
+}
+
+fn run_json(cache: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let bin = kernelforge_bin();
+    let out = std::process::Command::new(&bin)
+        .args(args)
+        .env("KERNELFORGE_CACHE", cache)
+        .output()
+        .unwrap_or_else(|e| panic!("running {} (set KERNELFORGE_BIN): {e}", bin.display()));
+    assert!(
+        out.status.success(),
+        "kernelforge {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "kernelforge {args:?}: not JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// `tune --decode-step` times the graph engine and megakernel points on the model's shape,
+/// stores the fastest point with the graph's time beside it, and `bench` then runs the faster
+/// engine by default (and the one asked for when asked).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tune_decode_step_stores_the_winner_and_bench_runs_the_faster_engine_by_default() {
+    let _gpu = gpu_lock();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("model");
+    let config = GPT2Config::new(2, 2, 128, 128, 1000).unwrap();
+    kernelforge::model::write_hf_folder(&model_dir, &config, &GPT2Weights::random(&config, 5)).unwrap();
+    let model = model_dir.to_str().unwrap();
+    let tuned = run_json(
+        cache.path(),
+        &[
+            "tune",
+            "--model",
+            model,
+            "--batch",
+            "1",
+            "--seq",
+            "32",
+            "--budget",
+            "30",
+            "--decode-step",
+            "--json",
+        ],
+    );
+    let row = &tuned["decode_step"][0];
+    let graph = row["graph_ms_per_step"].as_f64().unwrap();
+    let mega = row["megakernel_ms_per_step"].as_f64().expect("a megakernel point ran");
+    assert!(graph > 0.0 && mega > 0.0, "{row}");
+    assert!(
+        row["points_tried"].as_u64().unwrap() >= 8,
+        "the search moved every parameter: {row}"
+    );
+
+    let db_file = std::fs::read_dir(cache.path().join("tuning"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "json"))
+        .expect("the tuning database");
+    let db: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&db_file).unwrap()).unwrap();
+    let (key, entry) = db["entries"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.starts_with("decode_step|f32|none|"))
+        .expect("a decode_step entry");
+    assert!(key.contains("B=1") && key.contains("L=2"), "{key}");
+    assert_eq!(entry["median_ms"].as_f64().unwrap(), mega);
+    assert_eq!(entry["baseline_ms"].as_f64().unwrap(), graph);
+    assert!(entry["candidates"].as_array().unwrap().len() >= 8);
+
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench", "--model", model, "--device", "cuda", "--batch", "1", "--seq", "16",
+        ];
+        args.extend_from_slice(&["--generate", "8", "--repeats", "1", "--json"]);
+        args.extend_from_slice(extra);
+        run_json(cache.path(), &args)
+    };
+    let expected = if mega < graph { "megakernel" } else { "graph" };
+    assert_eq!(
+        bench(&[])["decode"]["engine"],
+        expected,
+        "graph {graph} ms, megakernel {mega} ms"
+    );
+    assert_eq!(bench(&["--decode-engine", "graph"])["decode"]["engine"], "graph");
+    assert_eq!(
+        bench(&["--decode-engine", "megakernel"])["decode"]["engine"],
+        "megakernel"
+    );
+}

@@ -37,8 +37,10 @@
 // The point of it all is the weight stream. A block's next tasks are known in advance, and a
 // matrix-vector task's weights (whole rows of W [N, K]: one contiguous range) never depend on
 // the previous op, so the block keeps a ring of SLOTS shared-memory slots and copies the weights
-// of its next SLOTS-1 tasks with cp.async *before* it waits for its current task's input. The
-// memory system stays busy across op boundaries; the wait costs latency, not bandwidth.
+// of its next SLOTS-1 tasks (by the copy engine, or cp.async) *before* it waits for its current
+// task's input. The memory system stays busy across op boundaries; the wait costs latency, not
+// bandwidth. Attention tasks use their slot the same way for the keys and values that earlier
+// steps left in the cache: after its wait, a task reads only what this step has just written.
 // ---------------------------------------------------------------------------------------------
 #include <cuda_fp16.h>
 // f16 storage: IEEE binary16 (11-bit significand, max 65504), math in f32.
@@ -303,6 +305,7 @@ __device__ __forceinline__ void mbar_init_fence() {
 #define VEC (16 / STORAGE_BYTES)          // elements in one 16-byte access
 #define MAX_TASK_COLS 128                 // the host never cuts a matrix-vector task wider
 #define MAX_CHUNK 1024                    // cache positions one attention task scores at most
+#define MAX_STAGES 512                    // stages a table may have (the host checks)
 #define MIN_CHUNK_KEYS 64  // cache positions below which a chunk is not split off
 // The last warp issues no weight copies; its lane 0 does all the waiting and signalling. A
 // release makes the issuing warp wait for its own outstanding memory operations, and if those
@@ -394,9 +397,15 @@ __device__ __forceinline__ void load_coherent_vec(const storage_t* p, float (&v)
     unpack_vec(__ldcg(reinterpret_cast<const uint4*>(p)), v);
 }
 
-// VEC consecutive elements (16 bytes) from shared memory as f32.
-__device__ __forceinline__ void load_shared_vec(const storage_t* p, float (&v)[VEC]) {
-    unpack_vec(*reinterpret_cast<const uint4*>(p), v);
+// VEC consecutive elements (16 bytes) from shared memory as f32, by shared-window address
+// (smem_address). An explicit ld.shared: from a generic pointer, the compiler converts the
+// address in every iteration of the hot loops (a special-register read each time) once
+// registers run short.
+__device__ __forceinline__ void load_shared_vec(unsigned addr, float (&v)[VEC]) {
+    uint4 raw;
+    asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "r"(addr));
+    unpack_vec(raw, v);
 }
 
 // Sums MAX_ROWS values across the block at once (one pair of barriers for every row).
@@ -417,24 +426,72 @@ __device__ __forceinline__ void block_reduce_rows(float (&v)[MAX_ROWS], float* s
     }
 }
 
-// ---- weights: the ring of slots ---------------------------------------------------------------
-// Starts copying the weight rows of matrix-vector task `task` of stage `s` into `slot`; other
-// stages read no weights (returns false). Whole rows of a row-major [n, k] matrix are one
-// contiguous range, so the task's share is one flat copy.
-// The copy engine moves it (bulk_load_1d): one instruction from one thread, completion counted
-// in bytes on the slot's mbarrier. The load/store units stay free for the computing warps --
-// with per-thread cp.async, 2,048 16-byte requests per 32 KB slot queue in front of every
-// shared-memory read of the task being computed, and the arithmetic waits behind the stream.
-__device__ __forceinline__ bool prefetch_weights(const Stage& s, int task, storage_t* slot, unsigned long long* bar) {
-    if (s.kind != STAGE_MATVEC) return false;
-    if (threadIdx.x == 0) {
+// ---- the ring of slots: what a task reads that does not depend on this step -----------------
+// Two kinds of task read bulk data that no earlier task of this step writes, so a block copies
+// it into the task's slot SLOTS-1 tasks ahead, before it waits for anything:
+// - a matrix-vector task: its weight rows (whole rows of a row-major [n, k] matrix: one
+//   contiguous range);
+// - an attention task: the keys and values of its cache chunk that earlier steps wrote, as
+//   many positions from t0 on as a slot holds (SLOT_KEYS; two contiguous ranges of the head's
+//   [max_T, HS] cache), keys in the first half of the slot, values in the second. Only position
+//   `pos` is written during this step (by the qkv stage); the task reads that row after its
+//   wait, and any positions beyond the slot's from memory.
+// Other stages copy nothing.
+#define SLOT_KEYS (SLOT_BYTES / (2 * HEAD_DIM * STORAGE_BYTES))  // cache positions a slot holds
+
+// Which cache positions attention task `local` of a stage covers at this step: the head's
+// positions 0..pos cut into `chunks` chunks, as few as give each chunk MIN_CHUNK_KEYS
+// positions (the host gives the stage enough tasks per head that no chunk outgrows MAX_CHUNK).
+// Tasks beyond `chunks` have nothing to do (t0 == t1).
+struct Chunk { int bh, chunk, chunks, t0, t1; };
+__device__ __forceinline__ Chunk attention_chunk(const Stage& s, int local, int pos) {
+    Chunk c;
+    c.bh = local / s.cols;
+    c.chunk = local - c.bh * s.cols;
+    const int T = pos + 1;
+    c.chunks = max(1, min(s.cols, T / MIN_CHUNK_KEYS));
+    const int per_chunk = (T + c.chunks - 1) / c.chunks;
+    c.t0 = c.chunk < c.chunks ? min(T, c.chunk * per_chunk) : T;
+    c.t1 = c.chunk < c.chunks ? min(T, c.t0 + per_chunk) : T;
+    return c;
+}
+
+// The contiguous ranges task `task` of stage `s` prefetches: up to two (source, bytes) pairs,
+// the second landing at slot + SLOT_BYTES / 2.
+struct Ranges { const char* src[2]; unsigned bytes[2]; };
+__device__ __forceinline__ Ranges prefetch_ranges(const Stage& s, int task, int pos, int max_T) {
+    Ranges r;
+    r.src[0] = r.src[1] = nullptr;
+    r.bytes[0] = r.bytes[1] = 0u;
+    if (s.kind == STAGE_MATVEC) {
         const int n0 = task * s.cols;
         const int cols = min(s.cols, s.n - n0);
-        const unsigned bytes = (unsigned)cols * s.k * STORAGE_BYTES;
-        mbar_arrive_expect_tx(smem_address(bar), bytes);
-        bulk_load_1d(smem_address(slot), s.weight + (long long)n0 * s.k, bytes, smem_address(bar));
+        r.src[0] = reinterpret_cast<const char*>(s.weight + (long long)n0 * s.k);
+        r.bytes[0] = (unsigned)cols * s.k * STORAGE_BYTES;
+    } else if (s.kind == STAGE_ATTENTION) {
+        const Chunk c = attention_chunk(s, task, pos);
+        const int rows = max(0, min(min(c.t1, pos), c.t0 + SLOT_KEYS) - c.t0);  // pos is not written yet
+        const long long first = ((long long)c.bh * max_T + c.t0) * HEAD_DIM;
+        r.src[0] = reinterpret_cast<const char*>(s.k_cache + first);
+        r.src[1] = reinterpret_cast<const char*>(s.v_cache + first);
+        r.bytes[0] = r.bytes[1] = (unsigned)rows * HEAD_DIM * STORAGE_BYTES;
     }
-    return true;
+    return r;
+}
+// The copy engine moves each range (bulk_load_1d): one instruction from one thread, completion
+// counted in bytes on the slot's mbarrier. The load/store units stay free for the computing
+// warps -- with per-thread cp.async, 2,048 16-byte requests per 32 KB slot queue in front of
+// every shared-memory read of the task being computed, and the arithmetic waits behind the
+// stream. Every matrix-vector and attention task arrives on its slot's barrier, with zero bytes
+// when it has nothing to copy, so that its wait is the same either way.
+__device__ __forceinline__ void prefetch_slot(const Stage& s, int task, int pos, int max_T, storage_t* slot,
+                                              unsigned long long* bar) {
+    if (threadIdx.x != 0 || (s.kind != STAGE_MATVEC && s.kind != STAGE_ATTENTION)) return;
+    const Ranges r = prefetch_ranges(s, task, pos, max_T);
+    mbar_arrive_expect_tx(smem_address(bar), r.bytes[0] + r.bytes[1]);
+    for (int j = 0; j < 2; ++j)
+        if (r.bytes[j] > 0)
+            bulk_load_1d(smem_address(slot) + j * (SLOT_BYTES / 2), r.src[j], r.bytes[j], smem_address(bar));
 }
 
 // ---- matrix-vector tasks ----------------------------------------------------------------------
@@ -442,14 +499,19 @@ __device__ __forceinline__ bool prefetch_weights(const Stage& s, int task, stora
 // layernorm(x) (each block recomputes the row statistics: B rows of C values, far cheaper than
 // a separate layernorm op and the wait for it). The row is read once: each thread keeps its 16
 // bytes of every row in registers (the host checks C <= THREADS * VEC) for the mean, the
-// variance (two-pass, from the registers) and the normalisation. Rounded to storage_t: exactly
-// the values the kernel-by-kernel path's layernorm writes and its matmul reads.
+// variance (two-pass, from the registers) and the normalisation; gamma and beta are loaded
+// with the rows. Rounded to storage_t: exactly the values the kernel-by-kernel path's
+// layernorm writes and its matmul reads.
 __device__ void stage_input(const Stage& s, int B, storage_t* xs, float* scratch) {
     const int k = s.k;
     if (s.flags & FLAG_LAYERNORM) {
         const int i = threadIdx.x * VEC;
         const bool mine = i < k;
-        float v[MAX_ROWS][VEC], sum[MAX_ROWS], var[MAX_ROWS];
+        float v[MAX_ROWS][VEC], sum[MAX_ROWS], var[MAX_ROWS], g[VEC], be[VEC];
+        if (mine) {  // in the same trip to memory as the rows
+            load_coherent_vec(s.gamma + i, g);
+            load_coherent_vec(s.beta + i, be);
+        }
         #pragma unroll
         for (int b = 0; b < MAX_ROWS; ++b) {
             sum[b] = 0.0f;
@@ -470,9 +532,6 @@ __device__ void stage_input(const Stage& s, int B, storage_t* xs, float* scratch
         }
         block_reduce_rows(var, scratch);
         if (mine) {
-            float g[VEC], be[VEC];
-            load_coherent_vec(s.gamma + i, g);
-            load_coherent_vec(s.beta + i, be);
             #pragma unroll
             for (int b = 0; b < MAX_ROWS; ++b) {
                 if (b >= B) break;
@@ -528,12 +587,13 @@ __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, flo
     return acc;
 }
 
-// out[b, n0 + c] for the task's columns: each warp takes COLS_PER_WARP columns at a time, its
+// out[b, n0 + c] for the task's columns (`slot_addr`: the weight rows, `xs_addr`: the staged
+// input rows, shared-window addresses): each warp takes COLS_PER_WARP columns at a time, its
 // lanes walk K 16 bytes each (conflict-free: consecutive lanes, consecutive 16 bytes), every
 // input vector loaded once is used for COLS_PER_WARP weight rows. A shuffle reduction leaves
 // every lane with every sum; lane (c * MAX_ROWS + b) finishes output (c, b).
 // With FLAG_ARGMAX the rounded logits also go to `tile` for the task's argmax.
-__device__ void matvec_task(const Stage& s, int task, int B, const storage_t* slot, const storage_t* xs,
+__device__ void matvec_task(const Stage& s, int task, int B, unsigned slot_addr, unsigned xs_addr,
                             const float* bias_s, float* tile, int pos, int NH, int max_T) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = task * s.cols;
@@ -552,34 +612,54 @@ __device__ void matvec_task(const Stage& s, int task, int B, const storage_t* sl
         for (int c = 0; c < COLS_PER_WARP; ++c)
             #pragma unroll
             for (int b = 0; b < MAX_ROWS; ++b) acc[c][b] = 0.0f;
+        // Every one of the MAX_ROWS staged rows is multiplied, also those beyond B (their sums
+        // are never stored): no branch per row in the hot loop.
+        #pragma unroll 2
         for (int i = lane * VEC; i < k; i += 32 * VEC) {
             float x[MAX_ROWS][VEC];
             #pragma unroll
-            for (int b = 0; b < MAX_ROWS; ++b)
-                if (b < B) load_shared_vec(xs + b * k + i, x[b]);
+            for (int b = 0; b < MAX_ROWS; ++b) load_shared_vec(xs_addr + (b * k + i) * STORAGE_BYTES, x[b]);
             #pragma unroll
             for (int c = 0; c < COLS_PER_WARP; ++c) {
                 if (c0 + c >= cols) break;
                 float w[VEC];
-                load_shared_vec(slot + (long long)(c0 + c) * k + i, w);
+                load_shared_vec(slot_addr + ((c0 + c) * k + i) * STORAGE_BYTES, w);
                 #pragma unroll
-                for (int b = 0; b < MAX_ROWS; ++b)
-                    if (b < B) {
-                        #pragma unroll
-                        for (int j = 0; j < VEC; ++j) acc[c][b] = fmaf(w[j], x[b][j], acc[c][b]);
+                for (int b = 0; b < MAX_ROWS; ++b) {
+                    // two chains of VEC/2 fused multiply-adds instead of one of VEC
+                    float even = 0.0f, odd = 0.0f;
+                    #pragma unroll
+                    for (int j = 0; j < VEC; j += 2) {
+                        even = fmaf(w[j], x[b][j], even);
+                        odd = fmaf(w[j + 1], x[b][j + 1], odd);
                     }
+                    acc[c][b] += even + odd;
+                }
             }
         }
+        // Every lane ends up with every sum (butterfly reductions); lane p keeps sum p and
+        // finishes output p, all lanes at once: one epilogue per lane instead of one lane at a
+        // time for each of the COLS_PER_WARP * MAX_ROWS outputs.
+        constexpr int OUTPUTS = COLS_PER_WARP * MAX_ROWS;
+        float mine[(OUTPUTS + 31) / 32];
+        #pragma unroll
+        for (int q = 0; q < (OUTPUTS + 31) / 32; ++q) mine[q] = 0.0f;
         #pragma unroll
         for (int c = 0; c < COLS_PER_WARP; ++c)
             #pragma unroll
             for (int b = 0; b < MAX_ROWS; ++b) {
                 const float sum = warp_reduce_sum(acc[c][b]);
-                if (lane == (c * MAX_ROWS + b) % 32 && b < B && c0 + c < cols) {
-                    const float v = finish_output(s, b, n0 + c0 + c, sum, in[(c * MAX_ROWS + b) / 32], pos, NH, max_T);
-                    if (s.flags & FLAG_ARGMAX) tile[b * MAX_TASK_COLS + c0 + c] = to_float(from_float(v));
-                }
+                const int p = c * MAX_ROWS + b;
+                if (lane == p % 32) mine[p / 32] = sum;
             }
+        #pragma unroll
+        for (int q = 0; q < (OUTPUTS + 31) / 32; ++q) {
+            const int p = lane + 32 * q, c = p / MAX_ROWS, b = p % MAX_ROWS;
+            if (p < OUTPUTS && b < B && c0 + c < cols) {
+                const float v = finish_output(s, b, n0 + c0 + c, mine[q], in[q], pos, NH, max_T);
+                if (s.flags & FLAG_ARGMAX) tile[b * MAX_TASK_COLS + c0 + c] = to_float(from_float(v));
+            }
+        }
     }
 }
 
@@ -603,59 +683,57 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
 }
 
 // ---- attention tasks --------------------------------------------------------------------------
-// Task = (sequence b, head h, chunk) of the cache positions 0..pos (this step's k and v were
-// written by the qkv stage). Scores in the log2 domain (scale * log2(e) folded into q), one key
-// per thread; then the probabilities times V with HEAD_DIM/VEC lanes per cache row. The chunk's
-// (max, sum, unnormalised output) go to the workspace; the task that finishes a head's last
-// chunk (an arrival counter per head) combines them into att[b, h*HS..] and only then counts
-// the head as done, so the next stage waits for B*NH arrivals, not for every chunk.
-// A short cache is not worth splitting: combining costs two more trips to memory than the few
-// keys it spreads. The table has `s.cols` tasks per head; a step uses as many of them as give
-// every chunk MIN_CHUNK_KEYS keys (the rest return at once), and one chunk writes att directly.
+// Task = (sequence b, head h, chunk) of the cache positions 0..pos. The chunk's first SLOT_KEYS
+// keys and values are in the task's slot (those of earlier steps prefetched before the wait,
+// see above; the row at `pos`, which the qkv stage has just written, copied in after it), so
+// after its wait a short chunk costs one trip to memory (q and that row); positions beyond the
+// slot are read from memory as they are scored. Scores in the log2 domain (scale * log2(e)
+// folded into q), one key per thread; then the probabilities times V with HEAD_DIM/VEC lanes
+// per cache row. The chunk's (max, sum, unnormalised output) go to the workspace; the task that
+// finishes a head's last chunk (an arrival counter per head) combines them into att[b, h*HS..]
+// and only then counts the head as done, so the next stage waits for B*NH arrivals, not for
+// every chunk. A cache in one chunk skips the partials and the combine: att is written directly.
 __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH, int max_T, float scale,
-                               unsigned* arrivals, float* workspace, float* q_s, float* scores,
-                               float* partial_s, int* is_last) {
-    const int bh = task / s.cols, chunk = task - bh * s.cols;
-    const int T = pos + 1;
-    const int chunks = max(1, min(s.cols, T / MIN_CHUNK_KEYS));
-    if (chunk >= chunks) {
+                               storage_t* slot, unsigned* arrivals, float* workspace, float* q_s,
+                               float* scores, float* partial_s, int* is_last) {
+    const Chunk c = attention_chunk(s, task, pos);
+    if (c.t0 >= c.t1) {
         if (threadIdx.x == SYNC_THREAD) *is_last = 0;
         return;
     }
-    const int per_chunk = (T + chunks - 1) / chunks;
-    const int t0 = min(T, chunk * per_chunk), t1 = min(T, t0 + per_chunk);
-    const long long head = (long long)bh * max_T * HEAD_DIM;  // (b * NH + h) * max_T * HS
-    const float log2e = 1.4426950408889634f;
-    // q, the first key of this thread and the first value row of its group are independent
-    // loads: issue them all before anything waits, so the task pays one trip to memory for
-    // them, not three.
-    constexpr int LANES = HEAD_DIM / VEC, GROUPS = THREADS / LANES;  // P @ V: LANES lanes per row
-    const int lane_in_row = threadIdx.x % LANES, group = threadIdx.x / LANES;
-    const float q_raw = threadIdx.x < HEAD_DIM ? load_coherent(s.input + (long long)bh * HEAD_DIM + threadIdx.x) : 0.0f;
-    uint4 first_key[HEAD_DIM / VEC];  // raw 16-byte pieces: half the registers of floats in f16/bf16
-    float first_value[VEC];
-    const bool has_key = t0 + (int)threadIdx.x < t1, has_value = t0 + group < t1;
-    if (has_key) {
-        #pragma unroll
-        for (int d = 0; d < HEAD_DIM / VEC; ++d)
-            first_key[d] = __ldcg(reinterpret_cast<const uint4*>(s.k_cache + head + (long long)(t0 + threadIdx.x) * HEAD_DIM) + d);
+    const int bh = c.bh, chunk = c.chunk, chunks = c.chunks, t0 = c.t0, t1 = c.t1;
+    const int cached_end = min(t1, t0 + SLOT_KEYS);  // positions t0..cached_end-1 are in the slot
+    const long long head = (long long)bh * max_T * HEAD_DIM;
+    const unsigned keys = smem_address(slot), values = keys + SLOT_BYTES / 2;
+    constexpr int PIECES = HEAD_DIM / VEC;  // 16-byte pieces of one cache row
+    if (pos < cached_end && pos >= t0) {  // this step's k and v rows into the slot
+        const long long fresh = head + (long long)pos * HEAD_DIM;
+        storage_t* base = slot + (pos - t0) * HEAD_DIM;
+        if (threadIdx.x < PIECES)
+            *reinterpret_cast<uint4*>(base + threadIdx.x * VEC) =
+                __ldcg(reinterpret_cast<const uint4*>(s.k_cache + fresh) + threadIdx.x);
+        else if (threadIdx.x < 2 * PIECES)
+            *reinterpret_cast<uint4*>(base + SLOT_BYTES / 2 / STORAGE_BYTES + (threadIdx.x - PIECES) * VEC) =
+                __ldcg(reinterpret_cast<const uint4*>(s.v_cache + fresh) + threadIdx.x - PIECES);
     }
-    if (has_value) load_coherent_vec(s.v_cache + head + (long long)(t0 + group) * HEAD_DIM + lane_in_row * VEC, first_value);
-    if (threadIdx.x < HEAD_DIM) q_s[threadIdx.x] = q_raw * scale * log2e;
+    const float log2e = 1.4426950408889634f;
+    if (threadIdx.x < HEAD_DIM) q_s[threadIdx.x] = load_coherent(s.input + (long long)bh * HEAD_DIM + threadIdx.x) * scale * log2e;
     __syncthreads();
+    // Scores: thread t reads key row t. Rows are 16 * PIECES bytes apart, so the threads of a
+    // warp would all hit the same banks at the same offset; each starts at its own piece
+    // (rotated by its lane) to spread them over all banks.
     float local_max = __int_as_float(0xff800000);
     for (int t = t0 + threadIdx.x; t < t1; t += THREADS) {
+        const bool cached = t < cached_end;
         float dot = 0.0f;
         #pragma unroll
-        for (int d = 0; d < HEAD_DIM; d += VEC) {
+        for (int j = 0; j < PIECES; ++j) {
+            const int d = ((j + threadIdx.x) % PIECES) * VEC;
             float kv[VEC];
-            if (t == t0 + (int)threadIdx.x) {
-                unpack_vec(first_key[d / VEC], kv);
-            } else {
-                load_coherent_vec(s.k_cache + head + (long long)t * HEAD_DIM + d, kv);
-            }
+            if (cached) load_shared_vec(keys + ((t - t0) * HEAD_DIM + d) * STORAGE_BYTES, kv);
+            else load_coherent_vec(s.k_cache + head + (long long)t * HEAD_DIM + d, kv);
             #pragma unroll
-            for (int j = 0; j < VEC; ++j) dot = fmaf(q_s[d + j], kv[j], dot);
+            for (int e = 0; e < VEC; ++e) dot = fmaf(q_s[d + e], kv[e], dot);
         }
         scores[t - t0] = dot;
         local_max = fmaxf(local_max, dot);
@@ -668,17 +746,15 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
         local_sum += p;
     }
     const float l = block_reduce_sum(local_sum);
+    constexpr int GROUPS = THREADS / PIECES;  // P @ V: PIECES lanes per row
+    const int lane_in_row = threadIdx.x % PIECES, group = threadIdx.x / PIECES;
     float acc[VEC];
     #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
     for (int t = t0 + group; t < t1; t += GROUPS) {
         float v[VEC];
-        if (t == t0 + group) {
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) v[j] = first_value[j];
-        } else {
-            load_coherent_vec(s.v_cache + head + (long long)t * HEAD_DIM + lane_in_row * VEC, v);
-        }
+        if (t < cached_end) load_shared_vec(values + ((t - t0) * HEAD_DIM + lane_in_row * VEC) * STORAGE_BYTES, v);
+        else load_coherent_vec(s.v_cache + head + (long long)t * HEAD_DIM + lane_in_row * VEC, v);
         const float p = scores[t - t0];
         #pragma unroll
         for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
@@ -687,9 +763,9 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
     #pragma unroll
     for (int j = 0; j < VEC; ++j)
         #pragma unroll
-        for (int offset = 16; offset >= LANES; offset >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);
+        for (int offset = 16; offset >= PIECES; offset >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane < LANES) {
+    if (lane < PIECES) {
         #pragma unroll
         for (int j = 0; j < VEC; ++j) partial_s[warp * HEAD_DIM + lane * VEC + j] = acc[j];
     }
@@ -751,16 +827,28 @@ __device__ void embed_task(const Stage& s, int B, int pos, const int* tokens) {
 // Counters (unsigned, zero between steps): [0, n_stages) one per stage; then B*NH attention
 // arrivals; then one for the argmax partials; then one for blocks leaving. The last block to
 // leave zeroes the stage counters, so the next step (or a replay of a CUDA graph) starts clean.
+// The dynamic shared memory: the ring of SLOTS slots, then MAX_ROWS staged input rows.
+extern __shared__ __align__(16) unsigned char dynamic_smem[];
+
+// Its shared-window address, straight from the symbol (a generic pointer converted with
+// smem_address costs a special-register read, which the compiler repeats inside the hot loops
+// once registers run short).
+__device__ __forceinline__ unsigned dynamic_smem_address() {
+    unsigned a;
+    asm("mov.u32 %0, dynamic_smem;" : "=r"(a));
+    return a;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_megakernel_b9f74c1a_main(const int* stage_table, int n_stages, unsigned* counters, float* workspace,
                        const int* tokens, int* next_ids, unsigned long long* timeline,
                        int B, int pos, int NH, int max_T, int V, float scale) {
-    extern __shared__ __align__(16) unsigned char dynamic_smem[];
     storage_t* ring = reinterpret_cast<storage_t*>(dynamic_smem);                   // SLOTS x SLOT_BYTES
     storage_t* xs = reinterpret_cast<storage_t*>(dynamic_smem + SLOTS * SLOT_BYTES);  // MAX_ROWS x k
     __shared__ float scratch[WARPS * MAX_ROWS];
     __shared__ float q_s[HEAD_DIM];
     __shared__ float scores[MAX_CHUNK];
+    __shared__ int stage_end[MAX_STAGES];  // first task after each stage
     __shared__ float partial_s[WARPS * HEAD_DIM];
     __shared__ float tile[MAX_ROWS * MAX_TASK_COLS];
     __shared__ float bias_s[MAX_TASK_COLS];
@@ -782,12 +870,15 @@ decode_megakernel_b9f74c1a_main(const int* stage_table, int n_stages, unsigned* 
         best_idx[threadIdx.x] = 0x7fffffff;
         saw_nan[threadIdx.x] = 0;
     }
+    // Where each stage's tasks end, in shared memory: finding a task's stage must not cost a
+    // trip to memory (the acquire of every wait empties L1).
+    for (int i = threadIdx.x; i < n_stages; i += THREADS) stage_end[i] = stages[i].first_task + stages[i].tasks;
 
     // Two cursors walk the table: `s` for the task being run, `ps` for the task being prefetched
     // (SLOTS - 1 tasks of this block ahead). Both only move forward.
     int s = 0, ps = 0;
     auto stage_of = [&](int& cursor, int task) {
-        while (cursor < n_stages && task >= stages[cursor].first_task + stages[cursor].tasks) ++cursor;
+        while (cursor < n_stages && task >= stage_end[cursor]) ++cursor;
     };
     // One mbarrier per slot; it completes a phase each time a copy into the slot has landed.
     // `phases` holds, per slot, the parity of the phase the next wait on it waits for.
@@ -797,16 +888,28 @@ decode_megakernel_b9f74c1a_main(const int* stage_table, int n_stages, unsigned* 
         for (int j = 0; j < SLOTS; ++j) mbar_init(smem_address(&slot_bar[j]), 1);
         mbar_init_fence();
     }
-    __syncthreads();
+    __syncthreads();  // stage_end and the barriers are ready
     auto prefetch = [&](int i) {  // the block's i-th task into slot i % SLOTS
         const int task = blockIdx.x + i * grid;
         if (task < total) {
             stage_of(ps, task);
-            prefetch_weights(stages[ps], task - stages[ps].first_task, ring + (i % SLOTS) * (SLOT_BYTES / STORAGE_BYTES),
-                             slot_bar + i % SLOTS);
+            prefetch_slot(stages[ps], task - stages[ps].first_task, pos, max_T,
+                          ring + (i % SLOTS) * (SLOT_BYTES / STORAGE_BYTES), slot_bar + i % SLOTS);
         }
     };
     for (int i = 0; i < SLOTS - 1; ++i) prefetch(i);
+
+    // The stage record of the block's next task, loaded by threads 0-7 (16 bytes each) while the
+    // current task runs, stored to `stage_s` once the current task is over.
+    uint4 next_record = make_uint4(0, 0, 0, 0);
+    auto load_record = [&](int task) {
+        if (task < total && threadIdx.x < (int)(sizeof(Stage) / 16)) {
+            int cursor = s;
+            stage_of(cursor, task);
+            next_record = __ldg(reinterpret_cast<const uint4*>(stages + cursor) + threadIdx.x);
+        }
+    };
+    load_record(blockIdx.x);
 
     int staged = -1;      // the stage whose input sits in `xs` (and that this block has waited for)
     unsigned finished = 0;  // this block's finished tasks of the current stage, not yet counted
@@ -814,17 +917,16 @@ decode_megakernel_b9f74c1a_main(const int* stage_table, int n_stages, unsigned* 
         const int task = blockIdx.x + i * grid;
         prefetch(i + SLOTS - 1);  // into the slot the previous task has finished with
         stage_of(s, task);
-        // The stage record into shared memory (one 16-byte read-only load per thread of the
-        // first eight) so that its fields are not fetched from global memory again and again.
-        if (threadIdx.x < (int)(sizeof(Stage) / 16))
-            reinterpret_cast<uint4*>(&stage_s)[threadIdx.x] = __ldg(reinterpret_cast<const uint4*>(stages + s) + threadIdx.x);
+        if (threadIdx.x < (int)(sizeof(Stage) / 16)) reinterpret_cast<uint4*>(&stage_s)[threadIdx.x] = next_record;
         const unsigned long long t_start = timeline ? global_time() : 0;  // read by SYNC_THREAD only
         __syncthreads();
+        load_record(task + grid);
         const Stage& st = stage_s;
         const int local = task - st.first_task;
-        // Read after the last barrier of the task, when threads 0-7 may already be copying the
+        // Read after the last barrier of the task, when threads 0-7 may already be storing the
         // next record: keep them in registers.
-        const int kind = st.kind, stage_end = st.first_task + st.tasks;
+        const int kind = st.kind, stage_end_task = st.first_task + st.tasks;
+        storage_t* slot = ring + (i % SLOTS) * (SLOT_BYTES / STORAGE_BYTES);
         if (kind == STAGE_MATVEC && st.epilogue != EPI_NONE && threadIdx.x < min(st.cols, st.n - local * st.cols))
             bias_s[threadIdx.x] = to_float(st.bias[local * st.cols + threadIdx.x]);  // lands while we wait
         if (st.wait_stage >= 0 && staged != s) {
@@ -834,34 +936,37 @@ decode_megakernel_b9f74c1a_main(const int* stage_table, int n_stages, unsigned* 
         }
         const unsigned long long t_ready = timeline ? global_time() : 0;
         unsigned long long t_data = t_ready;
-        if (st.kind == STAGE_MATVEC) {
-            if (staged != s) {
-                stage_input(st, B, xs, scratch);
-                staged = s;
-            }
-            mbar_wait(smem_address(&slot_bar[i % SLOTS]), (phases >> (i % SLOTS)) & 1);  // the weights landed
+        if (kind == STAGE_MATVEC || kind == STAGE_ATTENTION) {
+            if (kind == STAGE_MATVEC && staged != s) stage_input(st, B, xs, scratch);
+            staged = s;
+            mbar_wait(smem_address(&slot_bar[i % SLOTS]), (phases >> (i % SLOTS)) & 1);  // the slot's data landed
             phases ^= 1u << (i % SLOTS);
             __syncthreads();              // the staged input is written
             if (timeline) t_data = global_time();
-            matvec_task(st, local, B, ring + (i % SLOTS) * (SLOT_BYTES / STORAGE_BYTES), xs, bias_s, tile, pos, NH, max_T);
-            if (st.flags & FLAG_ARGMAX) {
-                __syncthreads();
-                argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan);
+            if (kind == STAGE_MATVEC) {
+                matvec_task(st, local, B, dynamic_smem_address() + (i % SLOTS) * SLOT_BYTES,
+                            dynamic_smem_address() + SLOTS * SLOT_BYTES, bias_s, tile, pos, NH, max_T);
+                if (st.flags & FLAG_ARGMAX) {
+                    __syncthreads();
+                    argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan);
+                }
+            } else {
+                attention_task(st, local, B, pos, NH, max_T, scale, slot, arrivals, workspace, q_s, scores, partial_s,
+                               &is_last);
             }
-        } else if (st.kind == STAGE_ATTENTION) {
-            staged = s;
-            attention_task(st, local, B, pos, NH, max_T, scale, arrivals, workspace, q_s, scores, partial_s, &is_last);
         } else {
             staged = s;
             embed_task(st, B, pos, tokens);
         }
         __syncthreads();  // every output of the task is stored; the slot, `xs` and stage_s are free again
         if (threadIdx.x == SYNC_THREAD) {
+            // the task's end: its outputs are stored; the release below is the signal's cost
+            const unsigned long long t_end = timeline ? global_time() : 0;
             finished += kind != STAGE_ATTENTION || is_last;
             // Count this block's tasks of the stage once, after its last one (the consumers need
             // all of them anyway): one fence per stage, not per task. Nobody waits for the last
             // stage: it is not counted at all.
-            const bool stage_done = task + grid >= stage_end;
+            const bool stage_done = task + grid >= stage_end_task;
             if (stage_done && finished > 0 && s + 1 < n_stages) {
                 add_release(&counters[s], finished);
             }
@@ -870,7 +975,7 @@ decode_megakernel_b9f74c1a_main(const int* stage_table, int n_stages, unsigned* 
                 timeline[4 * task] = t_start;
                 timeline[4 * task + 1] = t_ready;
                 timeline[4 * task + 2] = t_data;
-                timeline[4 * task + 3] = global_time();
+                timeline[4 * task + 3] = t_end;
             }
         }
     }

@@ -5,6 +5,7 @@ pub mod model;
 mod report;
 mod tune;
 mod tune_bars;
+mod tune_decode;
 mod tune_table;
 
 use std::path::PathBuf;

@@ -104,6 +104,13 @@ pub struct TuneArgs {
     /// Peaks and ceilings are measured on the first GPU of each kind.
     #[arg(long, value_name = "LIST|all", value_parser = super::model::parse_devices)]
     pub devices: Option<DeviceSelection>,
+    /// Also tune the decode step of --model for each --batch (at most 8): the decode
+    /// megakernel's point (threads, blocks per SM, weight slots, columns per warp, attention
+    /// chunks, copy engine), searched by timing greedy decode steps on random weights of the
+    /// model's shape, against the graph engine timed beside it. Saved into GPU 0's default
+    /// database, where `generate` and `bench` pick the faster engine by default.
+    #[arg(long, requires = "model", conflicts_with_all = ["db", "devices"])]
+    pub decode_step: bool,
     /// Re-tune shapes the database already has.
     #[arg(long)]
     pub force: bool,
@@ -314,14 +321,23 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         };
         measured.push((gpu.info.clone(), peaks));
     }
+    let decode = match (&args.model, args.decode_step) {
+        (Some(model), true) => {
+            let batches: Vec<usize> = args.batch.iter().map(|&b| b.max(1) as usize).collect();
+            super::tune_decode::tune_decode_steps(root, &model_config(model)?, args.dtype, &batches, args.seed)?
+        }
+        _ => Vec::new(),
+    };
     let elapsed = started.elapsed().as_secs_f64();
     let several = ordinals.len() > 1;
 
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json_doc(&kinds, &measured, elapsed)?)?
-        );
+        let mut doc = json_doc(&kinds, &measured, elapsed)?;
+        if let (Some(map), false) = (doc.as_object_mut(), decode.is_empty()) {
+            let rows: Vec<serde_json::Value> = decode.iter().map(super::tune_decode::DecodeTuned::json).collect();
+            map.insert("decode_step".into(), rows.into());
+        }
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         for (kind, (_, peaks)) in kinds.iter().zip(&measured) {
             if kinds.len() > 1 {
@@ -329,6 +345,9 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             }
             print!("{}", results_table(&kind.results, peaks, several));
         }
+    }
+    if !decode.is_empty() && !args.json {
+        print!("{}", super::tune_decode::decode_table(&decode));
     }
     let results = kinds.iter().map(|k| k.results.len()).sum::<usize>();
     let cached = kinds

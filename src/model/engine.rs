@@ -68,8 +68,10 @@ pub struct TaskStamp {
     pub op: String,
     /// Layer index (`None` for embed and lm_head).
     pub layer: Option<u32>,
-    /// When the task began waiting for its inputs, when they were ready, when its weights had
-    /// landed in shared memory (`ready_ns` for tasks that read no weights), and when it finished.
+    /// When the task began waiting for its inputs, when they were ready, when the data it
+    /// prefetched (weights, cached keys and values) had landed in shared memory (`ready_ns` for
+    /// tasks that prefetch nothing), and when it had stored its outputs (before it signalled
+    /// them to the stages that wait for them).
     pub start_ns: u64,
     pub ready_ns: u64,
     #[serde(default)]

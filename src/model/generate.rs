@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use super::config::GPT2Config;
+use super::engine::DecodeEngine;
 use super::error::{ModelError, Result};
 use super::sampling::{argmax, Sampler, SamplingParams};
 use super::tokenizer::EOT_TOKEN;
@@ -98,6 +99,11 @@ pub trait Backend {
 
     /// A short note for the stats line (the GPU backend: how many kernels were tuned).
     fn stats_note(&self) -> Option<String> {
+        None
+    }
+
+    /// How decode steps run (GPU backends; `None` for the CPU, which has one way).
+    fn decode_engine(&self) -> Option<DecodeEngine> {
         None
     }
 }

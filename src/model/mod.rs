@@ -3,7 +3,8 @@
 //! cache, sampling, and the generation loop over a [`generate::Backend`]; [`gpu`] runs it on one
 //! GPU and [`replicas`] on several; [`hub`] turns a size
 //! name into a checkpoint folder (the Hugging Face cache, else a download); [`floor`] counts the
-//! bytes a decode step must read and [`timeline_svg`] draws a megakernel step's blocks × time.
+//! bytes a decode step must read, [`timeline_svg`] draws a megakernel step's blocks × time and
+//! [`timeline_stats`] sizes where its time goes, per op.
 //!
 //! Everything here is the CPU side: the oracle GPU tests compare with, and the parts (weights,
 //! tokenizer, sampling, generation loop) a GPU backend reuses. All fallible functions return
@@ -21,6 +22,7 @@ pub mod hub;
 pub mod npy;
 pub mod replicas;
 pub mod sampling;
+pub mod timeline_stats;
 pub mod timeline_svg;
 pub mod tokenizer;
 pub mod weights;

@@ -340,6 +340,10 @@ impl Backend for Replicas {
         &self.name
     }
 
+    fn decode_engine(&self) -> Option<DecodeEngine> {
+        Some(self.first.decode_engine())
+    }
+
     fn config(&self) -> &GPT2Config {
         self.first.config()
     }

@@ -6,6 +6,7 @@ pub mod candidates;
 pub mod cublaslt;
 pub mod cublaslt_layout;
 pub mod db;
+pub mod decode_search;
 pub mod evaluate;
 pub mod peer;
 pub mod records;

@@ -17,6 +17,7 @@ use crate::model::floor::decode_step_bytes;
 use crate::model::generate::Backend;
 use crate::model::gpu::ProfileRow;
 use crate::model::replicas::Replicas;
+use crate::model::timeline_stats::{summarize, summary_table};
 use crate::model::timeline_svg::render_timeline_svg;
 
 /// `kernelforge bench`: forward and generation throughput, and where the time goes.
@@ -376,6 +377,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             },
             "decode": decode,
             "timeline_svg": timeline_svg,
+            "timeline_ops": timeline.as_ref().map(|(_, tl)| summarize(tl)),
             "tuned_kernels": tuned.map(|(t, n)| json!({ "tuned": t, "total": n })),
             "kernels": choices
                 .iter()
@@ -432,6 +434,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             tl.tasks.len(),
             tl.blocks
         )?;
+        write!(out, "{}", summary_table(&summarize(tl)))?;
     }
     if let Some((t, n)) = tuned {
         writeln!(out, "kernels: {t}/{n} tuned")?;

@@ -126,7 +126,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
             "stats": result.stats,
             "decode_tokens_per_s": result.stats.decode_tokens_per_s(),
             "kernels": backend.stats_note(),
-            "decode_engine": engine,
+            "decode_engine": backend.decode_engine(),
         });
         writeln!(stdout, "{j}")?;
     } else if args.print_ids {
@@ -143,7 +143,9 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     if let Some(m) = &result.message {
         eprintln!("note: {m}");
     }
-    let engine = engine.map_or(String::new(), |e| format!(", decode engine {e}"));
+    let engine = backend
+        .decode_engine()
+        .map_or(String::new(), |e| format!(", decode engine {e}"));
     match backend.stats_note() {
         Some(note) => eprintln!("{}, {note}{engine}", result.stats.summary()),
         None => eprintln!("{}{engine}", result.stats.summary()),

@@ -49,11 +49,9 @@ impl Device {
     }
 }
 
-/// How decode steps run on the GPU when `--decode-engine` is not given.
-pub const DEFAULT_DECODE_ENGINE: DecodeEngine = DecodeEngine::Graph;
-
 /// The `--decode-engine` help of `generate` and `bench`.
-const DECODE_ENGINE_HELP: &str = "How decode steps run on the GPU (default: graph). \
+const DECODE_ENGINE_HELP: &str = "How decode steps run on the GPU (default: the one `tune --decode-step` \
+found fastest for this GPU, model, dtype and batch, else graph). \
 launches: one kernel launch per op (profilable kernel by kernel); \
 graph: the step recorded once as a CUDA graph and replayed with one launch; \
 megakernel: one persistent kernel runs the whole step (blocks pull tasks in order, \
@@ -63,8 +61,9 @@ fn parse_engine(s: &str) -> Result<DecodeEngine, UnknownEngine> {
     s.parse()
 }
 
-/// `--decode-engine` checked against the device: on the GPU the engine asked for, else
-/// [`DEFAULT_DECODE_ENGINE`]; on the CPU none (asking for one there is an error naming the fix).
+/// `--decode-engine` checked against the device: on the GPU the engine asked for (`None`: the
+/// backend's choice, the tuned engine else the graph); on the CPU none (asking for one there is
+/// an error naming the fix).
 pub fn decode_engine_for(device: Device, asked: Option<DecodeEngine>) -> Result<Option<DecodeEngine>> {
     match (device, asked) {
         (Device::Cpu, Some(e)) => bail!(
@@ -72,7 +71,7 @@ pub fn decode_engine_for(device: Device, asked: Option<DecodeEngine>) -> Result<
              drop --decode-engine or pass --device cuda"
         ),
         (Device::Cpu, None) => Ok(None),
-        (Device::Cuda, e) => Ok(Some(e.unwrap_or(DEFAULT_DECODE_ENGINE))),
+        (Device::Cuda, e) => Ok(e),
     }
 }
 
@@ -351,12 +350,13 @@ pub(super) mod tests {
         .is_err());
         let help = parse(&["kernelforge", "generate", "--help"]).unwrap_err().to_string();
         assert!(
-            help.contains("--decode-engine") && help.contains("default: graph"),
+            help.contains("--decode-engine") && help.contains("else graph"),
             "{help}"
         );
         assert_eq!(
             decode_engine_for(Device::Cuda, None).unwrap(),
-            Some(DecodeEngine::Graph)
+            None,
+            "the backend chooses"
         );
         assert_eq!(
             decode_engine_for(Device::Cuda, Some(DecodeEngine::Megakernel)).unwrap(),

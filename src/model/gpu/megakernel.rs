@@ -38,7 +38,8 @@ pub fn fitted_default(
 ) -> Vec<(String, i64)> {
     let mut point = Vec::new();
     let values = |name: &str| family.params.get(name).cloned().unwrap_or_default();
-    if let Some(rows) = values("max_rows").into_iter().filter(|&r| r >= batch as i64).min() {
+    let rows = values("max_rows").into_iter().filter(|&r| r >= batch as i64).min();
+    if let Some(rows) = rows {
         point.push(("max_rows".to_string(), rows));
         // several rows of input and sums per thread need more registers than 512 threads leave
         if rows > 1 && values("threads").contains(&256) {
@@ -48,7 +49,7 @@ pub fn fitted_default(
     let slots = family.default.get("slots").copied().unwrap_or(3);
     // what the kernel keeps in static shared memory besides the ring, with room to spare
     let static_bytes = 24 * 1024;
-    let input = (batch * 4 * c * elem_bytes) as i64;
+    let input = rows.unwrap_or(batch as i64) * (4 * c * elem_bytes) as i64;
     let mut slot_kibs = values("slot_kib");
     slot_kibs.sort_unstable();
     if let Some(kib) = slot_kibs
@@ -77,30 +78,37 @@ pub(super) struct MegakernelState {
 }
 
 impl GpuBackend {
+    /// The tuning-database key of the decode step of `b` sequences: the megakernel's op, dtype
+    /// and shape (the model's dimensions).
+    pub fn decode_step_key(&self, b: usize) -> crate::tune::db::TuneKey {
+        let cfg = &self.model.config;
+        crate::tune::db::TuneKey {
+            op: DECODE_STEP_OP.to_string(),
+            dtype: op_dtype(self.dtype).to_string(),
+            variant_kind: variant_kind(Epilogue::None, Mask::None).to_string(),
+            shape: shape(&[
+                ("B", b as i64),
+                ("C", cfg.n_embd as i64),
+                ("NH", cfg.n_head as i64),
+                ("L", cfg.n_layer as i64),
+                ("HS", cfg.head_dim() as i64),
+                ("Vp", cfg.padded_vocab_size as i64),
+                ("max_T", cfg.n_ctx as i64),
+                ("elem_bytes", self.dtype.storage().bytes() as i64),
+            ]),
+        }
+    }
+
     /// The decode_step kernel for batch `b`: tuned or default point of the megakernel family.
     fn megakernel_kernel(&mut self, b: usize) -> AnyResult<Kernel> {
         let cfg = self.model.config.clone();
-        let s = shape(&[
-            ("B", b as i64),
-            ("C", cfg.n_embd as i64),
-            ("NH", cfg.n_head as i64),
-            ("L", cfg.n_layer as i64),
-            ("HS", cfg.head_dim() as i64),
-            ("Vp", cfg.padded_vocab_size as i64),
-            ("max_T", cfg.n_ctx as i64),
-            ("elem_bytes", self.dtype.storage().bytes() as i64),
-        ]);
+        let key = self.decode_step_key(b);
+        let s = key.shape.clone();
         // The point set for tuning; else a tuned point when the database has one for this model
         // and batch; else the default, fitted to the batch.
         let point = if !self.megakernel_point.is_empty() {
             self.megakernel_point.clone()
         } else {
-            let key = crate::tune::db::TuneKey {
-                op: DECODE_STEP_OP.to_string(),
-                dtype: op_dtype(self.dtype).to_string(),
-                variant_kind: variant_kind(Epilogue::None, Mask::None).to_string(),
-                shape: s.clone(),
-            };
             if self.registry.db.as_ref().is_some_and(|db| db.get(&key).is_some()) {
                 return self.kernel(DECODE_STEP_OP, DECODE_STEP_OP, Epilogue::None, Mask::None, s, None);
             }
@@ -156,6 +164,7 @@ impl GpuBackend {
             input_row_elems: 4 * cfg.n_embd,
             norm_row_elems: launch.block[0] as usize * 16 / self.dtype.storage().bytes(),
             head_dim: param("head_dim"),
+            col_unit: launch.block[0] as usize / 32 * param("cols_per_warp").max(1),
         };
         // The cache length does not matter to the table: the kernel gets the position.
         let plan: Plan = self.build_plan(ks, b, 1, self.len.max(1) - 1, true, HeadRows::Greedy)?;
@@ -316,6 +325,14 @@ impl GpuBackend {
         }
         self.timeline = Some(Timeline { blocks: grid, tasks });
         Ok(())
+    }
+
+    /// The megakernel set up for the last decode step: its kernel label and every parameter of
+    /// its point.
+    pub fn megakernel_point_used(&self) -> Option<(String, indexmap::IndexMap<String, i64>)> {
+        self.megakernel
+            .as_ref()
+            .map(|m| (m.kernel.label.clone(), m.kernel.loaded.variant.params.clone()))
     }
 
     /// The selected megakernel and its table size, when one is set up: (label, stages, tasks).

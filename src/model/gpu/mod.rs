@@ -50,6 +50,7 @@ use crate::tune::registry::{Choice, Registry};
 use crate::tune::workloads::op_dtype;
 
 mod buffers;
+mod decode_tune;
 mod exec;
 mod megakernel;
 mod plan;
@@ -59,6 +60,7 @@ mod stage_table;
 pub use buffers::ReplicaMemory;
 use buffers::{Activations, DeviceTensor};
 use exec::{record_event, LaunchMode};
+pub use megakernel::{fitted_default, MEGAKERNEL_FAMILY};
 use plan::{HeadRows, Plan};
 use select::{Kernel, Kernels};
 
@@ -175,6 +177,8 @@ pub struct GpuBackend {
     step_events: Option<(CudaEvent, CudaEvent)>,
     decode_gpu_ms: (f64, usize),
     notes: Vec<String>,
+    /// What this GPU's tuning database is keyed by (its default file is named after it).
+    db_header: DbHeader,
 }
 
 fn shape(pairs: &[(&str, i64)]) -> Shape {
@@ -287,6 +291,7 @@ impl GpuBackend {
         let mut notes = Vec::new();
         let header = DbHeader::for_device(&gpu, &compiler);
         let db_path = default_path(&header);
+        let db_header = header.clone();
         let db = if db_path.exists() {
             match TuningDb::open(&db_path, header) {
                 Ok(db) => {
@@ -345,7 +350,7 @@ impl GpuBackend {
         let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
         gpu.synchronize()?;
         let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
-        let backend = GpuBackend {
+        let mut backend = GpuBackend {
             model,
             name,
             unfused,
@@ -385,7 +390,12 @@ impl GpuBackend {
             step_events: None,
             decode_gpu_ms: (0.0, 0),
             notes,
+            db_header,
         };
+        if !unfused {
+            // the engine the tuning database found fastest for this batch (`tune --decode-step`)
+            backend.engine = backend.tuned_decode_engine(max_batch);
+        }
         Ok(backend)
     }
 
@@ -819,6 +829,10 @@ impl Backend for GpuBackend {
 
     fn decode_argmax(&mut self, last: &[u32]) -> Result<Vec<u32>> {
         self.decode_argmax_impl(last).map_err(|e| self.model_error(e))
+    }
+
+    fn decode_engine(&self) -> Option<DecodeEngine> {
+        Some(self.engine)
     }
 
     fn stats_note(&self) -> Option<String> {

@@ -18,10 +18,11 @@
 use crate::gpu::ArgValue;
 use crate::ops::Epilogue;
 
-/// The widest matrix-vector task (columns) and the longest cache chunk of one attention task:
-/// `MAX_TASK_COLS` and `MAX_CHUNK` of the template.
+/// The widest matrix-vector task (columns), the longest cache chunk of one attention task and
+/// the most stages a table may have: `MAX_TASK_COLS`, `MAX_CHUNK` and `MAX_STAGES` of the template.
 const MAX_TASK_COLS: usize = 128;
 const MAX_CHUNK: usize = 1024;
+const MAX_STAGES: usize = 512;
 
 /// What the stage table cannot express or would not run safely.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -155,6 +156,9 @@ pub struct Geometry {
     pub norm_row_elems: usize,
     /// Head size the kernel is compiled for.
     pub head_dim: usize,
+    /// Output columns a block computes in one pass (warps x columns per warp): a task of
+    /// `cols` columns takes `cols.div_ceil(col_unit)` passes.
+    pub col_unit: usize,
 }
 
 /// A lowered decode step.
@@ -195,8 +199,11 @@ fn stage_op(role: &str) -> i32 {
     STAGE_OPS.iter().position(|o| *o == name).unwrap_or(0) as i32
 }
 
-/// Columns per task for an `n x k` matrix: about one wave of `grid` tasks, each task's rows
-/// within one slot and at most `MAX_TASK_COLS` columns.
+/// Columns per task for an `n x k` matrix: each task's rows within one slot and at most
+/// `MAX_TASK_COLS` columns, cut so that the stage finishes soonest. A stage costs about
+/// `waves * (passes + 1)`: `waves` rounds of the grid, each task `passes` passes of the block
+/// over its columns plus a fixed cost (its wait, its input, its signal). Of equal costs the
+/// narrowest task wins (more blocks share the weight stream).
 fn cut_columns(role: &str, n: usize, k: usize, geo: &Geometry) -> Result<usize, MegakernelError> {
     let row_bytes = k * geo.elem_bytes;
     if row_bytes > geo.slot_bytes {
@@ -206,9 +213,9 @@ fn cut_columns(role: &str, n: usize, k: usize, geo: &Geometry) -> Result<usize, 
             slot_bytes: geo.slot_bytes,
         });
     }
-    let cap = (geo.slot_bytes / row_bytes).min(MAX_TASK_COLS);
-    let waves = n.div_ceil(geo.grid * cap).max(1);
-    Ok(n.div_ceil(waves * geo.grid).clamp(1, cap))
+    let cap = (geo.slot_bytes / row_bytes).min(MAX_TASK_COLS).min(n.max(1));
+    let cost = |cols: usize| n.div_ceil(cols).div_ceil(geo.grid.max(1)) * (cols.div_ceil(geo.col_unit.max(1)) + 1);
+    Ok((1..=cap).min_by_key(|&cols| (cost(cols), cols)).unwrap_or(1))
 }
 
 /// Lowers a greedy decode plan to the stage table (see the module docs).
@@ -377,6 +384,13 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry) -> Result<Lowered, MegakernelError>
             role: "layernorm".into(),
             op: "layernorm".into(),
             fix: "its output is never read".into(),
+        });
+    }
+    if stages.len() > MAX_STAGES {
+        return Err(MegakernelError::Unsupported {
+            role: "decode step".into(),
+            op: format!("{} stages", stages.len()),
+            fix: format!("the megakernel runs at most {MAX_STAGES} stages (5 per layer); run --decode-engine graph"),
         });
     }
     // Task numbers in stage order; each stage waits for the one before it, complete.
@@ -648,6 +662,7 @@ mod tests {
             input_row_elems: 4 * 768,
             norm_row_elems: 512 * 16 / elem_bytes,
             head_dim: 64,
+            col_unit: 16,
         }
     }
 
@@ -682,11 +697,18 @@ mod tests {
         assert_eq!((s[1].cols, s[1].tasks), (18, 128));
         // fc_proj rows are 6 KB: 6 columns per task, 128 tasks
         assert_eq!((s[5].cols, s[5].tasks), (6, 128));
-        // the LM head streams several waves of slot-sized tasks
+        // the LM head streams several waves of slot-sized tasks, each a whole number of passes
+        // of the block's 16 warps: 32 columns (the slot's cap) are 12 waves of 2 passes
         let head = s.last().unwrap();
-        assert!(
-            head.cols as usize * 768 * 2 <= 48 * 1024 && head.tasks as usize > 132,
-            "{head:?}"
+        assert_eq!((head.cols, head.tasks), (32, 1572), "{head:?}");
+        let mut narrow = geometry(2);
+        narrow.col_unit = 8;
+        let wide = lower(&ops, &narrow).unwrap();
+        let head = wide.stages.last().unwrap();
+        assert_eq!(
+            (head.cols, head.tasks),
+            (32, 1572),
+            "8 columns a pass: 12 waves of 4 passes beat 24 waves of 2 (16 columns) and 16 of 3 (24 columns)"
         );
         // attention: 11 chunks of the cache per head fill 132 blocks
         assert_eq!((s[2].kind, s[2].cols, s[2].tasks), (STAGE_ATTENTION, 11, 132));
@@ -780,6 +802,11 @@ mod tests {
         geo.max_rows = 1;
         let e = lower(&plan(1, 8, 768, 12, 50304), &geo).unwrap_err().to_string();
         assert!(e.contains("max_rows"), "{e}");
+        // more stages than the kernel's table holds (5 a layer)
+        let e = lower(&plan(103, 1, 768, 12, 50304), &geometry(2))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("517 stages") && e.contains("at most 512"), "{e}");
         // a head size the kernel is not compiled for
         let e = lower(&plan(1, 1, 768, 16, 50304), &geometry(2))
             .unwrap_err()

@@ -1,0 +1,253 @@
+//! `kernelforge tune --model M --decode-step`: the decode megakernel's point for each batch,
+//! found by timing greedy decode steps of the model's shape (random weights: the time does not
+//! depend on their values) and compared with the graph engine timed beside it on the same GPU.
+//! The winner goes to the GPU's tuning database under the `decode_step` op, where `generate`
+//! and `bench` find it: their default decode engine is then whichever of the two was faster.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::model::gpu::{fitted_default, GpuBackend, MEGAKERNEL_FAMILY};
+use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
+use crate::spec::{Catalog, Dtype};
+use crate::tune::db::{default_path, Entry, TuningDb};
+use crate::tune::decode_search::{coordinate_descent, Point};
+use crate::tune::records::Candidate;
+
+/// Cache positions before the timed steps, timed steps per run, and runs per point (median).
+const PROMPT: usize = 64;
+const STEPS: usize = 64;
+const REPEATS: usize = 3;
+/// Parameters the search does not move: the head size is the model's, and the fewest
+/// `max_rows` that hold the batch always win (more rows only cost registers).
+const FIXED: [&str; 2] = ["head_dim", "max_rows"];
+/// What the database names as the megakernel's peer.
+const PEER: &str = "graph engine (the kernel-by-kernel step replayed as a CUDA graph)";
+
+/// One batch's outcome.
+pub(super) struct DecodeTuned {
+    pub batch: usize,
+    pub graph_ms: f64,
+    /// The fastest megakernel point (its kernel label) and its ms per step.
+    pub best: Option<(String, f64)>,
+    pub tried: usize,
+    pub refused: usize,
+    pub seconds: f64,
+}
+
+/// Tunes the decode step of `cfg` in `dtype` for each batch of `batches` on GPU 0 and saves each
+/// winner into that GPU's default tuning database.
+pub(super) fn tune_decode_steps(
+    root: &Path,
+    cfg: &GPT2Config,
+    dtype: Dtype,
+    batches: &[usize],
+    seed: u64,
+) -> Result<Vec<DecodeTuned>> {
+    let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
+    let family = catalog.family(MEGAKERNEL_FAMILY)?.clone();
+    let most_rows = family
+        .params
+        .get("max_rows")
+        .and_then(|v| v.iter().max().copied())
+        .unwrap_or(1) as usize;
+    if let Some(&b) = batches.iter().find(|&&b| b > most_rows) {
+        bail!(
+            "--decode-step --batch {b}: the decode megakernel is compiled for at most {most_rows} sequences \
+             (max_rows in specs/{MEGAKERNEL_FAMILY}.toml); tune the decode step for batches up to {most_rows}"
+        );
+    }
+    let model = Arc::new(GPT2Model {
+        config: cfg.clone(),
+        weights: GPT2Weights::random(cfg, seed),
+        source: "random weights (decode-step tuning)".into(),
+    });
+    let max_batch = batches.iter().copied().max().unwrap_or(1);
+    let mut gpu = GpuBackend::with_root(root, model, max_batch, false, dtype).context("opening GPU 0")?;
+    let header = gpu.tuning_db_header().clone();
+    let db_path = default_path(&header);
+    let mut out = Vec::new();
+    for &b in batches {
+        let started = Instant::now();
+        let bar = ProgressBar::new_spinner().with_style(
+            ProgressStyle::with_template("{spinner} decode step, batch {prefix}: {msg} ({elapsed})")
+                .expect("a valid progress template"),
+        );
+        bar.set_prefix(b.to_string());
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        bar.set_message("timing the graph engine");
+        gpu.set_decode_engine(DecodeEngine::Graph)?;
+        let graph_ms = gpu
+            .time_greedy_decode(b, PROMPT, STEPS, REPEATS)
+            .with_context(|| format!("batch {b}: timing the graph engine"))?;
+
+        gpu.set_decode_engine(DecodeEngine::Megakernel)?;
+        let elem_bytes = dtype.storage().bytes();
+        let mut start: Point = family.default.clone();
+        for (name, value) in fitted_default(&family, b, cfg.n_embd, elem_bytes, &gpu.gpu().info.limits) {
+            start.insert(name, value);
+        }
+        let mut labels: Vec<(Point, String)> = Vec::new();
+        let mut best_so_far = f64::INFINITY;
+        let descent = coordinate_descent(&family.params, &start, &FIXED, |point| {
+            gpu.set_megakernel_point(point.iter().map(|(k, v)| (k.clone(), *v)).collect());
+            let ms = gpu
+                .time_greedy_decode(b, PROMPT, STEPS, REPEATS)
+                .map_err(|e| format!("{e:#}"))?;
+            if let Some((label, _)) = gpu.megakernel_point_used() {
+                labels.push((point.clone(), label));
+            }
+            best_so_far = best_so_far.min(ms);
+            bar.set_message(format!(
+                "{} points, best {best_so_far:.3} ms/step (graph {graph_ms:.3})",
+                labels.len()
+            ));
+            Ok(ms)
+        });
+        gpu.set_megakernel_point(Vec::new());
+        bar.finish_and_clear();
+        let refused = descent.trials.iter().filter(|t| t.outcome.is_err()).count();
+        let candidates: Vec<Candidate> = descent
+            .trials
+            .iter()
+            .map(|t| Candidate {
+                family: MEGAKERNEL_FAMILY.to_string(),
+                params: t.point.clone(),
+                median_ms: t.outcome.as_ref().ok().copied(),
+                spread_ms: None,
+                error: None,
+                rejected: t.outcome.as_ref().err().cloned(),
+                resources: Vec::new(),
+            })
+            .collect();
+        let label_of = |p: &Point| labels.iter().find(|(q, _)| q == p).map(|(_, l)| l.clone());
+        let best = descent
+            .best
+            .as_ref()
+            .map(|(p, ms)| (label_of(p).unwrap_or_default(), *ms));
+        if let Some((point, ms)) = &descent.best {
+            let key = gpu.decode_step_key(b);
+            let entry = Entry {
+                family: MEGAKERNEL_FAMILY.to_string(),
+                params: point.clone(),
+                shape: key.shape.clone(),
+                median_ms: *ms,
+                spread_ms: 0.0,
+                baseline_ms: Some(graph_ms),
+                baseline: Some(PEER.to_string()),
+                baseline_unavailable: None,
+                variants_tried: descent.trials.len(),
+                tuned_at: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+                role: Some("decode_step".to_string()),
+                flops: 0.0,
+                bytes: 0.0,
+                candidates,
+            };
+            let mut db = TuningDb::open(&db_path, header.clone())?;
+            db.insert(&key, entry);
+            db.save()
+                .with_context(|| format!("saving the decode step of batch {b} to {}", db_path.display()))?;
+        }
+        out.push(DecodeTuned {
+            batch: b,
+            graph_ms,
+            best,
+            tried: descent.trials.len(),
+            refused,
+            seconds: started.elapsed().as_secs_f64(),
+        });
+    }
+    Ok(out)
+}
+
+impl DecodeTuned {
+    /// The `decode_step` rows of `tune --json`.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "batch": self.batch,
+            "graph_ms_per_step": self.graph_ms,
+            "megakernel_ms_per_step": self.best.as_ref().map(|b| b.1),
+            "megakernel_kernel": self.best.as_ref().map(|b| b.0.clone()),
+            "points_tried": self.tried,
+            "points_refused": self.refused,
+            "seconds": self.seconds,
+        })
+    }
+}
+
+/// The table `tune --decode-step` prints: per batch, both engines' ms per step and the winner.
+pub(super) fn decode_table(rows: &[DecodeTuned]) -> String {
+    let mut s = String::from("decode step (greedy, wall ms per step)\nbatch  graph ms  megakernel ms  speed vs graph  engine      points  kernel\n");
+    for r in rows {
+        let (mk, ratio, engine, label) = match &r.best {
+            Some((label, ms)) => (
+                format!("{ms:.3}"),
+                format!("{:.2}x", r.graph_ms / ms),
+                if *ms < r.graph_ms { "megakernel" } else { "graph" },
+                label.as_str(),
+            ),
+            None => ("-".into(), "-".into(), "graph", "no point ran"),
+        };
+        s.push_str(&format!(
+            "{:>5} {:>9.3} {:>14} {:>15}  {:<10} {:>3}/{:<3} {label} ({:.0} s)\n",
+            r.batch,
+            r.graph_ms,
+            mk,
+            ratio,
+            engine,
+            r.tried - r.refused,
+            r.tried,
+            r.seconds
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_names_the_faster_engine_and_the_points_that_ran() {
+        let rows = [
+            DecodeTuned {
+                batch: 1,
+                graph_ms: 0.40,
+                best: Some(("decode_megakernel_ab12".into(), 0.32)),
+                tried: 20,
+                refused: 3,
+                seconds: 31.0,
+            },
+            DecodeTuned {
+                batch: 8,
+                graph_ms: 0.70,
+                best: Some(("decode_megakernel_cd34".into(), 0.90)),
+                tried: 12,
+                refused: 0,
+                seconds: 20.0,
+            },
+            DecodeTuned {
+                batch: 4,
+                graph_ms: 0.5,
+                best: None,
+                tried: 5,
+                refused: 5,
+                seconds: 2.0,
+            },
+        ];
+        let t = decode_table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[2].contains("1.25x") && lines[2].contains("megakernel") && lines[2].contains("17/20"),
+            "{t}"
+        );
+        assert!(lines[3].contains("0.78x") && lines[3].contains(" graph "), "{t}");
+        assert!(lines[4].contains("no point ran") && lines[4].contains("0/5"), "{t}");
+    }
+}

@@ -1,0 +1,68 @@
+//! What tuning the decode step (`kernelforge tune --decode-step`) needs from the backend
+//! besides the megakernel's own (`megakernel.rs`: its database key, the point that ran): the
+//! engine the tuning database prefers for a batch, and the wall time of greedy decode steps on
+//! the current engine.
+
+use anyhow::Result as AnyResult;
+
+use super::GpuBackend;
+use crate::model::engine::DecodeEngine;
+use crate::model::generate::Backend;
+use crate::model::sampling::argmax;
+
+impl GpuBackend {
+    /// The header of this GPU's tuning database (the default file, which this backend reads,
+    /// is `tune::db::default_path` of it).
+    pub fn tuning_db_header(&self) -> &crate::tune::db::DbHeader {
+        &self.db_header
+    }
+
+    /// The engine the tuning database prefers for decode steps of `b` sequences: the megakernel
+    /// when a tuned point of it beat the graph engine measured beside it, else the graph.
+    pub fn tuned_decode_engine(&self, b: usize) -> DecodeEngine {
+        let key = self.decode_step_key(b);
+        let entry = self.registry.db.as_ref().and_then(|db| db.get(&key));
+        match entry {
+            Some(e) if e.baseline_ms.is_some_and(|graph| e.median_ms < graph) => DecodeEngine::Megakernel,
+            _ => DecodeEngine::Graph,
+        }
+    }
+
+    /// Wall milliseconds per greedy decode step of `b` sequences on the current engine (the
+    /// time a user waits per token, host included): a quarter second of warm-up steps
+    /// (compiles, graph recording, and the GPU raising its clocks, which it does only under
+    /// sustained load), then the median over `repeats` runs of a prefill of `prompt` tokens and
+    /// `steps` timed steps (fewer when the context is shorter).
+    pub fn time_greedy_decode(&mut self, b: usize, prompt: usize, steps: usize, repeats: usize) -> AnyResult<f64> {
+        let cfg = &self.model.config;
+        let prompt = prompt.clamp(1, cfg.n_ctx.saturating_sub(1).max(1));
+        let steps = steps.clamp(1, (cfg.n_ctx - prompt).max(1));
+        let vocab = cfg.vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|s| {
+                (0..prompt as u32)
+                    .map(|i| (i * 37 + s as u32 * 101 + 11) % vocab)
+                    .collect()
+            })
+            .collect();
+        let run = |this: &mut GpuBackend| -> AnyResult<f64> {
+            let logits = this.prefill_last(&prompts)?;
+            let mut next: Vec<u32> = (0..b).map(|s| argmax(logits.last(s))).collect::<Result<_, _>>()?;
+            let started = std::time::Instant::now();
+            for _ in 0..steps {
+                next = this.decode_argmax(&next)?;
+            }
+            Ok(started.elapsed().as_secs_f64() * 1e3 / steps as f64)
+        };
+        let warm = std::time::Instant::now();
+        while warm.elapsed().as_secs_f64() < 0.25 {
+            run(self)?;
+        }
+        let mut times = (0..repeats.max(1))
+            .map(|_| run(self))
+            .collect::<AnyResult<Vec<f64>>>()?;
+        times.sort_by(f64::total_cmp);
+        self.take_decode_gpu_time();
+        Ok(times[times.len() / 2])
+    }
+}

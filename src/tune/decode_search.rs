@@ -1,0 +1,157 @@
+//! The search over the points of a family that is timed as a whole (the decode megakernel: a
+//! point is timed by running decode steps of a model, not on a random problem): coordinate
+//! descent from a starting point. Each pass tries every other value of each parameter with the
+//! rest held, adopting a value as soon as it is faster by more than the noise margin; passes
+//! repeat until one changes nothing. A point is measured at most once; points that cannot run
+//! (a constraint, no room on the SM) are kept with the reason.
+//!
+//! Pure policy over a `measure` callback, so it is tested without a GPU; the callback decides
+//! what a point's time is.
+
+use indexmap::IndexMap;
+
+/// A point: every parameter of the family and its value.
+pub type Point = IndexMap<String, i64>;
+
+/// A measured (or refused) point, in the order tried.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trial {
+    pub point: Point,
+    /// Milliseconds per unit of work (a decode step), or why the point did not run.
+    pub outcome: Result<f64, String>,
+}
+
+/// A value is adopted only when it is faster than the best so far by more than this share.
+pub const MIN_GAIN: f64 = 0.01;
+/// At most this many passes over the parameters.
+pub const MAX_PASSES: usize = 3;
+
+/// The result of a search: the fastest point and every trial.
+#[derive(Clone, Debug)]
+pub struct Descent {
+    /// The fastest point and its time; `None` when no point ran.
+    pub best: Option<(Point, f64)>,
+    pub trials: Vec<Trial>,
+}
+
+/// Coordinate descent over `space` (parameter → the values it may take) from `start` (which
+/// must name every parameter of `space`); parameters named in `fixed` keep their start value.
+pub fn coordinate_descent(
+    space: &IndexMap<String, Vec<i64>>,
+    start: &Point,
+    fixed: &[&str],
+    mut measure: impl FnMut(&Point) -> Result<f64, String>,
+) -> Descent {
+    let mut trials: Vec<Trial> = Vec::new();
+    let mut run = |point: &Point, trials: &mut Vec<Trial>| -> Result<f64, String> {
+        if let Some(t) = trials.iter().find(|t| &t.point == point) {
+            return t.outcome.clone();
+        }
+        let outcome = measure(point);
+        trials.push(Trial {
+            point: point.clone(),
+            outcome: outcome.clone(),
+        });
+        outcome
+    };
+    let mut best: Option<(Point, f64)> = run(start, &mut trials).ok().map(|ms| (start.clone(), ms));
+    for _ in 0..MAX_PASSES {
+        let mut changed = false;
+        for (name, values) in space.iter().filter(|(name, _)| !fixed.contains(&name.as_str())) {
+            let current = best.as_ref().map_or(start, |(p, _)| p).clone();
+            for &value in values.iter().filter(|&&v| Some(&v) != current.get(name)) {
+                let base = best.as_ref().map_or(start, |(p, _)| p);
+                let mut point = base.clone();
+                point.insert(name.clone(), value);
+                if let Ok(ms) = run(&point, &mut trials) {
+                    let better = match &best {
+                        Some((_, b)) => ms < b * (1.0 - MIN_GAIN),
+                        None => true,
+                    };
+                    if better {
+                        best = Some((point, ms));
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    Descent { best, trials }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn space() -> IndexMap<String, Vec<i64>> {
+        [("a", vec![1, 2, 3, 4]), ("b", vec![10, 20, 30]), ("c", vec![0, 1])]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    }
+
+    fn point(a: i64, b: i64, c: i64) -> Point {
+        [("a", a), ("b", b), ("c", c)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    }
+
+    #[test]
+    fn descends_to_the_minimum_of_a_separable_cost_measuring_each_point_once() {
+        // minimum at a = 3, b = 20, c = 1; c is fixed at 0
+        let cost = |p: &Point| ((p["a"] - 3).pow(2) + (p["b"] - 20).pow(2) / 100 + p["c"] * 5 + 10) as f64;
+        let mut calls = Vec::new();
+        let d = coordinate_descent(&space(), &point(1, 30, 0), &["c"], |p| {
+            calls.push(p.clone());
+            Ok(cost(p))
+        });
+        let (best, ms) = d.best.unwrap();
+        assert_eq!(best, point(3, 20, 0));
+        assert_eq!(ms, 10.0);
+        assert_eq!(d.trials.len(), calls.len(), "every trial measured once");
+        let mut unique = calls.clone();
+        unique.sort_by_key(|p| (p["a"], p["b"], p["c"]));
+        unique.dedup();
+        assert_eq!(unique.len(), calls.len(), "no point measured twice: {calls:?}");
+        assert!(calls.iter().all(|p| p["c"] == 0), "a fixed parameter never moves");
+    }
+
+    #[test]
+    fn points_that_cannot_run_are_kept_with_the_reason_and_skipped() {
+        let d = coordinate_descent(&space(), &point(1, 10, 0), &[], |p| {
+            if p["a"] >= 3 {
+                Err(format!("a = {} does not fit", p["a"]))
+            } else {
+                Ok((10 - p["a"]) as f64 + p["c"] as f64)
+            }
+        });
+        let (best, _) = d.best.unwrap();
+        assert_eq!(best["a"], 2);
+        let refused: Vec<&Trial> = d.trials.iter().filter(|t| t.outcome.is_err()).collect();
+        assert_eq!(refused.len(), 2, "a = 3 and a = 4, once each");
+        assert!(refused[0].outcome.as_ref().unwrap_err().contains("does not fit"));
+    }
+
+    #[test]
+    fn a_gain_within_the_noise_margin_is_not_adopted_and_nothing_runs_gives_no_best() {
+        let d = coordinate_descent(&space(), &point(1, 10, 0), &[], |p| {
+            Ok(if p["a"] == 2 {
+                100.0 * (1.0 - MIN_GAIN / 2.0)
+            } else {
+                100.0
+            })
+        });
+        assert_eq!(d.best.unwrap().0, point(1, 10, 0));
+        let d = coordinate_descent(&space(), &point(1, 10, 0), &[], |_| Err("no".into()));
+        assert!(d.best.is_none());
+        assert_eq!(
+            d.trials.len(),
+            1 + 3 + 2 + 1,
+            "one pass over every other value, then stop"
+        );
+    }
+}
