@@ -24,14 +24,16 @@
 //! step of a batch size records its launches as a [`KernelGraph`]; later steps rewrite only the
 //! nodes whose arguments changed and replay it with one launch), or lowered to one persistent
 //! kernel (`megakernel.rs`). Profiling and `KERNELFORGE_SYNC_EACH` launch kernel by kernel
-//! instead of the graph. Kernel selection lives in `select.rs`.
+//! instead of the graph. Kernel selection lives in `select.rs`; opening the backend (catalog,
+//! tuning database, weights, buffers) in `open.rs`; what `tune --decode-step` needs (timing
+//! greedy steps, the engine the database prefers) in `decode_tune.rs`.
 //!
-//! Profiling (off by default): a CUDA event pair around every launch, aggregated per kernel.
+//! Profiling (off by default, `profile.rs`): a CUDA event pair around every launch, aggregated
+//! per kernel.
 //! Setting `KERNELFORGE_SYNC_EACH=1` synchronizes after every launch so a faulting kernel is
 //! named in the error (slow; for debugging).
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result as AnyResult};
@@ -42,10 +44,10 @@ use super::engine::{DecodeEngine, Timeline};
 use super::error::{ModelError, Result};
 use super::generate::{Backend, Logits};
 use super::weights::GPT2Model;
-use crate::gpu::{ArgValue, Compiler, Gpu, GpuError, KernelGraph};
-use crate::ops::{self, Shape, Storage};
-use crate::spec::{shape_text, Catalog, Dtype};
-use crate::tune::db::{default_path, DbHeader, TuningDb};
+use crate::gpu::{ArgValue, Gpu, GpuError, KernelGraph};
+use crate::ops::Shape;
+use crate::spec::{shape_text, Dtype};
+use crate::tune::db::DbHeader;
 use crate::tune::registry::{Choice, Registry};
 use crate::tune::workloads::op_dtype;
 
@@ -53,7 +55,9 @@ mod buffers;
 mod decode_tune;
 mod exec;
 mod megakernel;
+mod open;
 mod plan;
+mod profile;
 mod select;
 mod stage_table;
 
@@ -62,6 +66,8 @@ use buffers::{Activations, DeviceTensor};
 use exec::{record_event, LaunchMode};
 pub use megakernel::{fitted_default, MEGAKERNEL_FAMILY};
 use plan::{HeadRows, Plan};
+pub use profile::ProfileRow;
+use profile::Profiler;
 use select::{Kernel, Kernels};
 
 /// The op (and kernel family) of the decode attention: one query per sequence against the cache.
@@ -94,23 +100,6 @@ struct LayerPtrs {
     fc_b: u64,
     fc_proj_w: u64,
     fc_proj_b: u64,
-}
-
-/// One row of the per-kernel profile.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct ProfileRow {
-    pub role: String,
-    pub kernel: String,
-    pub calls: usize,
-    pub total_ms: f64,
-    pub avg_ms: f64,
-    pub percent: f64,
-}
-
-#[derive(Default)]
-struct Profiler {
-    pending: Vec<(&'static str, String, CudaEvent, CudaEvent)>,
-    totals: BTreeMap<(String, String), (usize, f64)>,
 }
 
 /// GPT-2 on one CUDA GPU. See the module docs.
@@ -204,201 +193,6 @@ fn i32_arg(v: usize, what: &str) -> AnyResult<ArgValue> {
 }
 
 impl GpuBackend {
-    /// Open GPU 0, load the kernel catalog from the project folder (see
-    /// [`crate::project::project_root`]), upload the weights and allocate every buffer for
-    /// `max_batch` sequences of up to `n_ctx` tokens.
-    pub fn new(model: Arc<GPT2Model>, max_batch: usize, unfused: bool, dtype: Dtype) -> AnyResult<GpuBackend> {
-        let root = crate::project::project_root(None)?;
-        Self::with_root(&root, model, max_batch, unfused, dtype)
-    }
-
-    /// [`GpuBackend::new`] with specs/ and templates/ under `root`.
-    pub fn with_root(
-        root: &Path,
-        model: Arc<GPT2Model>,
-        max_batch: usize,
-        unfused: bool,
-        dtype: Dtype,
-    ) -> AnyResult<GpuBackend> {
-        Self::on_device(root, 0, model, max_batch, unfused, dtype)
-    }
-
-    /// [`GpuBackend::with_root`] on GPU `device` (a CUDA ordinal). Refuses, before uploading
-    /// anything, a GPU without the free memory the weights and buffers need.
-    pub fn on_device(
-        root: &Path,
-        device: usize,
-        model: Arc<GPT2Model>,
-        max_batch: usize,
-        unfused: bool,
-        dtype: Dtype,
-    ) -> AnyResult<GpuBackend> {
-        let cfg = model.config.clone();
-        let max_batch = max_batch.max(1);
-        let storage = dtype.storage();
-        if unfused && storage != Storage::F32 {
-            bail!("--unfused is the f32 baseline of the seeds; it has no {dtype} kernels (drop --unfused or use --dtype f32)");
-        }
-        let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))
-            .with_context(|| format!("loading the kernel specs under {}", root.display()))?;
-        // Every op must have a family in the dtype it runs in: the forward pass's ops now (before
-        // touching the GPU), the decode ops when a decode step comes.
-        let lacking = |op_list: &[&str]| -> Vec<String> {
-            op_list
-                .iter()
-                .filter_map(|&op| {
-                    let want = if op == "matmul" { dtype } else { op_dtype(dtype) };
-                    let found = ops::op_by_name(op).is_some() && catalog.has_dtype(op, want);
-                    (!found).then(|| format!("{op} ({want})"))
-                })
-                .collect()
-        };
-        let forward_missing = lacking(&["encoder", "layernorm", "matmul", "attention"]);
-        if !forward_missing.is_empty() {
-            bail!(
-                "--dtype {dtype}: no kernel family implements {}; a family lists the dtypes it \
-                 supports in its spec (`dtypes = [...]` in specs/*.toml)",
-                forward_missing.join(", ")
-            );
-        }
-        let decode_missing = lacking(&[ATTENTION_DECODE_OP, KV_APPEND_OP]);
-        let decode_missing = (!decode_missing.is_empty()).then(|| {
-            format!(
-                "GPU decode needs kernel families for {}, which this build does not have",
-                decode_missing.join(" and ")
-            )
-        });
-        let gpu = Gpu::new(device).with_context(|| {
-            format!("cuda:{device}: the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")
-        })?;
-        let name = format!(
-            "cuda:{device}{}{}",
-            if unfused { " unfused" } else { "" },
-            if dtype == Dtype::F32 {
-                String::new()
-            } else {
-                format!(" {dtype}")
-            }
-        );
-        let need = ReplicaMemory::estimate(&cfg, storage.bytes(), max_batch, unfused);
-        let (free, _) = gpu
-            .ctx
-            .mem_get_info()
-            .map_err(GpuError::cuda(format!("reading the free memory of cuda:{device}")))?;
-        need.check(&format!("cuda:{device} ({})", gpu.info.name), free, max_batch)
-            .map_err(|why| anyhow!(why))?;
-        let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
-        let mut notes = Vec::new();
-        let header = DbHeader::for_device(&gpu, &compiler);
-        let db_path = default_path(&header);
-        let db_header = header.clone();
-        let db = if db_path.exists() {
-            match TuningDb::open(&db_path, header) {
-                Ok(db) => {
-                    if let Some(w) = &db.warning {
-                        notes.push(w.clone());
-                    }
-                    Some(db)
-                }
-                Err(e) => {
-                    notes.push(format!("not using the tuning database: {e}"));
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let registry = Registry::new(catalog, db, compiler)?;
-
-        // Weights, once.
-        let w = &model.weights;
-        w.validate(&cfg)?;
-        let mut weights = Vec::new();
-        // Converted to the storage type once, here (f16/bf16 round to nearest even).
-        let mut up = |data: &[f32], what: String| -> AnyResult<u64> {
-            let s = gpu
-                .stream
-                .clone_htod(&storage.encode(data))
-                .map_err(GpuError::cuda(format!("uploading {what} ({} elements)", data.len())))?;
-            let p = ptr(&gpu, &s);
-            weights.push(s);
-            Ok(p)
-        };
-        let wte = up(&w.wte_padded(&cfg), "wte (padded)".into())?;
-        let wpe = up(&w.wpe, "wpe".into())?;
-        let lnf_w = up(&w.lnf_w, "lnf_w".into())?;
-        let lnf_b = up(&w.lnf_b, "lnf_b".into())?;
-        let mut layers = Vec::with_capacity(cfg.n_layer);
-        for (i, l) in w.layers.iter().enumerate() {
-            let mut u = |t: &[f32], name: &str| up(t, format!("h.{i}.{name}"));
-            layers.push(LayerPtrs {
-                ln1_w: u(&l.ln1_w, "ln1_w")?,
-                ln1_b: u(&l.ln1_b, "ln1_b")?,
-                qkv_w: u(&l.qkv_w, "qkv_w")?,
-                qkv_b: u(&l.qkv_b, "qkv_b")?,
-                attn_proj_w: u(&l.attn_proj_w, "attn_proj_w")?,
-                attn_proj_b: u(&l.attn_proj_b, "attn_proj_b")?,
-                ln2_w: u(&l.ln2_w, "ln2_w")?,
-                ln2_b: u(&l.ln2_b, "ln2_b")?,
-                fc_w: u(&l.fc_w, "fc_w")?,
-                fc_b: u(&l.fc_b, "fc_b")?,
-                fc_proj_w: u(&l.fc_proj_w, "fc_proj_w")?,
-                fc_proj_b: u(&l.fc_proj_b, "fc_proj_b")?,
-            });
-        }
-        let act = Self::alloc_activations(&gpu, storage, &cfg, max_batch * cfg.n_ctx, max_batch, unfused)?;
-        let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
-        gpu.synchronize()?;
-        let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
-        let mut backend = GpuBackend {
-            model,
-            name,
-            unfused,
-            gpu,
-            registry,
-            decode_missing,
-            _weights: weights,
-            wte,
-            wpe,
-            lnf_w,
-            lnf_b,
-            layers,
-            act,
-            kv,
-            kv_batch: max_batch,
-            workspace: None,
-            batch: 0,
-            len: 0,
-            selected: HashMap::new(),
-            sets: HashMap::new(),
-            selection_batch: None,
-            selection_scale: (1, 1),
-            profiler: None,
-            sync_each,
-            launch_mode: LaunchMode::Direct,
-            dtype,
-            engine: DecodeEngine::Graph,
-            timeline_on: false,
-            timeline: None,
-            megakernel: None,
-            megakernel_point: Vec::new(),
-            decode_graphs: HashMap::new(),
-            prepared: None,
-            buffers_generation: 0,
-            host_logits: Vec::new(),
-            pinned_logits: None,
-            step_events: None,
-            decode_gpu_ms: (0.0, 0),
-            notes,
-            db_header,
-        };
-        if !unfused {
-            // the engine the tuning database found fastest for this batch (`tune --decode-step`)
-            backend.engine = backend.tuned_decode_engine(max_batch);
-        }
-        Ok(backend)
-    }
-
     /// The model it runs.
     pub fn model(&self) -> &GPT2Model {
         &self.model
@@ -495,50 +289,6 @@ impl GpuBackend {
     /// The stamps of the last megakernel decode step with the timeline on; clears them.
     pub fn take_timeline(&mut self) -> Option<Timeline> {
         self.timeline.take()
-    }
-
-    /// Turn per-kernel timing on (clearing what was recorded) or off.
-    pub fn set_profiling(&mut self, on: bool) {
-        self.profiler = on.then(Profiler::default);
-    }
-
-    /// The per-kernel profile recorded since profiling was turned on (or since the last
-    /// call), largest total first; clears it.
-    pub fn take_profile(&mut self) -> AnyResult<Vec<ProfileRow>> {
-        self.flush_profile()?;
-        let Some(p) = &mut self.profiler else {
-            return Ok(Vec::new());
-        };
-        let totals = std::mem::take(&mut p.totals);
-        let sum: f64 = totals.values().map(|(_, ms)| ms).sum();
-        let mut rows: Vec<ProfileRow> = totals
-            .into_iter()
-            .map(|((role, kernel), (calls, total_ms))| ProfileRow {
-                role,
-                kernel,
-                calls,
-                total_ms,
-                avg_ms: total_ms / calls.max(1) as f64,
-                percent: if sum > 0.0 { 100.0 * total_ms / sum } else { 0.0 },
-            })
-            .collect();
-        rows.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
-        Ok(rows)
-    }
-
-    fn flush_profile(&mut self) -> AnyResult<()> {
-        let Some(p) = &mut self.profiler else {
-            return Ok(());
-        };
-        for (role, label, start, end) in p.pending.drain(..) {
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(GpuError::cuda(format!("reading the timing events of {label}")))?;
-            let e = p.totals.entry((role.to_string(), label)).or_insert((0, 0.0));
-            e.0 += 1;
-            e.1 += ms as f64;
-        }
-        Ok(())
     }
 
     fn upload_ids(&mut self, tokens: &[Vec<u32>]) -> AnyResult<()> {

@@ -1,0 +1,218 @@
+//! Opening the GPU backend: the kernel catalog and this GPU's tuning database, the weights
+//! converted to the storage type and uploaded once, every buffer allocated for `max_batch`
+//! sequences, and the decode engine the database prefers.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result as AnyResult};
+
+use super::buffers::ReplicaMemory;
+use super::exec::LaunchMode;
+use super::{ptr, GpuBackend, LayerPtrs, ATTENTION_DECODE_OP, KV_APPEND_OP};
+use crate::gpu::{Compiler, Gpu, GpuError};
+use crate::model::engine::DecodeEngine;
+use crate::model::weights::GPT2Model;
+use crate::ops::{self, Storage};
+use crate::spec::{Catalog, Dtype};
+use crate::tune::db::{default_path, DbHeader, TuningDb};
+use crate::tune::registry::Registry;
+use crate::tune::workloads::op_dtype;
+
+impl GpuBackend {
+    /// Open GPU 0, load the kernel catalog from the project folder (see
+    /// [`crate::project::project_root`]), upload the weights and allocate every buffer for
+    /// `max_batch` sequences of up to `n_ctx` tokens.
+    pub fn new(model: Arc<GPT2Model>, max_batch: usize, unfused: bool, dtype: Dtype) -> AnyResult<GpuBackend> {
+        let root = crate::project::project_root(None)?;
+        Self::with_root(&root, model, max_batch, unfused, dtype)
+    }
+
+    /// [`GpuBackend::new`] with specs/ and templates/ under `root`.
+    pub fn with_root(
+        root: &Path,
+        model: Arc<GPT2Model>,
+        max_batch: usize,
+        unfused: bool,
+        dtype: Dtype,
+    ) -> AnyResult<GpuBackend> {
+        Self::on_device(root, 0, model, max_batch, unfused, dtype)
+    }
+
+    /// [`GpuBackend::with_root`] on GPU `device` (a CUDA ordinal). Refuses, before uploading
+    /// anything, a GPU without the free memory the weights and buffers need.
+    pub fn on_device(
+        root: &Path,
+        device: usize,
+        model: Arc<GPT2Model>,
+        max_batch: usize,
+        unfused: bool,
+        dtype: Dtype,
+    ) -> AnyResult<GpuBackend> {
+        let cfg = model.config.clone();
+        let max_batch = max_batch.max(1);
+        let storage = dtype.storage();
+        if unfused && storage != Storage::F32 {
+            bail!("--unfused is the f32 baseline of the seeds; it has no {dtype} kernels (drop --unfused or use --dtype f32)");
+        }
+        let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))
+            .with_context(|| format!("loading the kernel specs under {}", root.display()))?;
+        // Every op must have a family in the dtype it runs in: the forward pass's ops now (before
+        // touching the GPU), the decode ops when a decode step comes.
+        let lacking = |op_list: &[&str]| -> Vec<String> {
+            op_list
+                .iter()
+                .filter_map(|&op| {
+                    let want = if op == "matmul" { dtype } else { op_dtype(dtype) };
+                    let found = ops::op_by_name(op).is_some() && catalog.has_dtype(op, want);
+                    (!found).then(|| format!("{op} ({want})"))
+                })
+                .collect()
+        };
+        let forward_missing = lacking(&["encoder", "layernorm", "matmul", "attention"]);
+        if !forward_missing.is_empty() {
+            bail!(
+                "--dtype {dtype}: no kernel family implements {}; a family lists the dtypes it \
+                 supports in its spec (`dtypes = [...]` in specs/*.toml)",
+                forward_missing.join(", ")
+            );
+        }
+        let decode_missing = lacking(&[ATTENTION_DECODE_OP, KV_APPEND_OP]);
+        let decode_missing = (!decode_missing.is_empty()).then(|| {
+            format!(
+                "GPU decode needs kernel families for {}, which this build does not have",
+                decode_missing.join(" and ")
+            )
+        });
+        let gpu = Gpu::new(device).with_context(|| {
+            format!("cuda:{device}: the GPU backend needs a CUDA GPU (pass --device cpu to run on the CPU)")
+        })?;
+        let name = format!(
+            "cuda:{device}{}{}",
+            if unfused { " unfused" } else { "" },
+            if dtype == Dtype::F32 {
+                String::new()
+            } else {
+                format!(" {dtype}")
+            }
+        );
+        let need = ReplicaMemory::estimate(&cfg, storage.bytes(), max_batch, unfused);
+        let (free, _) = gpu
+            .ctx
+            .mem_get_info()
+            .map_err(GpuError::cuda(format!("reading the free memory of cuda:{device}")))?;
+        need.check(&format!("cuda:{device} ({})", gpu.info.name), free, max_batch)
+            .map_err(|why| anyhow!(why))?;
+        let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
+        let mut notes = Vec::new();
+        let header = DbHeader::for_device(&gpu, &compiler);
+        let db_path = default_path(&header);
+        let db_header = header.clone();
+        let db = if db_path.exists() {
+            match TuningDb::open(&db_path, header) {
+                Ok(db) => {
+                    if let Some(w) = &db.warning {
+                        notes.push(w.clone());
+                    }
+                    Some(db)
+                }
+                Err(e) => {
+                    notes.push(format!("not using the tuning database: {e}"));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let registry = Registry::new(catalog, db, compiler)?;
+
+        // Weights, once.
+        let w = &model.weights;
+        w.validate(&cfg)?;
+        let mut weights = Vec::new();
+        // Converted to the storage type once, here (f16/bf16 round to nearest even).
+        let mut up = |data: &[f32], what: String| -> AnyResult<u64> {
+            let s = gpu
+                .stream
+                .clone_htod(&storage.encode(data))
+                .map_err(GpuError::cuda(format!("uploading {what} ({} elements)", data.len())))?;
+            let p = ptr(&gpu, &s);
+            weights.push(s);
+            Ok(p)
+        };
+        let wte = up(&w.wte_padded(&cfg), "wte (padded)".into())?;
+        let wpe = up(&w.wpe, "wpe".into())?;
+        let lnf_w = up(&w.lnf_w, "lnf_w".into())?;
+        let lnf_b = up(&w.lnf_b, "lnf_b".into())?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for (i, l) in w.layers.iter().enumerate() {
+            let mut u = |t: &[f32], name: &str| up(t, format!("h.{i}.{name}"));
+            layers.push(LayerPtrs {
+                ln1_w: u(&l.ln1_w, "ln1_w")?,
+                ln1_b: u(&l.ln1_b, "ln1_b")?,
+                qkv_w: u(&l.qkv_w, "qkv_w")?,
+                qkv_b: u(&l.qkv_b, "qkv_b")?,
+                attn_proj_w: u(&l.attn_proj_w, "attn_proj_w")?,
+                attn_proj_b: u(&l.attn_proj_b, "attn_proj_b")?,
+                ln2_w: u(&l.ln2_w, "ln2_w")?,
+                ln2_b: u(&l.ln2_b, "ln2_b")?,
+                fc_w: u(&l.fc_w, "fc_w")?,
+                fc_b: u(&l.fc_b, "fc_b")?,
+                fc_proj_w: u(&l.fc_proj_w, "fc_proj_w")?,
+                fc_proj_b: u(&l.fc_proj_b, "fc_proj_b")?,
+            });
+        }
+        let act = Self::alloc_activations(&gpu, storage, &cfg, max_batch * cfg.n_ctx, max_batch, unfused)?;
+        let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
+        gpu.synchronize()?;
+        let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
+        let mut backend = GpuBackend {
+            model,
+            name,
+            unfused,
+            gpu,
+            registry,
+            decode_missing,
+            _weights: weights,
+            wte,
+            wpe,
+            lnf_w,
+            lnf_b,
+            layers,
+            act,
+            kv,
+            kv_batch: max_batch,
+            workspace: None,
+            batch: 0,
+            len: 0,
+            selected: HashMap::new(),
+            sets: HashMap::new(),
+            selection_batch: None,
+            selection_scale: (1, 1),
+            profiler: None,
+            sync_each,
+            launch_mode: LaunchMode::Direct,
+            dtype,
+            engine: DecodeEngine::Graph,
+            timeline_on: false,
+            timeline: None,
+            megakernel: None,
+            megakernel_point: Vec::new(),
+            decode_graphs: HashMap::new(),
+            prepared: None,
+            buffers_generation: 0,
+            host_logits: Vec::new(),
+            pinned_logits: None,
+            step_events: None,
+            decode_gpu_ms: (0.0, 0),
+            notes,
+            db_header,
+        };
+        if !unfused {
+            // the engine the tuning database found fastest for this batch (`tune --decode-step`)
+            backend.engine = backend.tuned_decode_engine(max_batch);
+        }
+        Ok(backend)
+    }
+}
