@@ -148,6 +148,27 @@ fn megakernel_matches_kernel_by_kernel_decode_on_the_tiny_model() {
     compare("tiny f16 B=2", &tiny, 2, Dtype::F16, 3, 60);
 }
 
+/// Small enough for compute-sanitizer (memcheck, racecheck, synccheck): a few steps on a 2-layer
+/// model, with a cache long enough that attention splits into chunks and combines them, in f32
+/// with the copy engine and in bf16 with cp.async.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn megakernel_small_for_the_sanitizer() {
+    let _lock = gpu_lock();
+    let tiny = model(2, 2, 128, 512, 300, 77);
+    compare("sanitizer f32 B=2", &tiny, 2, Dtype::F32, 140, 3);
+    let mut g = backend(&tiny, 1, Dtype::Bf16, DecodeEngine::Megakernel);
+    g.set_megakernel_point(vec![("bulk_copy".to_string(), 0), ("max_rows".to_string(), 1)]);
+    let first = g
+        .prefill_last(&[(0..150u32).map(|i| (i * 7 + 3) % 300).collect()])
+        .unwrap();
+    let mut next = vec![argmax(first.last(0)).unwrap()];
+    for _ in 0..3 {
+        next = g.decode_argmax(&next).unwrap();
+        assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn megakernel_matches_kernel_by_kernel_decode_on_deeper_wider_and_gpt2_shapes() {

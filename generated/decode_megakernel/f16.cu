@@ -542,6 +542,7 @@ __device__ void stage_input(const Stage& s, int B, storage_t* xs, float* scratch
             }
         }
     } else {
+        #pragma unroll 4  // several loads in flight before the first store waits for its data
         for (int i = threadIdx.x * VEC; i < B * k; i += THREADS * VEC)
             *reinterpret_cast<uint4*>(xs + i) = __ldcg(reinterpret_cast<const uint4*>(s.input + i));
     }
