@@ -48,6 +48,8 @@ use crate::tune::workloads::{model_workloads, Workload};
 ///
 ///   kernelforge tune --model gpt2 --batch 1,8 --dtype bf16 --devices all
 ///
+///   kernelforge tune --model gpt2 --batch 1,8 --dtype bf16 --decode-step
+///
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --epilogue bias_gelu
 ///
 ///   kernelforge tune --op matmul --shape 8192,3072,768 --dtype tf32
@@ -108,7 +110,9 @@ pub struct TuneArgs {
     /// megakernel's point (threads, blocks per SM, weight slots, columns per warp, attention
     /// chunks, copy engine), searched by timing greedy decode steps on random weights of the
     /// model's shape, against the graph engine timed beside it. Saved into GPU 0's default
-    /// database, where `generate` and `bench` pick the faster engine by default.
+    /// database, where `generate` and `bench` pick the faster engine by default. Measured anew
+    /// on every run (about a minute per batch): the graph engine's time depends on the kernels
+    /// the rest of the run may just have tuned.
     #[arg(long, requires = "model", conflicts_with_all = ["db", "devices"])]
     pub decode_step: bool,
     /// Re-tune shapes the database already has.
