@@ -160,6 +160,60 @@ fn odd_database_values_render_without_panic() {
     assert!(index.contains("matmul_gone") && !index.contains("NaN") && !index.contains("inf"));
 }
 
+/// A decode step tuned by `tune --decode-step` (the megakernel's points against the graph
+/// engine) gets its workload page, which says what its times are and names the graph as peer.
+#[test]
+fn a_tuned_decode_step_gets_a_page_with_the_graph_engine_as_peer() {
+    let text = std::fs::read_to_string(fixtures().join("db.json")).unwrap();
+    let mut db: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let point = |slot: i64| {
+        serde_json::json!({"threads": 512, "blocks_per_sm": 1, "slot_kib": slot, "slots": 3, "cols_per_warp": 1,
+                           "max_rows": 1, "head_dim": 64, "min_chunk_keys": 64, "bulk_copy": 1})
+    };
+    let shape =
+        serde_json::json!({"B": 1, "C": 768, "HS": 64, "L": 12, "NH": 12, "Vp": 50304, "elem_bytes": 2, "max_T": 1024});
+    let entry = serde_json::json!({
+        "family": "decode_megakernel", "params": point(48), "shape": shape, "median_ms": 0.3593, "spread_ms": 0.0,
+        "baseline_ms": 0.4133, "baseline": "graph engine (the kernel-by-kernel step replayed as a CUDA graph)",
+        "variants_tried": 3, "tuned_at": 0, "role": "decode_step", "flops": 0.0, "bytes": 0.0,
+        "candidates": [
+            {"family": "decode_megakernel", "params": point(48), "median_ms": 0.3593},
+            {"family": "decode_megakernel", "params": point(64), "median_ms": 0.3692},
+            {"family": "decode_megakernel", "params": point(16), "rejected": "2 blocks per SM do not fit"}
+        ]
+    });
+    db["entries"].as_object_mut().unwrap().insert(
+        "decode_step|bf16|none|B=1 C=768 HS=64 L=12 NH=12 Vp=50304 elem_bytes=2 max_T=1024".into(),
+        entry,
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("decode.json");
+    std::fs::write(&path, db.to_string()).unwrap();
+    let input = ReportInput {
+        catalog: catalog(),
+        db: Some(TuningDb::read_only(&path).unwrap()),
+        benches: Vec::new(),
+    };
+    let out = tmp.path().join("site");
+    render_site(&input, &out).unwrap();
+    check_site(&out);
+    let page = std::fs::read_dir(out.join("workloads"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("decode_step"))
+        .expect("a page for the decode step");
+    let html = std::fs::read_to_string(page).unwrap();
+    assert!(
+        html.contains("per greedy step") && html.contains("graph engine"),
+        "{html}"
+    );
+    assert!(
+        html.contains("1.15") && html.contains("1 rejected"),
+        "the speed vs the graph and the refused point"
+    );
+    assert!(!html.contains("NaN") && !html.contains("inf"));
+}
+
 #[test]
 fn without_a_database_the_site_shows_the_specs() {
     let tmp = tempfile::tempdir().unwrap();
