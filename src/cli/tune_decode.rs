@@ -32,8 +32,8 @@ const PEER: &str = "graph engine (the kernel-by-kernel step replayed as a CUDA g
 pub(super) struct DecodeTuned {
     pub batch: usize,
     pub graph_ms: f64,
-    /// The fastest megakernel point (its kernel label) and its ms per step.
-    pub best: Option<(String, f64)>,
+    /// The fastest megakernel point and its ms per step.
+    pub best: Option<(Point, f64)>,
     pub tried: usize,
     pub refused: usize,
     pub seconds: f64,
@@ -91,20 +91,16 @@ pub(super) fn tune_decode_steps(
         for (name, value) in fitted_default(&family, b, cfg.n_embd, elem_bytes, &gpu.gpu().info.limits) {
             start.insert(name, value);
         }
-        let mut labels: Vec<(Point, String)> = Vec::new();
-        let mut best_so_far = f64::INFINITY;
+        let (mut timed, mut best_so_far) = (0, f64::INFINITY);
         let descent = coordinate_descent(&family.params, &start, &FIXED, |point| {
             gpu.set_megakernel_point(point.iter().map(|(k, v)| (k.clone(), *v)).collect());
             let ms = gpu
                 .time_greedy_decode(b, PROMPT, STEPS, REPEATS)
                 .map_err(|e| format!("{e:#}"))?;
-            if let Some((label, _)) = gpu.megakernel_point_used() {
-                labels.push((point.clone(), label));
-            }
+            timed += 1;
             best_so_far = best_so_far.min(ms);
             bar.set_message(format!(
-                "{} points, best {best_so_far:.3} ms/step (graph {graph_ms:.3})",
-                labels.len()
+                "{timed} points, best {best_so_far:.3} ms/step (graph {graph_ms:.3})"
             ));
             Ok(ms)
         });
@@ -124,11 +120,6 @@ pub(super) fn tune_decode_steps(
                 resources: Vec::new(),
             })
             .collect();
-        let label_of = |p: &Point| labels.iter().find(|(q, _)| q == p).map(|(_, l)| l.clone());
-        let best = descent
-            .best
-            .as_ref()
-            .map(|(p, ms)| (label_of(p).unwrap_or_default(), *ms));
         if let Some((point, ms)) = &descent.best {
             let key = gpu.decode_step_key(b);
             let entry = Entry {
@@ -157,7 +148,7 @@ pub(super) fn tune_decode_steps(
         out.push(DecodeTuned {
             batch: b,
             graph_ms,
-            best,
+            best: descent.best,
             tried: descent.trials.len(),
             refused,
             seconds: started.elapsed().as_secs_f64(),
@@ -173,7 +164,7 @@ impl DecodeTuned {
             "batch": self.batch,
             "graph_ms_per_step": self.graph_ms,
             "megakernel_ms_per_step": self.best.as_ref().map(|b| b.1),
-            "megakernel_kernel": self.best.as_ref().map(|b| b.0.clone()),
+            "megakernel_point": self.best.as_ref().map(|b| b.0.clone()),
             "points_tried": self.tried,
             "points_refused": self.refused,
             "seconds": self.seconds,
@@ -181,18 +172,30 @@ impl DecodeTuned {
     }
 }
 
+/// A point as `name=value` pairs, without the parameters the search never moves.
+fn point_text(point: &Point) -> String {
+    point
+        .iter()
+        .filter(|(name, _)| !FIXED.contains(&name.as_str()) || name.as_str() == "max_rows")
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// The table `tune --decode-step` prints: per batch, both engines' ms per step and the winner.
 pub(super) fn decode_table(rows: &[DecodeTuned]) -> String {
-    let mut s = String::from("decode step (greedy, wall ms per step)\nbatch  graph ms  megakernel ms  speed vs graph  engine      points  kernel\n");
+    let mut s = String::from(
+        "decode step (greedy, wall ms per step)\nbatch  graph ms  megakernel ms  speed vs graph  engine      points  megakernel point\n",
+    );
     for r in rows {
         let (mk, ratio, engine, label) = match &r.best {
-            Some((label, ms)) => (
+            Some((point, ms)) => (
                 format!("{ms:.3}"),
                 format!("{:.2}x", r.graph_ms / ms),
                 if *ms < r.graph_ms { "megakernel" } else { "graph" },
-                label.as_str(),
+                point_text(point),
             ),
-            None => ("-".into(), "-".into(), "graph", "no point ran"),
+            None => ("-".into(), "-".into(), "graph", "no point ran".to_string()),
         };
         s.push_str(&format!(
             "{:>5} {:>9.3} {:>14} {:>15}  {:<10} {:>3}/{:<3} {label} ({:.0} s)\n",
@@ -213,13 +216,25 @@ pub(super) fn decode_table(rows: &[DecodeTuned]) -> String {
 mod tests {
     use super::*;
 
+    fn point(slot_kib: i64) -> Point {
+        [
+            ("threads", 512),
+            ("slot_kib", slot_kib),
+            ("max_rows", 1),
+            ("head_dim", 64),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
     #[test]
     fn the_table_names_the_faster_engine_and_the_points_that_ran() {
         let rows = [
             DecodeTuned {
                 batch: 1,
                 graph_ms: 0.40,
-                best: Some(("decode_megakernel_ab12".into(), 0.32)),
+                best: Some((point(48), 0.32)),
                 tried: 20,
                 refused: 3,
                 seconds: 31.0,
@@ -227,7 +242,7 @@ mod tests {
             DecodeTuned {
                 batch: 8,
                 graph_ms: 0.70,
-                best: Some(("decode_megakernel_cd34".into(), 0.90)),
+                best: Some((point(32), 0.90)),
                 tried: 12,
                 refused: 0,
                 seconds: 20.0,
@@ -247,7 +262,12 @@ mod tests {
             lines[2].contains("1.25x") && lines[2].contains("megakernel") && lines[2].contains("17/20"),
             "{t}"
         );
+        assert!(
+            lines[2].contains("threads=512 slot_kib=48 max_rows=1") && !lines[2].contains("head_dim"),
+            "{t}"
+        );
         assert!(lines[3].contains("0.78x") && lines[3].contains(" graph "), "{t}");
         assert!(lines[4].contains("no point ran") && lines[4].contains("0/5"), "{t}");
+        assert_eq!(rows[0].json()["megakernel_point"]["slot_kib"], 48);
     }
 }

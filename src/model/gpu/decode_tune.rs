@@ -1,5 +1,5 @@
 //! What tuning the decode step (`kernelforge tune --decode-step`) needs from the backend
-//! besides the megakernel's own (`megakernel.rs`: its database key, the point that ran): the
+//! besides the megakernel's own (`megakernel.rs`: its database key, setting a point): the
 //! engine the tuning database prefers for a batch, and the wall time of greedy decode steps on
 //! the current engine.
 

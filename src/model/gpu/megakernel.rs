@@ -327,14 +327,6 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// The megakernel set up for the last decode step: its kernel label and every parameter of
-    /// its point.
-    pub fn megakernel_point_used(&self) -> Option<(String, indexmap::IndexMap<String, i64>)> {
-        self.megakernel
-            .as_ref()
-            .map(|m| (m.kernel.label.clone(), m.kernel.loaded.variant.params.clone()))
-    }
-
     /// The selected megakernel and its table size, when one is set up: (label, stages, tasks).
     pub fn megakernel_summary(&self) -> Option<(String, usize, usize)> {
         self.megakernel
