@@ -8,13 +8,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::tune_bars::TuneBars;
-use super::tune_table::{results_json, results_table, Peaks};
+use super::tune_table::{json_doc, results_table, Peaks};
 use crate::gpu::{Compiler, DeviceSelection, Gpu, GpuError};
 use crate::model::GPT2Config;
 use crate::ops::{self, Epilogue, Mask};
 use crate::spec::{Catalog, Dtype};
 use crate::tune::db::{DbHeader, TuningDb};
-use crate::tune::spread::{KindOutcome, KindPlan, SpreadPlan};
+use crate::tune::spread::{KindPlan, SpreadPlan};
 use crate::tune::tuner::TuneOptions;
 use crate::tune::workloads::{model_workloads, Workload};
 
@@ -386,53 +386,6 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         write_report(&catalog, &kinds[0].plan.db_path, path)?;
     }
     Ok(())
-}
-
-/// The `--json` document. One kind: the device the peaks were measured on, its database, the
-/// peaks and the results at the top level (as with one GPU), plus `devices`; several kinds:
-/// `devices` and `seconds` at the top level and one such document per kind under `kinds`.
-/// Every result says which GPU measured it (`device`: its ordinal, `null` from the database);
-/// every entry of `devices` has its ordinal, name, workloads tuned and busy seconds.
-fn json_doc(
-    kinds: &[KindOutcome],
-    measured: &[(crate::gpu::device::DeviceInfo, Peaks)],
-    seconds: f64,
-) -> Result<serde_json::Value> {
-    let devices: Vec<serde_json::Value> = kinds
-        .iter()
-        .flat_map(|k| &k.work)
-        .map(|w| {
-            serde_json::json!({
-                "ordinal": w.device.ordinal,
-                "name": w.device.name,
-                "tuned": w.tuned,
-                "busy_seconds": w.busy.as_secs_f64(),
-                "phases": w.phases,
-            })
-        })
-        .collect();
-    let mut docs = Vec::new();
-    for (kind, (info, peaks)) in kinds.iter().zip(measured) {
-        let mut doc = serde_json::json!({
-            "device": info,
-            "database": kind.plan.db_path,
-            "seconds": seconds,
-            "results": results_json(&kind.results)?,
-        });
-        if let (Some(map), Some(p)) = (doc.as_object_mut(), peaks.json().as_object()) {
-            map.extend(p.clone());
-        }
-        docs.push(doc);
-    }
-    let mut doc = if docs.len() == 1 {
-        docs.remove(0)
-    } else {
-        serde_json::json!({ "seconds": seconds, "kinds": docs })
-    };
-    if let Some(map) = doc.as_object_mut() {
-        map.insert("devices".into(), devices.into());
-    }
-    Ok(doc)
 }
 
 /// `tune --report`: the report site of the database just written (see [`ReportArgs`]).

@@ -10,7 +10,7 @@ use crate::tune::baseline::{
     fp32_peak_flops, measure_copy_bandwidth, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE,
 };
 use crate::tune::db::Ceilings;
-use crate::tune::spread::SpreadResult;
+use crate::tune::spread::{KindOutcome, SpreadResult};
 use crate::tune::tuner::TuneResult;
 
 fn short_params(params: &indexmap::IndexMap<String, i64>) -> String {
@@ -262,6 +262,53 @@ pub fn results_table(spread: &[SpreadResult], peaks: &Peaks, with_device: bool) 
         text.push('\n');
     }
     text
+}
+
+/// The `--json` document. One kind: the device the peaks were measured on, its database, the
+/// peaks and the results at the top level (as with one GPU), plus `devices`; several kinds:
+/// `devices` and `seconds` at the top level and one such document per kind under `kinds`.
+/// Every result says which GPU measured it (`device`: its ordinal, `null` from the database);
+/// every entry of `devices` has its ordinal, name, workloads tuned and busy seconds.
+pub fn json_doc(
+    kinds: &[KindOutcome],
+    measured: &[(crate::gpu::device::DeviceInfo, Peaks)],
+    seconds: f64,
+) -> Result<serde_json::Value> {
+    let devices: Vec<serde_json::Value> = kinds
+        .iter()
+        .flat_map(|k| &k.work)
+        .map(|w| {
+            serde_json::json!({
+                "ordinal": w.device.ordinal,
+                "name": w.device.name,
+                "tuned": w.tuned,
+                "busy_seconds": w.busy.as_secs_f64(),
+                "phases": w.phases,
+            })
+        })
+        .collect();
+    let mut docs = Vec::new();
+    for (kind, (info, peaks)) in kinds.iter().zip(measured) {
+        let mut doc = serde_json::json!({
+            "device": info,
+            "database": kind.plan.db_path,
+            "seconds": seconds,
+            "results": results_json(&kind.results)?,
+        });
+        if let (Some(map), Some(p)) = (doc.as_object_mut(), peaks.json().as_object()) {
+            map.extend(p.clone());
+        }
+        docs.push(doc);
+    }
+    let mut doc = if docs.len() == 1 {
+        docs.remove(0)
+    } else {
+        serde_json::json!({ "seconds": seconds, "kinds": docs })
+    };
+    if let Some(map) = doc.as_object_mut() {
+        map.insert("devices".into(), devices.into());
+    }
+    Ok(doc)
 }
 
 #[cfg(test)]
