@@ -124,28 +124,17 @@ fn bad_inputs_name_the_file_and_leave_no_half_site() {
     assert!(left.is_empty(), "{left:?}");
 }
 
-/// Odd values a hand-edited or future database may hold render as "-" or a note, never a panic
-/// or a broken page: a zero time, a negative candidate time, a family the specs no longer have,
-/// params outside the space, an unknown dtype, a key without a shape.
-#[test]
-fn odd_database_values_render_without_panic() {
+/// The fixture database with its entries changed by `edit`, written to a fresh temporary folder
+/// and rendered there (without bench files): the folder (alive as long as the caller keeps it),
+/// the site's path and the summary.
+fn render_edited_fixture(
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> (tempfile::TempDir, PathBuf, kernelforge::report::SiteSummary) {
     let text = std::fs::read_to_string(fixtures().join("db.json")).unwrap();
     let mut db: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let entries = db["entries"].as_object_mut().unwrap();
-    let keys: Vec<String> = entries.keys().cloned().collect();
-    let first = entries.get_mut(&keys[0]).unwrap();
-    first["median_ms"] = 0.0.into();
-    first["baseline_ms"] = 0.0.into();
-    first["candidates"][0]["median_ms"] = (-1.0).into();
-    let mut gone = entries[&keys[1]].clone();
-    gone["family"] = "matmul_gone".into();
-    entries.insert("matmul|fp8|none|M=1".into(), gone);
-    let mut bad_params = entries[&keys[2]].clone();
-    bad_params["params"]["block_m"] = 7777.into();
-    entries.insert("matmul|f32|bias_gelu|odd".into(), bad_params);
-    entries.insert("weird".into(), entries[&keys[3]].clone());
+    edit(db["entries"].as_object_mut().unwrap());
     let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("odd.json");
+    let path = tmp.path().join("edited.json");
     std::fs::write(&path, db.to_string()).unwrap();
     let input = ReportInput {
         catalog: catalog(),
@@ -154,6 +143,29 @@ fn odd_database_values_render_without_panic() {
     };
     let out = tmp.path().join("site");
     let summary = render_site(&input, &out).unwrap();
+    (tmp, out, summary)
+}
+
+/// Odd values a hand-edited or future database may hold render as "-" or a note, never a panic
+/// or a broken page: a zero time, a negative candidate time, a family the specs no longer have,
+/// params outside the space, an unknown dtype, a key without a shape.
+#[test]
+fn odd_database_values_render_without_panic() {
+    let mut keys: Vec<String> = Vec::new();
+    let (_tmp, out, summary) = render_edited_fixture(|entries| {
+        keys = entries.keys().cloned().collect();
+        let first = entries.get_mut(&keys[0]).unwrap();
+        first["median_ms"] = 0.0.into();
+        first["baseline_ms"] = 0.0.into();
+        first["candidates"][0]["median_ms"] = (-1.0).into();
+        let mut gone = entries[&keys[1]].clone();
+        gone["family"] = "matmul_gone".into();
+        entries.insert("matmul|fp8|none|M=1".into(), gone);
+        let mut bad_params = entries[&keys[2]].clone();
+        bad_params["params"]["block_m"] = 7777.into();
+        entries.insert("matmul|f32|bias_gelu|odd".into(), bad_params);
+        entries.insert("weird".into(), entries[&keys[3]].clone());
+    });
     assert_eq!(summary.workloads, keys.len() + 3);
     check_site(&out);
     let index = std::fs::read_to_string(out.join("index.html")).unwrap();
@@ -164,8 +176,6 @@ fn odd_database_values_render_without_panic() {
 /// engine) gets its workload page, which says what its times are and names the graph as peer.
 #[test]
 fn a_tuned_decode_step_gets_a_page_with_the_graph_engine_as_peer() {
-    let text = std::fs::read_to_string(fixtures().join("db.json")).unwrap();
-    let mut db: serde_json::Value = serde_json::from_str(&text).unwrap();
     let point = |slot: i64| {
         serde_json::json!({"threads": 512, "blocks_per_sm": 1, "slot_kib": slot, "slots": 3, "cols_per_warp": 1,
                            "max_rows": 1, "head_dim": 64, "min_chunk_keys": 64, "bulk_copy": 1})
@@ -182,20 +192,12 @@ fn a_tuned_decode_step_gets_a_page_with_the_graph_engine_as_peer() {
             {"family": "decode_megakernel", "params": point(16), "rejected": "2 blocks per SM do not fit"}
         ]
     });
-    db["entries"].as_object_mut().unwrap().insert(
-        "decode_step|bf16|none|B=1 C=768 HS=64 L=12 NH=12 Vp=50304 elem_bytes=2 max_T=1024".into(),
-        entry,
-    );
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("decode.json");
-    std::fs::write(&path, db.to_string()).unwrap();
-    let input = ReportInput {
-        catalog: catalog(),
-        db: Some(TuningDb::read_only(&path).unwrap()),
-        benches: Vec::new(),
-    };
-    let out = tmp.path().join("site");
-    render_site(&input, &out).unwrap();
+    let (_tmp, out, _) = render_edited_fixture(|entries| {
+        entries.insert(
+            "decode_step|bf16|none|B=1 C=768 HS=64 L=12 NH=12 Vp=50304 elem_bytes=2 max_T=1024".into(),
+            entry,
+        );
+    });
     check_site(&out);
     let page = std::fs::read_dir(out.join("workloads"))
         .unwrap()
