@@ -2,7 +2,7 @@
 //! bookkeeping, and input checks. Also shows a backend can be implemented outside the crate.
 
 use kernelforge::model::config::GPT2Config;
-use kernelforge::model::generate::{generate, Backend, GenerateOptions, Logits, StopReason};
+use kernelforge::model::generate::{generate, timed_greedy_decode, Backend, GenerateOptions, Logits, StopReason};
 use kernelforge::model::sampling::SamplingParams;
 use kernelforge::model::tokenizer::EOT_TOKEN;
 use kernelforge::model::Result;
@@ -132,4 +132,18 @@ fn input_checks() {
         })
     });
     assert!(err.is_err());
+}
+
+/// `timed_greedy_decode` (what `bench` and `tune --decode-step` time): a prefill, then exactly
+/// `steps` decode steps, each fed the previous step's greedy tokens; the last step's tokens
+/// come back.
+#[test]
+fn timed_greedy_decode_runs_the_steps_asked_for_on_the_greedy_tokens() {
+    let mut backend = Scripted::new(vec![100, 100]);
+    let (ms, last) = timed_greedy_decode(&mut backend, &[vec![3], vec![7, 8]], 4).unwrap();
+    assert!(ms >= 0.0);
+    assert_eq!(backend.decode_calls, 4);
+    // prefill predicts 4 and 9; each step adds one (mod 10)
+    assert_eq!(backend.seen, vec![vec![3, 4, 5, 6, 7], vec![7, 8, 9, 0, 1, 2]]);
+    assert_eq!(last, vec![8, 3]);
 }

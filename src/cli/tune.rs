@@ -328,7 +328,14 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     let decode = match (&args.model, args.decode_step) {
         (Some(model), true) => {
             let batches: Vec<usize> = args.batch.iter().map(|&b| b.max(1) as usize).collect();
-            super::tune_decode::tune_decode_steps(root, &model_config(model)?, args.dtype, &batches, args.seed)?
+            super::tune_decode::tune_decode_steps(
+                root,
+                &catalog,
+                &model_config(model)?,
+                args.dtype,
+                &batches,
+                args.seed,
+            )?
         }
         _ => Vec::new(),
     };

@@ -43,12 +43,12 @@ pub(super) struct DecodeTuned {
 /// winner into that GPU's default tuning database.
 pub(super) fn tune_decode_steps(
     root: &Path,
+    catalog: &Catalog,
     cfg: &GPT2Config,
     dtype: Dtype,
     batches: &[usize],
     seed: u64,
 ) -> Result<Vec<DecodeTuned>> {
-    let catalog = Catalog::load(&root.join("specs"), &root.join("templates"))?;
     let family = catalog.family(MEGAKERNEL_FAMILY)?.clone();
     let most_rows = family
         .params
@@ -172,11 +172,11 @@ impl DecodeTuned {
     }
 }
 
-/// A point as `name=value` pairs, without the parameters the search never moves.
+/// A point as `name=value` pairs, without the head size (the model's).
 fn point_text(point: &Point) -> String {
     point
         .iter()
-        .filter(|(name, _)| !FIXED.contains(&name.as_str()) || name.as_str() == "max_rows")
+        .filter(|(name, _)| name.as_str() != "head_dim")
         .map(|(name, value)| format!("{name}={value}"))
         .collect::<Vec<_>>()
         .join(" ")

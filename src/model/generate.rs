@@ -108,6 +108,21 @@ pub trait Backend {
     }
 }
 
+/// A prefill of `prompts`, then `steps` greedy decode steps (each sequence continues with its
+/// most likely token): the wall time of the decode steps in milliseconds, and the tokens the
+/// last step chose. What `bench` and decode-step tuning time.
+pub fn timed_greedy_decode(backend: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize) -> Result<(f64, Vec<u32>)> {
+    let logits = backend.prefill_last(prompts)?;
+    let mut next: Vec<u32> = (0..prompts.len())
+        .map(|b| argmax(logits.last(b)))
+        .collect::<Result<_>>()?;
+    let started = Instant::now();
+    for _ in 0..steps {
+        next = backend.decode_argmax(&next)?;
+    }
+    Ok((started.elapsed().as_secs_f64() * 1e3, next))
+}
+
 /// Options of [`generate`].
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {

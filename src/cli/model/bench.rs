@@ -14,7 +14,7 @@ use super::{decode_engine_for, load, make_gpu_backend, BackendOptions, Device, E
 use crate::model::cpu::CpuBackend;
 use crate::model::engine::DecodeEngine;
 use crate::model::floor::decode_step_bytes;
-use crate::model::generate::Backend;
+use crate::model::generate::{timed_greedy_decode, Backend};
 use crate::model::gpu::ProfileRow;
 use crate::model::replicas::Replicas;
 use crate::model::timeline_stats::{summarize, summary_table};
@@ -203,15 +203,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             Some(g) => g,
             None => cpu,
         };
-        let logits = backend.prefill_last(&decode_tokens)?;
-        let mut next: Vec<u32> = (0..args.batch)
-            .map(|b| crate::model::sampling::argmax(logits.last(b)))
-            .collect::<Result<_, _>>()?;
-        let t0 = Instant::now();
-        for _ in 0..steps {
-            next = backend.decode_argmax(&next)?;
-        }
-        Ok((t0.elapsed().as_secs_f64() * 1e3, next))
+        Ok(timed_greedy_decode(backend, &decode_tokens, steps)?)
     };
 
     // Warm-up: compiles and loads every kernel, touches every buffer.

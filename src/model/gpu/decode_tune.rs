@@ -7,8 +7,7 @@ use anyhow::Result as AnyResult;
 
 use super::GpuBackend;
 use crate::model::engine::DecodeEngine;
-use crate::model::generate::Backend;
-use crate::model::sampling::argmax;
+use crate::model::generate::timed_greedy_decode;
 
 impl GpuBackend {
     /// The header of this GPU's tuning database (the default file, which this backend reads,
@@ -46,13 +45,7 @@ impl GpuBackend {
             })
             .collect();
         let run = |this: &mut GpuBackend| -> AnyResult<f64> {
-            let logits = this.prefill_last(&prompts)?;
-            let mut next: Vec<u32> = (0..b).map(|s| argmax(logits.last(s))).collect::<Result<_, _>>()?;
-            let started = std::time::Instant::now();
-            for _ in 0..steps {
-                next = this.decode_argmax(&next)?;
-            }
-            Ok(started.elapsed().as_secs_f64() * 1e3 / steps as f64)
+            Ok(timed_greedy_decode(this, &prompts, steps)?.0 / steps as f64)
         };
         let warm = std::time::Instant::now();
         while warm.elapsed().as_secs_f64() < 0.25 {
