@@ -89,7 +89,14 @@ impl Replicas {
             let opts = opts.clone();
             move |device: usize, max_batch: usize| -> AnyResult<GpuBackend> {
                 let mut g = GpuBackend::on_device(&root, device, model.clone(), max_batch, opts.unfused, opts.dtype)?;
-                if let Some(engine) = opts.decode_engine {
+                // Unasked, every replica runs the engine one GPU would for the whole batch (the
+                // database's choice for its own slice could differ, and with it the logits).
+                let engine = match opts.decode_engine {
+                    Some(engine) => Some(engine),
+                    None if !opts.unfused => Some(g.tuned_decode_engine(opts.max_batch)),
+                    None => None,
+                };
+                if let Some(engine) = engine {
                     g.set_decode_engine(engine).with_context(|| format!("cuda:{device}"))?;
                 }
                 Ok(g)
