@@ -2,7 +2,8 @@
 # One device call (kind nvidia-h200-x2) for the several-GPU figures: the replica tests, then
 # `bench` forward (batch 16 x 1024) and greedy decode (batch 16) on one GPU and on all, greedy
 # ids and forward logits of one GPU against all, and (with TUNE=1) a cold `tune` on one GPU
-# against all. Results in $OUT/r; the summary is printed.
+# against all (ONLY_TESTS=1: the tests alone; TESTS=0: the figures alone). Results in $OUT/r;
+# the summary is printed.
 set -uo pipefail
 out=${OUT:-/tmp}/r
 mkdir -p "$out"
@@ -22,14 +23,21 @@ if [[ ${TESTS:-1} == 1 ]]; then
     echo "$t: $(grep -E '^test result' "$out/test-$t.log" | tail -1)"
     grep -E "skipped|sliced|panicked|FAILED" "$out/test-$t.log" | head -20
   done
+  # ONLY_TESTS=1: a call of its own for the tests, the figures in another.
+  if [[ ${ONLY_TESTS:-0} == 1 ]]; then tar czf "${OUT:-/tmp}/results.tgz" -C "${OUT:-/tmp}" r; exit 0; fi
 fi
 if [[ ${TUNE:-0} == 1 ]]; then
-  # Cold: an empty compile cache and database each (KERNELFORGE_CACHE holds both).
-  for devices in 0 all; do
-    rm -rf "/tmp/kc-$devices"
-    KERNELFORGE_CACHE=/tmp/kc-$devices /usr/bin/time -f "%e" -o "$out/tune-$devices.time" timeout 400 \
-      $kf tune --model gpt2 --batch 1,8 --dtype bf16 --devices $devices --json > "$out/tune-$devices.json" 2> "$out/tune-$devices.err"
-    echo "tune --devices $devices (cold, bf16, batch 1,8): $(cat "$out/tune-$devices.time") s; $(grep -E 'workloads' "$out/tune-$devices.err" | tail -1)"
+  # Cold: an empty compile cache and database each (KERNELFORGE_CACHE holds both). `threads`:
+  # one GPU with NVRTC on threads of one process (KERNELFORGE_COMPILE_WORKERS=0) instead of
+  # worker processes.
+  for run in threads 0 all; do
+    devices=${run/threads/0}
+    workers=$([[ $run == threads ]] && echo 0 || echo "")
+    rm -rf "/tmp/kc-$run"
+    KERNELFORGE_COMPILE_WORKERS=$workers KERNELFORGE_CACHE=/tmp/kc-$run /usr/bin/time -f "%e" -o "$out/tune-$run.time" timeout 400 \
+      $kf tune --model gpt2 --batch 1,8 --dtype bf16 --devices $devices --json > "$out/tune-$run.json" 2> "$out/tune-$run.err"
+    echo "tune --devices $devices${workers:+ (compiling on threads)} (cold, bf16, batch 1,8): $(cat "$out/tune-$run.time") s; $(grep -E 'workloads' "$out/tune-$run.err" | tail -1)"
+    grep -E '^  cuda' "$out/tune-$run.err"
   done
   # The benches below run with the kernels tuned on all GPUs.
   export KERNELFORGE_CACHE=/tmp/kc-all
@@ -39,8 +47,11 @@ bench() {  # name, args...
   timeout 300 $kf bench --model "$dir" --device cuda --json "$@" > "$out/$name.json" 2> "$out/$name.err" \
     || echo "$name failed: $(tail -c 400 "$out/$name.err")"
 }
+# One GPU's own half of the batch, for what a replica could at best reach.
+bench "forward_half-0" --dtype bf16 --batch 8 --seq 1024 --generate 0 --repeats 30 --devices 0
+bench "decode_half-0" --dtype bf16 --batch 8 --seq 16 --generate 256 --repeats 1 --devices 0
 for devices in 0 all; do
-  bench "forward-$devices" --dtype bf16 --batch 16 --seq 1024 --generate 0 --repeats 15 --devices $devices
+  bench "forward-$devices" --dtype bf16 --batch 16 --seq 1024 --generate 0 --repeats 30 --devices $devices
   bench "decode-$devices" --dtype bf16 --batch 16 --seq 16 --generate 256 --repeats 1 --devices $devices
   bench "decode_long-$devices" --dtype bf16 --batch 16 --seq 768 --generate 256 --repeats 1 --devices $devices
 done
@@ -59,6 +70,10 @@ for kind, key in (("forward", "forward"), ("decode", "decode"), ("decode_long", 
     if key == "decode":
         g1, g2 = one[key].get("gpu_ms_per_step") or 0, two[key].get("gpu_ms_per_step") or 0
         extra = f"; after a {one[key]['prefill_tokens']}-token prefill; GPU ms/step {g1:.3f} vs {g2:.3f}; floor {one[key].get('floor_ms', 0):.3f} vs {two[key].get('floor_ms', 0):.3f} ms"
+    half = load(f"{kind.split('_')[0]}_half-0") if kind != "decode_long" else None
+    if half:
+        h = half[key]
+        extra += f"; one GPU at batch 8: {h['tokens_per_s']:,.0f} tok/s" + (f", GPU ms/step {h.get('gpu_ms_per_step') or 0:.3f}" if key == "decode" else f", {h['median_ms']:.3f} ms vs {one[key]['median_ms']:.3f} at 16 and {two[key]['median_ms']:.3f} on all")
     print(f"{kind} bf16 batch 16: 1 GPU {a:,.0f} tok/s, {two['devices']} slices {two.get('batch_slices')} {b:,.0f} tok/s -> {b/a:.2f}x ({two['device_name']}){extra}")
 PY
 # Greedy ids and forward logits: one GPU against all.

@@ -10,8 +10,10 @@ mod tune_table;
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+
+use crate::gpu::compile_workers;
 
 /// Generate, verify and autotune GPU kernels for GPT-2 from declarative specs.
 ///
@@ -42,11 +44,24 @@ pub enum Command {
     Generate(model::GenerateArgs),
     Bench(model::BenchArgs),
     Report(report::ReportArgs),
+    /// Internal: compile NVRTC requests from stdin (the tuner starts these; see
+    /// `gpu::compile_workers`).
+    #[command(hide = true)]
+    CompileWorker,
 }
 
 /// Parses the command line and runs it.
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
+    // Batches of compiles run in copies of this binary (NVRTC stops scaling at a few threads
+    // of one process).
+    let worker = matches!(cli.command, Command::CompileWorker);
+    if let (false, Ok(exe)) = (worker, std::env::current_exe()) {
+        compile_workers::use_worker_processes(compile_workers::WorkerProgram {
+            exe,
+            args: vec!["compile-worker".into()],
+        });
+    }
     let root = || project_root(cli.root.as_deref());
     match cli.command {
         Command::Gen(args) => kernels::gen(&root()?, args),
@@ -67,6 +82,7 @@ pub fn main() -> Result<()> {
             model::run_bench(&args)
         }
         Command::Report(args) => report::run(&root()?, args),
+        Command::CompileWorker => compile_workers::serve_stdio().context("compile worker"),
     }
 }
 

@@ -8,6 +8,7 @@ use cudarc::nvrtc::{result as nvrtc, sys};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
+use super::compile_workers::{self, WorkerPool};
 use crate::codegen::Source;
 
 /// Compilation failed; the message carries NVRTC's log and the source lines it points at.
@@ -28,6 +29,8 @@ pub enum CompileError {
         call: &'static str,
         message: String,
     },
+    #[error("compiling {kernel} in a worker process: {message}")]
+    Worker { kernel: String, message: String },
 }
 
 /// A compiled variant: the CUBIN to load and NVRTC's log (warnings).
@@ -151,6 +154,11 @@ impl Compiler {
 
     /// Compiles to CUBIN (from the cache when the same source and options were compiled before).
     pub fn compile(&self, source: &Source) -> Result<Compiled, CompileError> {
+        self.compile_via(source, None)
+    }
+
+    /// [`Compiler::compile`], with NVRTC run by a worker of `workers` when given.
+    fn compile_via(&self, source: &Source, workers: Option<&WorkerPool>) -> Result<Compiled, CompileError> {
         let mut options = self.options(&self.arch);
         // ptxas's resource report (registers, stack, spills) goes to the log: the tuner prunes
         // variants that spill before running them.
@@ -178,7 +186,10 @@ impl Compiler {
                 spill_stores,
             });
         }
-        let (cubin, log) = self.run_nvrtc(source, &options, Output::Cubin)?;
+        let (cubin, log) = match workers {
+            Some(pool) => pool.compile(&source.kernel_name, &source.code, &options)?,
+            None => nvrtc_compile(&source.kernel_name, &source.code, &options, Output::Cubin)?,
+        };
         let (log, spills) = split_ptxas_report(&log);
         if let Some(file) = &cache_file {
             // A cache that cannot be written only costs time.
@@ -195,35 +206,39 @@ impl Compiler {
         })
     }
 
-    /// Compiles many (family, source) pairs in parallel (NVRTC is thread-safe across programs),
-    /// each for its family's target (see [`Compiler::for_family`]); `on_done` sees each source
-    /// as it finishes (progress bars).
+    /// Compiles many (family, source) pairs in parallel (in the worker processes of
+    /// [`compile_workers::global`] when the binary set them up, else on threads: NVRTC is
+    /// thread-safe across programs), each for its family's target (see
+    /// [`Compiler::for_family`]); `on_done` sees each source as it finishes (progress bars).
     pub fn compile_all(
         &self,
         jobs: &[(&crate::spec::Family, &Source)],
         on_done: impl Fn(&Source) + Sync,
     ) -> Vec<Result<Compiled, CompileError>> {
+        let workers = compile_workers::global();
         jobs.par_iter()
             .map(|(family, source)| {
-                let result = self.for_family(family).compile(source);
+                let result = self.for_family(family).compile_via(source, workers);
                 on_done(source);
                 result
             })
             .collect()
     }
 
-    /// Compiles many (family, source) pairs on a pool of `threads` threads, handing each result
-    /// to `on_done` as it lands (the tuner measures a kernel while the others still compile, on
-    /// its own thread, so it leaves one core free).
+    /// Compiles many (family, source) pairs on `threads` threads (each handing its compile to
+    /// a worker process when the binary set them up, see [`compile_workers`]), handing each
+    /// result to `on_done` as it lands (the tuner measures a kernel while the others still
+    /// compile, on its own thread, so it leaves one core free).
     pub fn compile_each(
         &self,
         jobs: &[(&crate::spec::Family, &Source)],
         threads: usize,
         on_done: impl Fn(&Source, Result<Compiled, CompileError>) + Sync,
     ) {
+        let workers = compile_workers::global();
         let run = || {
             jobs.par_iter()
-                .for_each(|(family, source)| on_done(source, self.for_family(family).compile(source)))
+                .for_each(|(family, source)| on_done(source, self.for_family(family).compile_via(source, workers)))
         };
         match rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build() {
             Ok(pool) => pool.install(run),
@@ -235,78 +250,82 @@ impl Compiler {
     /// (`compute_90a` for `sm_90a`).
     pub fn ptx(&self, source: &Source) -> Result<String, CompileError> {
         let virtual_arch = self.arch.replace("sm_", "compute_");
-        let (ptx, _) = self.run_nvrtc(source, &self.options(&virtual_arch), Output::Ptx)?;
+        let options = self.options(&virtual_arch);
+        let (ptx, _) = nvrtc_compile(&source.kernel_name, &source.code, &options, Output::Ptx)?;
         Ok(String::from_utf8_lossy(&ptx).trim_end_matches('\0').to_string())
-    }
-
-    fn run_nvrtc(
-        &self,
-        source: &Source,
-        options: &[String],
-        output: Output,
-    ) -> Result<(Vec<u8>, String), CompileError> {
-        let kernel = source.kernel_name.clone();
-        let call_err = |call: &'static str| {
-            let kernel = kernel.clone();
-            move |e: nvrtc::NvrtcError| CompileError::Nvrtc {
-                kernel,
-                call,
-                message: format!("{e:?}"),
-            }
-        };
-        let code = CString::new(source.code.as_bytes()).map_err(|_| CompileError::Nvrtc {
-            kernel: kernel.clone(),
-            call: "nvrtcCreateProgram",
-            message: "the source contains a NUL byte".into(),
-        })?;
-        let name = CString::new(format!("{kernel}.cu")).expect("kernel names are identifiers");
-        let program = nvrtc::create_program(&code, Some(&name)).map_err(call_err("nvrtcCreateProgram"))?;
-        let program = ProgramGuard(program);
-        // SAFETY: `program` is a live program; options are valid C strings.
-        let compiled = unsafe { nvrtc::compile_program(program.0, options) };
-        // SAFETY: as above.
-        let log = unsafe { nvrtc::get_program_log(program.0) }
-            .map(|raw| {
-                // SAFETY: NVRTC returns a NUL-terminated log.
-                unsafe { CStr::from_ptr(raw.as_ptr()) }
-                    .to_string_lossy()
-                    .trim()
-                    .to_string()
-            })
-            .unwrap_or_default();
-        if compiled.is_err() {
-            return Err(CompileError::Failed {
-                kernel,
-                arch: options[0].trim_start_matches("--gpu-architecture=").to_string(),
-                context: source_context(&log, &source.code),
-                log,
-            });
-        }
-        let bytes = match output {
-            Output::Ptx => {
-                // SAFETY: the program compiled.
-                let raw = unsafe { nvrtc::get_ptx(program.0) }.map_err(call_err("nvrtcGetPTX"))?;
-                raw.into_iter().map(|c| c as u8).collect()
-            }
-            Output::Cubin => {
-                let mut size = 0usize;
-                // SAFETY: the program compiled for a real architecture; out-parameter call.
-                unsafe { sys::nvrtcGetCUBINSize(program.0, &mut size) }
-                    .result()
-                    .map_err(call_err("nvrtcGetCUBINSize"))?;
-                let mut buf = vec![0u8; size];
-                // SAFETY: `buf` holds `size` bytes.
-                unsafe { sys::nvrtcGetCUBIN(program.0, buf.as_mut_ptr().cast()) }
-                    .result()
-                    .map_err(call_err("nvrtcGetCUBIN"))?;
-                buf
-            }
-        };
-        Ok((bytes, log))
     }
 }
 
-enum Output {
+/// Runs NVRTC in this process on `code` (named `kernel`) with `options`: the output asked for
+/// and NVRTC's log.
+pub(crate) fn nvrtc_compile(
+    kernel: &str,
+    code: &str,
+    options: &[String],
+    output: Output,
+) -> Result<(Vec<u8>, String), CompileError> {
+    let kernel = kernel.to_string();
+    let call_err = |call: &'static str| {
+        let kernel = kernel.clone();
+        move |e: nvrtc::NvrtcError| CompileError::Nvrtc {
+            kernel,
+            call,
+            message: format!("{e:?}"),
+        }
+    };
+    let nul = |what: &str| CompileError::Nvrtc {
+        kernel: kernel.clone(),
+        call: "nvrtcCreateProgram",
+        message: format!("the {what} contains a NUL byte"),
+    };
+    let c_code = CString::new(code.as_bytes()).map_err(|_| nul("source"))?;
+    let name = CString::new(format!("{kernel}.cu")).map_err(|_| nul("kernel name"))?;
+    let program = nvrtc::create_program(&c_code, Some(&name)).map_err(call_err("nvrtcCreateProgram"))?;
+    let program = ProgramGuard(program);
+    // SAFETY: `program` is a live program; options are valid C strings.
+    let compiled = unsafe { nvrtc::compile_program(program.0, options) };
+    // SAFETY: as above.
+    let log = unsafe { nvrtc::get_program_log(program.0) }
+        .map(|raw| {
+            // SAFETY: NVRTC returns a NUL-terminated log.
+            unsafe { CStr::from_ptr(raw.as_ptr()) }
+                .to_string_lossy()
+                .trim()
+                .to_string()
+        })
+        .unwrap_or_default();
+    if compiled.is_err() {
+        return Err(CompileError::Failed {
+            kernel,
+            arch: options[0].trim_start_matches("--gpu-architecture=").to_string(),
+            context: source_context(&log, code),
+            log,
+        });
+    }
+    let bytes = match output {
+        Output::Ptx => {
+            // SAFETY: the program compiled.
+            let raw = unsafe { nvrtc::get_ptx(program.0) }.map_err(call_err("nvrtcGetPTX"))?;
+            raw.into_iter().map(|c| c as u8).collect()
+        }
+        Output::Cubin => {
+            let mut size = 0usize;
+            // SAFETY: the program compiled for a real architecture; out-parameter call.
+            unsafe { sys::nvrtcGetCUBINSize(program.0, &mut size) }
+                .result()
+                .map_err(call_err("nvrtcGetCUBINSize"))?;
+            let mut buf = vec![0u8; size];
+            // SAFETY: `buf` holds `size` bytes.
+            unsafe { sys::nvrtcGetCUBIN(program.0, buf.as_mut_ptr().cast()) }
+                .result()
+                .map_err(call_err("nvrtcGetCUBIN"))?;
+            buf
+        }
+    };
+    Ok((bytes, log))
+}
+
+pub(crate) enum Output {
     Ptx,
     Cubin,
 }

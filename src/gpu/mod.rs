@@ -7,6 +7,7 @@
 
 pub mod bandwidth;
 pub mod compile;
+pub mod compile_workers;
 pub mod device;
 pub mod devices;
 pub mod graph;
