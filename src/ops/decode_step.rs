@@ -18,12 +18,15 @@ use rand::rngs::StdRng;
 
 use super::*;
 
+/// The op's name (the megakernel's family op and its tuning-database key).
+pub const NAME: &str = "decode_step";
+
 #[derive(Debug)]
 pub struct DecodeStep;
 
 impl OpContract for DecodeStep {
     fn name(&self) -> &'static str {
-        "decode_step"
+        NAME
     }
     fn summary(&self) -> &'static str {
         "a whole GPT-2 decode step from a task table (the megakernel decode engine)"

@@ -160,9 +160,41 @@ pub struct StripRow {
     pub points: Vec<(f64, String)>,
 }
 
+/// What the times of a strip plot are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StripTimes {
+    /// Kernel time: a screening run per variant, the winner re-timed with the full plan.
+    Kernel,
+    /// Wall time of a whole greedy decode step per point (`tune --decode-step`).
+    DecodeStep,
+}
+
+impl StripTimes {
+    /// The plot's title, its axis and the winner's legend entry.
+    fn words(self, winner_ms: f64) -> (&'static str, &'static str, String) {
+        match self {
+            StripTimes::Kernel => (
+                "Kernel time of every timed variant, by family",
+                "kernel time, ms (log scale)",
+                format!("winner, {} ms after re-timing", num(winner_ms)),
+            ),
+            StripTimes::DecodeStep => (
+                "Time per decode step of every timed point",
+                "wall time per greedy decode step, ms (log scale)",
+                format!("winner, {} ms per step", num(winner_ms)),
+            ),
+        }
+    }
+}
+
 /// Every timed variant of a workload on a log time axis, a row per family; the winner ringed,
 /// the vendor peer (time, name) as a dashed line.
-pub fn strip_plot(rows: &[StripRow], winner: Option<(f64, &str)>, peer: Option<(f64, &str)>) -> String {
+pub fn strip_plot(
+    rows: &[StripRow],
+    times_are: StripTimes,
+    winner: Option<(f64, &str)>,
+    peer: Option<(f64, &str)>,
+) -> String {
     let baseline_ms = peer.map(|p| p.0);
     let label_w = rows
         .iter()
@@ -188,11 +220,9 @@ pub fn strip_plot(rows: &[StripRow], winner: Option<(f64, &str)>, peer: Option<(
             )
         })
         .collect();
-    if let Some((ms, _)) = winner {
-        legend.push(LegendItem::new(
-            Mark::Ring("win-ring".into()),
-            format!("winner, {} ms after re-timing", num(ms)),
-        ));
+    let (title, axis, winner_words) = times_are.words(winner.map_or(0.0, |w| w.0));
+    if winner.is_some() {
+        legend.push(LegendItem::new(Mark::Ring("win-ring".into()), winner_words));
     }
     if let Some((b, name)) = peer {
         legend.push(LegendItem::new(
@@ -201,8 +231,8 @@ pub fn strip_plot(rows: &[StripRow], winner: Option<(f64, &str)>, peer: Option<(
         ));
     }
     let h = bottom + 40.0 + legend_height(w, 8.0, &legend);
-    let mut c = Canvas::new(w, h, "Kernel time of every timed variant, by family");
-    c.x_axis(&x, top, bottom, &x.ticks(10), "kernel time, ms (log scale)");
+    let mut c = Canvas::new(w, h, title);
+    c.x_axis(&x, top, bottom, &x.ticks(10), axis);
     c.line(left, top, left, bottom, "axis");
     for (i, r) in rows.iter().enumerate() {
         let cy = top + row_h * (i as f64 + 0.5);
@@ -342,7 +372,7 @@ mod tests {
     #[test]
     fn charts_survive_empty_and_degenerate_data() {
         parses(&roofline(&[], &Ceilings::default(), &[]));
-        parses(&strip_plot(&[], None, None));
+        parses(&strip_plot(&[], StripTimes::Kernel, None, None));
         parses(&param_plot("f · p", &[], (0.1, 1.0), 0));
         parses(&bar_chart("t", &[], "ms"));
         let one = StripRow {
@@ -350,9 +380,30 @@ mod tests {
             colour: 0,
             points: vec![(0.5, "x".into())],
         };
-        let svg = strip_plot(&[one], Some((0.5, "f")), Some((0.5, "cuBLASLt bias (fused)")));
+        let svg = strip_plot(
+            &[one.clone()],
+            StripTimes::Kernel,
+            Some((0.5, "f")),
+            Some((0.5, "cuBLASLt bias (fused)")),
+        );
         parses(&svg);
         assert!(svg.contains("peer: cuBLASLt bias (fused), 0.5 ms"), "{svg}");
+        assert!(
+            svg.contains("after re-timing") && svg.contains("kernel time, ms"),
+            "{svg}"
+        );
+        let svg = strip_plot(
+            &[one],
+            StripTimes::DecodeStep,
+            Some((0.5, "f")),
+            Some((0.6, "graph engine")),
+        );
+        parses(&svg);
+        assert!(
+            svg.contains("0.5 ms per step") && svg.contains("per greedy decode step"),
+            "{svg}"
+        );
+        assert!(!svg.contains("re-timing") && !svg.contains("kernel time"), "{svg}");
     }
 
     #[test]

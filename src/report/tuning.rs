@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use super::charts::{param_plot, strip_plot, StripRow};
+use super::charts::{param_plot, strip_plot, StripRow, StripTimes};
 use super::pages::{family_colour, params_text, resources_text, Page, Shared};
 use super::svg::num;
 use super::ReportError;
@@ -57,8 +57,15 @@ fn workload_page(s: &Shared, i: usize) -> Result<Page, ReportError> {
                     .collect(),
             })
             .collect();
+        // The decode step's points are whole greedy steps (`tune --decode-step`), not kernels.
+        let times_are = if w.op == crate::ops::decode_step::NAME {
+            StripTimes::DecodeStep
+        } else {
+            StripTimes::Kernel
+        };
         strip_plot(
             &rows,
+            times_are,
             Some((w.entry.median_ms, w.entry.family.as_str())),
             w.entry.baseline_ms.zip(crate::tune::baseline::entry_peer(&w.entry)),
         )

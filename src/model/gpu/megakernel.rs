@@ -19,7 +19,7 @@ use crate::tune::registry::variant_kind;
 use crate::tune::workloads::op_dtype;
 
 /// The op (and kernel family op) of the megakernel.
-pub const DECODE_STEP_OP: &str = "decode_step";
+pub const DECODE_STEP_OP: &str = crate::ops::decode_step::NAME;
 /// The family [`GpuBackend::set_megakernel_point`] picks points of.
 pub const MEGAKERNEL_FAMILY: &str = "decode_megakernel";
 /// Timeline stamps per task: start, inputs ready, weights landed, end.
