@@ -381,7 +381,7 @@ mod tests {
             points: vec![(0.5, "x".into())],
         };
         let svg = strip_plot(
-            &[one.clone()],
+            std::slice::from_ref(&one),
             StripTimes::Kernel,
             Some((0.5, "f")),
             Some((0.5, "cuBLASLt bias (fused)")),
