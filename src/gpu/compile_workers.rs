@@ -108,7 +108,7 @@ impl WorkerPool {
     }
 
     /// Compiles `code` with `options` in a worker (waiting for one while all are busy):
-    /// NVRTC's output and log, as [`nvrtc_compile`] gives them in this process.
+    /// NVRTC's output and log, as NVRTC in this process would give them.
     pub fn compile(&self, kernel: &str, code: &str, options: &[String]) -> Result<(Vec<u8>, String), CompileError> {
         let worker_err = |message: String| CompileError::Worker {
             kernel: kernel.to_string(),

@@ -32,7 +32,7 @@ use safetensors::SafeTensors;
 use super::config::GPT2Config;
 use super::error::{ModelError, Result};
 
-/// llm.c checkpoint magic number (header[0]).
+/// llm.c checkpoint magic number (`header[0]`).
 pub const LLMC_MAGIC: i32 = 20240326;
 /// llm.c header length in i32 words.
 pub const LLMC_HEADER_INTS: usize = 256;

@@ -1,8 +1,9 @@
 //! Op contracts: for each op a kernel family can implement, the kernel argument list, the
 //! shape variables, how to build a test problem with fresh random inputs, and an f64 CPU
 //! reference. Everything else (verification, timing, the model) goes through these.
-//! `problem` holds the data of a problem (tensors, arguments, device storage); one file per op
-//! holds its contract.
+//! `problem` holds the data of a problem (tensors, arguments, device storage), `shape` reads
+//! and checks shapes, `numeric` draws random inputs and measures errors; one file per op holds
+//! its contract.
 
 use std::collections::BTreeMap;
 
@@ -17,14 +18,20 @@ pub mod gelu;
 pub mod kv_append;
 pub mod layernorm;
 pub mod matmul;
+mod numeric;
 mod problem;
 pub mod residual;
+mod shape;
 pub mod softmax;
 
 /// Named problem dimensions (`M`, `N`, `K`, `T`, ...), visible to launch expressions.
 pub type Shape = BTreeMap<String, i64>;
 
+pub(crate) use numeric::{gelu_f64, to_f64, uniform};
+pub use numeric::{mismatch_count, relative_l2_error};
 pub use problem::{Arg, HostData, Problem, Role, Storage, TensorArg};
+pub use shape::parse_shape;
+pub(crate) use shape::{check_i32, get_dim, shape_of};
 
 /// Fused epilogue of a matmul (`none` for other ops).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -207,115 +214,6 @@ pub fn op_names() -> Vec<&'static str> {
     ALL_OPS.iter().map(|op| op.name()).collect()
 }
 
-fn shape_usage(op: &dyn OpContract) -> String {
-    let dims = op.dims().join(",");
-    let mut s = format!(
-        "expected {} comma-separated values ({dims}) or NAME=VALUE pairs",
-        op.dims().len()
-    );
-    if !op.optional_vars().is_empty() {
-        s += &format!(" (optional: {})", op.optional_vars().join(", "));
-    }
-    s
-}
-
-/// Parse `--shape`: `"37,100,72"` positional by [`OpContract::dims`], or
-/// `"M=37,N=100,K=72,T=37,n_head=2"` named (positional values may precede named ones).
-/// Dims must be positive; optional variables non-negative. The result is not completed.
-pub fn parse_shape(op: &dyn OpContract, text: &str) -> Result<Shape, OpError> {
-    let err = |msg: String| OpError::Parse {
-        op: op.name(),
-        text: text.to_string(),
-        msg,
-    };
-    let dims = op.dims();
-    let mut shape = Shape::new();
-    let mut positional = 0usize;
-    let mut seen_named = false;
-    for (i, item) in text.split(',').enumerate() {
-        let item = item.trim();
-        if item.is_empty() {
-            return Err(err(format!("empty item #{}; {}", i + 1, shape_usage(op))));
-        }
-        let (name, value) = match item.split_once('=') {
-            Some((n, v)) => {
-                seen_named = true;
-                let n = n.trim();
-                let known = dims.iter().chain(op.optional_vars()).find(|d| **d == n);
-                match known {
-                    Some(d) => (*d, v.trim()),
-                    None => return Err(err(format!("unknown variable `{n}`; {}", shape_usage(op)))),
-                }
-            }
-            None => {
-                if seen_named {
-                    return Err(err(format!(
-                        "positional value `{item}` after named ones; {}",
-                        shape_usage(op)
-                    )));
-                }
-                if positional >= dims.len() {
-                    return Err(err(format!("too many values; {}", shape_usage(op))));
-                }
-                positional += 1;
-                (dims[positional - 1], item)
-            }
-        };
-        let v: i64 = value
-            .parse()
-            .map_err(|_| err(format!("{name}=`{value}` is not an integer; {}", shape_usage(op))))?;
-        let is_dim = dims.contains(&name);
-        if is_dim && v <= 0 {
-            return Err(err(format!("{name} must be positive (got {v})")));
-        }
-        if v < 0 {
-            return Err(err(format!("{name} must not be negative (got {v})")));
-        }
-        if v > i32::MAX as i64 {
-            return Err(err(format!("{name}={v} does not fit a 32-bit int")));
-        }
-        if shape.insert(name.to_string(), v).is_some() {
-            return Err(err(format!("{name} given twice")));
-        }
-    }
-    let missing: Vec<&str> = dims.iter().copied().filter(|d| !shape.contains_key(*d)).collect();
-    if !missing.is_empty() {
-        return Err(err(format!("missing {}; {}", missing.join(", "), shape_usage(op))));
-    }
-    Ok(shape)
-}
-
-/// Number of elements of `got` that differ from `want` (a length mismatch counts every
-/// missing or extra element): the error of an [`OpContract::exact`] op.
-pub fn mismatch_count(got: &[f32], want: &[f64]) -> f64 {
-    let differ = got.iter().zip(want).filter(|(&g, &w)| g as f64 != w).count();
-    (differ + got.len().abs_diff(want.len())) as f64
-}
-
-/// Relative L2 error `||got - want|| / ||want||` (denominator floored at 1e-30); any NaN/inf in
-/// `got`, or a length mismatch, gives `f64::INFINITY`.
-pub fn relative_l2_error(got: &[f32], want: &[f64]) -> f64 {
-    if got.len() != want.len() {
-        return f64::INFINITY;
-    }
-    let mut diff = 0.0f64;
-    let mut norm = 0.0f64;
-    for (&g, &w) in got.iter().zip(want) {
-        if !g.is_finite() {
-            return f64::INFINITY;
-        }
-        let d = g as f64 - w;
-        diff += d * d;
-        norm += w * w;
-    }
-    let e = diff.sqrt() / norm.sqrt().max(1e-30);
-    if e.is_nan() {
-        f64::INFINITY
-    } else {
-        e
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Helpers shared by the op files.
 
@@ -338,77 +236,6 @@ pub(crate) fn check_variant(op: &dyn OpContract, epilogue: Epilogue, mask: Mask)
         });
     }
     Ok(())
-}
-
-/// A positive dim of the shape, or an error naming it.
-pub(crate) fn get_dim(op: &dyn OpContract, shape: &Shape, name: &str) -> Result<i64, OpError> {
-    match shape.get(name) {
-        None => Err(OpError::MissingVar {
-            op: op.name(),
-            var: name.to_string(),
-            hint: format!("give all of {} in --shape", op.dims().join(",")),
-        }),
-        Some(&v) if v <= 0 => Err(OpError::Shape {
-            op: op.name(),
-            msg: format!("{name} must be positive (got {v})"),
-        }),
-        Some(&v) => Ok(v),
-    }
-}
-
-/// Check that every value and the given element counts fit a 32-bit int (kernels index with `int`).
-pub(crate) fn check_i32(op: &dyn OpContract, shape: &Shape, counts: &[(&str, i64)]) -> Result<(), OpError> {
-    for (k, &v) in shape {
-        if !(0..=i32::MAX as i64).contains(&v) {
-            return Err(OpError::Shape {
-                op: op.name(),
-                msg: format!("{k}={v} must be in 0..=2^31-1"),
-            });
-        }
-    }
-    for &(what, n) in counts {
-        if n > i32::MAX as i64 {
-            return Err(OpError::Shape {
-                op: op.name(),
-                msg: format!("{what} has {n} elements, more than a 32-bit index reaches; use smaller dims"),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Build a shape from pairs.
-pub(crate) fn shape_of(pairs: &[(&str, i64)]) -> Shape {
-    pairs.iter().map(|&(k, v)| (k.to_string(), v)).collect()
-}
-
-/// `n` values uniform in `[lo, hi)`.
-pub(crate) fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    use rand::{Rng, SeedableRng};
-    use rayon::prelude::*;
-    // Large tensors (the LM head's weight) in parallel chunks, each from its own generator
-    // seeded by `rng`: the values depend on the seed only, not on the thread count.
-    const CHUNK: usize = 1 << 16;
-    if n <= CHUNK {
-        return (0..n).map(|_| rng.random_range(lo..hi)).collect();
-    }
-    let seeds: Vec<u64> = (0..n.div_ceil(CHUNK)).map(|_| rng.random()).collect();
-    let mut out = vec![0f32; n];
-    out.par_chunks_mut(CHUNK).zip(seeds).for_each(|(chunk, seed)| {
-        let mut chunk_rng = StdRng::seed_from_u64(seed);
-        chunk.iter_mut().for_each(|v| *v = chunk_rng.random_range(lo..hi));
-    });
-    out
-}
-
-/// GELU, tanh approximation, in f64.
-pub(crate) fn gelu_f64(x: f64) -> f64 {
-    let c = (2.0 / std::f64::consts::PI).sqrt();
-    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-}
-
-pub(crate) fn to_f64(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
 }
 
 #[cfg(test)]
@@ -635,58 +462,6 @@ mod tests {
     }
 
     #[test]
-    fn parse_shape_good() {
-        let mm = op_by_name("matmul").unwrap();
-        let s = parse_shape(mm, "37,100,72").unwrap();
-        assert_eq!(s, shape_of(&[("M", 37), ("N", 100), ("K", 72)]));
-        let s = parse_shape(mm, " M=37, N = 100,K=72,T=37,n_head=2 ").unwrap();
-        assert_eq!(
-            s,
-            shape_of(&[("M", 37), ("N", 100), ("K", 72), ("T", 37), ("n_head", 2)])
-        );
-        let s = parse_shape(mm, "K=72,M=37,N=100").unwrap();
-        assert_eq!(s["K"], 72);
-        let s = parse_shape(mm, "10,48,40,T=5,n_head=2").unwrap();
-        assert_eq!((s["M"], s["T"]), (10, 5));
-        let enc = op_by_name("encoder").unwrap();
-        let s = parse_shape(enc, "4,64,768,pos_offset=0").unwrap();
-        assert_eq!(s["pos_offset"], 0);
-        let gelu = op_by_name("gelu").unwrap();
-        assert_eq!(parse_shape(gelu, "1001").unwrap()["N"], 1001);
-    }
-
-    #[test]
-    fn parse_shape_bad() {
-        let mm = op_by_name("matmul").unwrap();
-        let bad = [
-            ("37,100", "missing K"),
-            ("37,100,72,5", "too many"),
-            ("M=37,N=100,X=1", "unknown variable `X`"),
-            ("M=37,N=100", "missing K"),
-            ("37,0,72", "N must be positive"),
-            ("37,-1,72", "N must be positive"),
-            ("37,abc,72", "not an integer"),
-            ("37,,72", "empty"),
-            ("M=3,M=4,N=1,K=1", "twice"),
-            ("37,N=100,72", "after named"),
-            ("37,100,72,T=-1", "must not be negative"),
-            ("37,100,99999999999", "32-bit"),
-            ("", "empty"),
-        ];
-        for (text, want) in bad {
-            let e = parse_shape(mm, text).unwrap_err().to_string();
-            assert!(e.starts_with("matmul: cannot parse shape"), "{e}");
-            assert!(e.contains(want), "{text}: {e}");
-        }
-        // The usage names the dims.
-        let e = parse_shape(mm, "1,2").unwrap_err().to_string();
-        assert!(e.contains("(M,N,K)") && e.contains("T, n_head"), "{e}");
-        let att = op_by_name("attention").unwrap();
-        let e = parse_shape(att, "1,2,3").unwrap_err().to_string();
-        assert!(e.contains("B,NH,T,HS"), "{e}");
-    }
-
-    #[test]
     fn complete_shape_errors() {
         for &op in all_ops() {
             let mut empty = Shape::new();
@@ -720,21 +495,6 @@ mod tests {
     }
 
     #[test]
-    fn relative_l2() {
-        assert_eq!(relative_l2_error(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
-        let e = relative_l2_error(&[3.0, 4.0], &[0.0, 5.0]);
-        // ||(3,-1)|| / 5
-        assert!((e - 10f64.sqrt() / 5.0).abs() < 1e-12);
-        assert_eq!(relative_l2_error(&[1.0, f32::NAN], &[1.0, 2.0]), f64::INFINITY);
-        assert_eq!(relative_l2_error(&[f32::INFINITY], &[1.0]), f64::INFINITY);
-        assert_eq!(relative_l2_error(&[f32::NEG_INFINITY], &[1.0]), f64::INFINITY);
-        assert_eq!(relative_l2_error(&[1.0], &[1.0, 2.0]), f64::INFINITY);
-        assert_eq!(relative_l2_error(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
-        assert!(relative_l2_error(&[1e-3], &[0.0]) > 1e20);
-        assert_eq!(relative_l2_error(&[], &[]), 0.0);
-    }
-
-    #[test]
     fn error_messages_name_op_and_fix() {
         let mm = op_by_name("matmul").unwrap();
         let mut s = shape_of(&[("M", 10), ("N", 100), ("K", 8), ("T", 5), ("n_head", 2)]);
@@ -750,30 +510,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert_eq!(e, "softmax: mask `causal` is not supported (supported: none)");
-    }
-
-    /// Large tensors are drawn in parallel chunks: the values depend on the seed alone, stay in
-    /// range, and differ between seeds; the device encoding (also chunked) matches element by
-    /// element.
-    #[test]
-    fn large_random_tensors_depend_on_the_seed_only() {
-        use rand::SeedableRng;
-        let n = 3 * (1 << 16) + 17;
-        let draw = |seed| uniform(&mut StdRng::seed_from_u64(seed), n, -1.0, 1.0);
-        let a = draw(7);
-        assert_eq!(a.len(), n);
-        assert_eq!(a, draw(7));
-        assert_ne!(a, draw(8));
-        assert!(a.iter().all(|v| (-1.0..1.0).contains(v)));
-        let mean = a.iter().map(|v| *v as f64).sum::<f64>() / n as f64;
-        assert!(mean.abs() < 0.01, "{mean}");
-        for storage in [Storage::F32, Storage::F16, Storage::Bf16] {
-            let bytes = storage.encode(&a);
-            assert_eq!(bytes.len(), n * storage.bytes());
-            let back = storage.decode(&bytes);
-            for (x, y) in a.iter().zip(&back) {
-                assert_eq!(storage.round(*x), *y);
-            }
-        }
     }
 }
