@@ -24,10 +24,14 @@ const BROKEN: &str =
 fn the_worker_compiles_what_this_process_compiles_or_says_nvrtc_is_missing() {
     let pool = WorkerPool::new(program(), 2);
     let options = vec!["--gpu-architecture=sm_90".to_string(), "--std=c++17".to_string()];
-    let result = pool.compile("broken_k", BROKEN, &options);
+    let result = pool.compile("broken_k", BROKEN, &options).expect("the worker starts");
     if !nvrtc_present() {
         for kernel in ["broken_k", "another_k"] {
-            let text = pool.compile(kernel, BROKEN, &options).unwrap_err().to_string();
+            let text = pool
+                .compile(kernel, BROKEN, &options)
+                .expect("the worker starts")
+                .unwrap_err()
+                .to_string();
             assert!(text.contains(kernel) && text.contains("NVRTC"), "{text}");
         }
         eprintln!("NVRTC is missing here: checked that the worker says so; the CUBIN comparison needs NVRTC");

@@ -382,6 +382,9 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         summary.push_str(&format!(": {}", w.phases.text()));
     }
     eprintln!("{summary}");
+    if let Some(why) = crate::gpu::compile_workers::global().and_then(|pool| pool.unavailable()) {
+        eprintln!("note: compiled in this process, which is slower on many cores: {why}");
+    }
     for (kind, (_, peaks)) in kinds.iter().zip(&measured) {
         if kinds.len() > 1 {
             eprintln!("{}: {}", kind.plan.describe(), peaks.legend());

@@ -186,8 +186,9 @@ impl Compiler {
                 spill_stores,
             });
         }
-        let (cubin, log) = match workers {
-            Some(pool) => pool.compile(&source.kernel_name, &source.code, &options)?,
+        let in_worker = workers.and_then(|pool| pool.compile(&source.kernel_name, &source.code, &options));
+        let (cubin, log) = match in_worker {
+            Some(compiled) => compiled?,
             None => nvrtc_compile(&source.kernel_name, &source.code, &options, Output::Cubin)?,
         };
         let (log, spills) = split_ptxas_report(&log);

@@ -4,7 +4,9 @@
 //! 140 GEMM and attention kernels took 6.7 s on 16 threads of one process and 1.9 s in 4
 //! processes of 8 threads. So a batch goes to a pool of single-threaded child processes, each
 //! the same binary in a hidden mode (`kernelforge compile-worker`, which calls [`serve_stdio`]).
-//! A worker that crashes costs the one kernel it was compiling, not the run.
+//! A worker that crashes costs the one kernel it was compiling, not the run; a worker that cannot
+//! be started at all (the binary moved away) turns the pool off, and compiles go back to this
+//! process ([`WorkerPool::unavailable`] says why).
 //!
 //! The pool is off until the binary names its worker program ([`use_worker_processes`]); a
 //! library user without one compiles on threads as before.
@@ -84,6 +86,8 @@ struct PoolState {
     idle: Vec<Worker>,
     /// Workers alive (idle or busy).
     live: usize,
+    /// Why no worker can be started (the pool is off for good).
+    unavailable: Option<String>,
 }
 
 struct Worker {
@@ -107,19 +111,25 @@ impl WorkerPool {
         self.max
     }
 
-    /// Compiles `code` with `options` in a worker (waiting for one while all are busy):
-    /// NVRTC's output and log, as NVRTC in this process would give them.
-    pub fn compile(&self, kernel: &str, code: &str, options: &[String]) -> Result<(Vec<u8>, String), CompileError> {
+    /// Why the pool is off (no worker could be started), if it is.
+    pub fn unavailable(&self) -> Option<String> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).unavailable.clone()
+    }
+
+    /// Compiles `code` with `options` in a worker (waiting for one while all are busy): NVRTC's
+    /// output and log, as NVRTC in this process would give them. `None` when no worker can be
+    /// started (see [`WorkerPool::unavailable`]): the caller compiles itself.
+    pub fn compile(
+        &self,
+        kernel: &str,
+        code: &str,
+        options: &[String],
+    ) -> Option<Result<(Vec<u8>, String), CompileError>> {
         let worker_err = |message: String| CompileError::Worker {
             kernel: kernel.to_string(),
             message,
         };
-        let mut worker = self.checkout().map_err(|e| {
-            worker_err(format!(
-                "could not start the compile worker `{}`: {e} (KERNELFORGE_COMPILE_WORKERS=0 compiles in this process)",
-                self.program.exe.display()
-            ))
-        })?;
+        let mut worker = self.checkout()?;
         let request = Request {
             kernel: kernel.to_string(),
             code: code.to_string(),
@@ -128,7 +138,7 @@ impl WorkerPool {
         let exchanged = write_request(&mut worker.input, &request)
             .and_then(|()| worker.input.flush())
             .and_then(|()| read_reply(&mut worker.output));
-        match exchanged {
+        Some(match exchanged {
             Ok(reply) => {
                 self.checkin(worker);
                 match reply {
@@ -148,24 +158,38 @@ impl WorkerPool {
                     "the compile worker died while compiling it ({status}; {e}); NVRTC may have crashed on this source"
                 )))
             }
-        }
+        })
     }
 
-    fn checkout(&self) -> io::Result<Worker> {
+    /// An idle worker, a new one, or (all busy) the next one returned; `None` once no worker
+    /// can be started.
+    fn checkout(&self) -> Option<Worker> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(worker) = state.idle.pop() {
-                return Ok(worker);
+                return Some(worker);
+            }
+            if state.unavailable.is_some() {
+                return None;
             }
             if state.live < self.max {
                 state.live += 1;
                 drop(state);
                 let started = self.spawn();
-                if started.is_err() {
-                    self.state.lock().unwrap_or_else(|e| e.into_inner()).live -= 1;
-                    self.returned.notify_one();
-                }
-                return started;
+                let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                return match started {
+                    Ok(worker) => Some(worker),
+                    Err(e) => {
+                        state.live -= 1;
+                        state.unavailable = Some(format!(
+                            "could not start the compile worker `{}`: {e}",
+                            self.program.exe.display()
+                        ));
+                        // Threads waiting for a worker must see that none will come.
+                        self.returned.notify_all();
+                        None
+                    }
+                };
             }
             state = self.returned.wait(state).unwrap_or_else(|e| e.into_inner());
         }
@@ -436,26 +460,37 @@ mod tests {
         for kernel in ["first_kernel", "second_kernel", "third_kernel"] {
             let err = pool
                 .compile(kernel, "code", &["--gpu-architecture=sm_90".into()])
+                .expect("the worker starts")
                 .unwrap_err();
             let text = err.to_string();
             assert!(text.contains(kernel), "{text}");
             assert!(text.contains("exit status: 3"), "{text}");
         }
         assert_eq!(pool.state.lock().unwrap().live, 0);
+        assert!(
+            pool.unavailable().is_none(),
+            "a worker that dies does not turn the pool off"
+        );
     }
 
     #[test]
-    fn a_missing_worker_program_says_how_to_compile_without_it() {
+    fn a_worker_program_that_cannot_start_turns_the_pool_off_and_says_why() {
         let pool = WorkerPool::new(
             WorkerProgram {
                 exe: "/nonexistent/kernelforge".into(),
                 args: vec![],
             },
-            1,
+            2,
         );
-        let text = pool.compile("k", "code", &[]).unwrap_err().to_string();
-        assert!(text.contains("/nonexistent/kernelforge"), "{text}");
-        assert!(text.contains("KERNELFORGE_COMPILE_WORKERS=0"), "{text}");
+        assert!(pool.unavailable().is_none());
+        // Several threads at once: each is told to compile itself, none waits forever.
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| assert!(pool.compile("k", "code", &[]).is_none()));
+            }
+        });
+        let why = pool.unavailable().unwrap();
+        assert!(why.contains("/nonexistent/kernelforge"), "{why}");
         assert_eq!(pool.state.lock().unwrap().live, 0);
     }
 }
