@@ -25,6 +25,10 @@ fn the_worker_compiles_what_this_process_compiles_or_says_nvrtc_is_missing() {
     let pool = WorkerPool::new(program(), 2);
     let options = vec!["--gpu-architecture=sm_90".to_string(), "--std=c++17".to_string()];
     let result = pool.compile("broken_k", BROKEN, &options).expect("the worker starts");
+    // The worker stays for the next compile until the idle ones are released.
+    assert_eq!(pool.live(), 1);
+    pool.release_idle();
+    assert_eq!(pool.live(), 0);
     if !nvrtc_present() {
         for kernel in ["broken_k", "another_k"] {
             let text = pool

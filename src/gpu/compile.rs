@@ -217,13 +217,19 @@ impl Compiler {
         on_done: impl Fn(&Source) + Sync,
     ) -> Vec<Result<Compiled, CompileError>> {
         let workers = compile_workers::global();
-        jobs.par_iter()
+        let results = jobs
+            .par_iter()
             .map(|(family, source)| {
                 let result = self.for_family(family).compile_via(source, workers);
                 on_done(source);
                 result
             })
-            .collect()
+            .collect();
+        // A one-off batch (a model's kernels, `verify`): no process per core left waiting.
+        if let Some(pool) = workers {
+            pool.release_idle();
+        }
+        results
     }
 
     /// Compiles many (family, source) pairs on `threads` threads (each handing its compile to

@@ -225,14 +225,39 @@ impl WorkerPool {
     }
 }
 
+impl WorkerPool {
+    /// Ends the idle workers (busy ones finish and stay): after a one-off batch, such as a
+    /// model's kernels at start-up, a long `generate` does not keep a process per core. The
+    /// next batch starts new ones.
+    pub fn release_idle(&self) {
+        let idle = {
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let idle = std::mem::take(&mut state.idle);
+            state.live -= idle.len();
+            idle
+        };
+        end_all(idle);
+    }
+
+    /// Workers alive, idle or busy.
+    pub fn live(&self) -> usize {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).live
+    }
+}
+
+/// Closing a worker's stdin ends it; waiting leaves no zombie.
+fn end_all(workers: Vec<Worker>) {
+    for mut worker in workers {
+        drop(worker.input);
+        let _ = worker.child.wait();
+    }
+}
+
 impl Drop for WorkerPool {
     fn drop(&mut self) {
-        // Closing a worker's stdin ends it; wait so that no zombie is left.
-        let state = std::mem::take(self.state.get_mut().unwrap_or_else(|e| e.into_inner()));
-        for mut worker in state.idle {
-            drop(worker.input);
-            let _ = worker.child.wait();
-        }
+        end_all(std::mem::take(
+            &mut self.state.get_mut().unwrap_or_else(|e| e.into_inner()).idle,
+        ));
     }
 }
 
