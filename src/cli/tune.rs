@@ -32,6 +32,10 @@ use crate::tune::workloads::{model_workloads, Workload};
 /// candidate's fate. Shapes already tuned are read back in seconds; --force re-tunes them;
 /// --exhaustive measures every variant instead of searching.
 ///
+/// Kernels compile in worker processes, one per core but one (copies of this binary: NVRTC
+/// does not scale across the threads of one process); KERNELFORGE_COMPILE_WORKERS=N sets how
+/// many, 0 compiles on threads instead.
+///
 /// --dtype tf32 tunes the matmuls on tensor cores (TF32 inputs, f32 accumulation, relative L2
 /// error < 1e-3) against cuBLASLt in TF32 compute; the other ops of a model stay f32.
 /// --dtype f16 / bf16 stores the matmul tensors as halves (f32 accumulation, relative L2
