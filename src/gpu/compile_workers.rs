@@ -106,11 +106,6 @@ impl WorkerPool {
         }
     }
 
-    /// How many workers may run at once.
-    pub fn size(&self) -> usize {
-        self.max
-    }
-
     /// Why the pool is off (no worker could be started), if it is.
     pub fn unavailable(&self) -> Option<String> {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).unavailable.clone()
