@@ -12,6 +12,7 @@ pub mod peer;
 pub mod records;
 pub mod registry;
 pub mod search;
+pub mod share;
 pub mod spread;
 pub mod time;
 pub mod tuner;
