@@ -225,7 +225,7 @@ impl Compiler {
                 result
             })
             .collect();
-        // A one-off batch (a model's kernels, `verify`): no process per core left waiting.
+        // A one-off batch (`verify`): no process per core left waiting after it.
         if let Some(pool) = workers {
             pool.release_idle();
         }

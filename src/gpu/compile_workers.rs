@@ -1,4 +1,4 @@
-//! NVRTC in worker processes, for batches of compiles (the tuner's rounds, a model's cold start).
+//! NVRTC in worker processes, for batches of compiles (the tuner's rounds, `verify`).
 //!
 //! One process's NVRTC stops scaling at about 8 compiling threads: on the H100 host (32 cores)
 //! 140 GEMM and attention kernels took 6.7 s on 16 threads of one process and 1.9 s in 4
@@ -104,6 +104,24 @@ impl WorkerPool {
             state: Mutex::new(PoolState::default()),
             returned: Condvar::new(),
         }
+    }
+
+    /// Ends the idle workers (busy ones finish and stay): after a one-off batch (`verify`,
+    /// or a library caller's `compile_all`) no process per core is left waiting. The next
+    /// batch starts new ones.
+    pub fn release_idle(&self) {
+        let idle = {
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let idle = std::mem::take(&mut state.idle);
+            state.live -= idle.len();
+            idle
+        };
+        end_all(idle);
+    }
+
+    /// Workers alive, idle or busy.
+    pub fn live(&self) -> usize {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).live
     }
 
     /// Why the pool is off (no worker could be started), if it is.
@@ -217,26 +235,6 @@ impl WorkerPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).live -= 1;
         self.returned.notify_one();
         status
-    }
-}
-
-impl WorkerPool {
-    /// Ends the idle workers (busy ones finish and stay): after a one-off batch, such as a
-    /// model's kernels at start-up, a long `generate` does not keep a process per core. The
-    /// next batch starts new ones.
-    pub fn release_idle(&self) {
-        let idle = {
-            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let idle = std::mem::take(&mut state.idle);
-            state.live -= idle.len();
-            idle
-        };
-        end_all(idle);
-    }
-
-    /// Workers alive, idle or busy.
-    pub fn live(&self) -> usize {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).live
     }
 }
 
