@@ -17,6 +17,7 @@ use kernelforge::model::gpu::GpuBackend;
 use kernelforge::model::replicas::{ReplicaOptions, Replicas};
 use kernelforge::model::sampling::SamplingParams;
 use kernelforge::model::weights::{GPT2Model, GPT2Weights};
+use kernelforge::model::DecodeEngine;
 use kernelforge::spec::Dtype;
 use rand::{Rng, SeedableRng};
 
@@ -114,6 +115,37 @@ fn compare(what: &str, single: &mut dyn Backend, replicas: &mut Replicas, tokens
     // Sequences differ from each other: the gathered order is the input order, not a copy.
     if tokens.len() > 1 {
         assert_ne!(got_logits.last(0), got_logits.last(tokens.len() - 1));
+    }
+}
+
+/// The megakernel on replicas: each runs the point and the attention chunking one GPU would
+/// choose for the whole batch (a slice of one sequence alone would get another block size, and
+/// with it another layernorm reduction), so decode logits stay bit-identical.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn replicas_with_the_megakernel_equal_one_backend() {
+    let _g = gpu_lock();
+    let model = random_model(GPT2Config::new(2, 2, 128, 96, 1001).unwrap(), 17);
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        for batch in [2, 5] {
+            let tokens = random_tokens(batch, 11, 1001, 23 + batch as u64);
+            let mut single =
+                GpuBackend::on_device(root(), 0, model.clone(), batch, false, dtype).expect("one backend on GPU 0");
+            single.set_decode_engine(DecodeEngine::Megakernel).unwrap();
+            let opts = ReplicaOptions {
+                decode_engine: Some(DecodeEngine::Megakernel),
+                ..options(batch, dtype)
+            };
+            let mut replicas = Replicas::open(root(), &[0, 0], model.clone(), &opts).expect("two replicas");
+            compare(
+                &format!("megakernel, batch {batch} on 2 replicas, {dtype}"),
+                &mut single,
+                &mut replicas,
+                &tokens,
+                6,
+            );
+            assert_eq!(replicas.decode_engine(), Some(DecodeEngine::Megakernel));
+        }
     }
 }
 

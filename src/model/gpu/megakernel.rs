@@ -65,8 +65,9 @@ pub fn fitted_default(
 /// The megakernel set up for one batch size: the selected kernel, its table and buffers.
 pub(super) struct MegakernelState {
     kernel: Kernel,
-    /// (batch, buffers generation) the table points into.
-    key: (usize, u64),
+    /// (batch, the whole batch its point and chunks are chosen for, buffers generation) the
+    /// table points into.
+    key: (usize, usize, u64),
     lowered: Lowered,
     config: LaunchConfig,
     table: CudaSlice<u8>,
@@ -99,9 +100,13 @@ impl GpuBackend {
         }
     }
 
-    /// The decode_step kernel for batch `b`: tuned or default point of the megakernel family.
+    /// The decode_step kernel for batch `b`: tuned or default point of the megakernel family,
+    /// for the whole batch when this backend runs a slice of one (see `set_selection_batch`; a
+    /// point for more rows runs fewer, and every point of the whole batch's keeps its
+    /// arithmetic, such as the layernorm's block reduction, for every sequence).
     fn megakernel_kernel(&mut self, b: usize) -> AnyResult<Kernel> {
         let cfg = self.model.config.clone();
+        let b = self.megakernel_rows(b);
         let key = self.decode_step_key(b);
         let s = key.shape.clone();
         // The point set for tuning; else a tuned point when the database has one for this model
@@ -128,6 +133,26 @@ impl GpuBackend {
         )
     }
 
+    /// The batch the megakernel's point and attention chunks are chosen for when it runs `b`
+    /// sequences: the whole batch this backend runs a slice of, if a point of the family can
+    /// take that many rows (else the slice, as a kernel that cannot run the whole batch is
+    /// replaced by the slice's own choice).
+    fn megakernel_rows(&self, b: usize) -> usize {
+        let whole = self.selection_batch.unwrap_or(b).max(b);
+        let most = self
+            .registry
+            .catalog
+            .family(MEGAKERNEL_FAMILY)
+            .ok()
+            .and_then(|f| f.params.get("max_rows").and_then(|v| v.iter().max().copied()))
+            .unwrap_or(0);
+        if whole as i64 <= most {
+            whole
+        } else {
+            b
+        }
+    }
+
     /// Run the megakernel at this point of `decode_megakernel` (the default with these params
     /// changed; empty: the tuned winner or the default) from the next decode step on.
     pub fn set_megakernel_point(&mut self, point: Vec<(String, i64)>) {
@@ -140,10 +165,11 @@ impl GpuBackend {
     /// Lowers the greedy decode plan of batch `b`, checks it and uploads it (once per batch
     /// size and buffer generation).
     fn prepare_megakernel(&mut self, ks: &Kernels, b: usize) -> AnyResult<()> {
+        let whole = self.megakernel_rows(b);
         if self
             .megakernel
             .as_ref()
-            .is_some_and(|m| m.key == (b, self.buffers_generation))
+            .is_some_and(|m| m.key == (b, whole, self.buffers_generation))
         {
             return Ok(());
         }
@@ -165,6 +191,7 @@ impl GpuBackend {
             norm_row_elems: launch.block[0] as usize * 16 / self.dtype.storage().bytes(),
             head_dim: param("head_dim"),
             col_unit: launch.block[0] as usize / 32 * param("cols_per_warp").max(1),
+            chunk_rows: whole,
         };
         // The cache length does not matter to the table: the kernel gets the position.
         let plan: Plan = self.build_plan(ks, b, 1, self.len.max(1) - 1, true, HeadRows::Greedy)?;
@@ -216,7 +243,7 @@ impl GpuBackend {
         self.megakernel = Some(MegakernelState {
             kernel,
             // After the plan was built: building it may have grown a buffer.
-            key: (b, self.buffers_generation),
+            key: (b, whole, self.buffers_generation),
             lowered,
             config,
             table,

@@ -159,6 +159,10 @@ pub struct Geometry {
     /// Output columns a block computes in one pass (warps x columns per warp): a task of
     /// `cols` columns takes `cols.div_ceil(col_unit)` passes.
     pub col_unit: usize,
+    /// Sequences attention's cache chunks are counted for (at least the plan's batch): a replica
+    /// running a slice of a batch counts them for the whole batch, so every sequence's keys are
+    /// cut and summed as on one GPU.
+    pub chunk_rows: usize,
 }
 
 /// A lowered decode step.
@@ -357,7 +361,8 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry) -> Result<Lowered, MegakernelError>
                         geo.head_dim
                     )));
                 }
-                let chunks = (geo.grid / (b * nh).max(1)).max(max_t.div_ceil(MAX_CHUNK)).max(1);
+                let rows = geo.chunk_rows.max(b);
+                let chunks = (geo.grid / (rows * nh).max(1)).max(max_t.div_ceil(MAX_CHUNK)).max(1);
                 heads = b * nh;
                 stage.kind = STAGE_ATTENTION;
                 stage.cols = chunks as i32;
@@ -663,6 +668,7 @@ mod tests {
             norm_row_elems: 512 * 16 / elem_bytes,
             head_dim: 64,
             col_unit: 16,
+            chunk_rows: 1,
         }
     }
 
