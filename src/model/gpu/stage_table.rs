@@ -733,6 +733,31 @@ mod tests {
     }
 
     #[test]
+    fn a_slice_counts_its_cache_chunks_for_the_whole_batch() {
+        // One sequence alone cuts each head's cache into 11 chunks to fill 132 blocks; as a
+        // slice of a batch of 4 it cuts 2, as the whole batch does, so its keys are summed alike.
+        let attention = |batch: usize, chunk_rows: usize| {
+            let geo = Geometry {
+                chunk_rows,
+                ..geometry(2)
+            };
+            let lowered = lower(&plan(2, batch, 768, 12, 50304), &geo).unwrap();
+            check_schedule(&lowered).unwrap();
+            let s = lowered.stages[2];
+            assert_eq!(s.kind, STAGE_ATTENTION);
+            (s.cols, s.tasks)
+        };
+        assert_eq!(attention(1, 1), (11, 132));
+        assert_eq!(attention(4, 1), (2, 96));
+        assert_eq!(attention(1, 4), (2, 24));
+        assert_eq!(
+            attention(4, 2),
+            attention(4, 1),
+            "chunk_rows below the batch counts the batch"
+        );
+    }
+
+    #[test]
     fn stage_records_are_the_templates_128_bytes() {
         let record = StageRecord {
             kind: 1,
