@@ -55,6 +55,20 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
 /// paths may each be within it and still differ from each other by more). Returns the number
 /// of near-tie disagreements.
 fn compare(what: &str, model: &Arc<GPT2Model>, batch: usize, dtype: Dtype, prompt_len: usize, steps: usize) -> usize {
+    compare_at(what, model, batch, dtype, prompt_len, steps, &[])
+}
+
+/// [`compare`] with the megakernel at a point of its family (parameters not named keep the
+/// spec's default values, `max_rows = 8` among them).
+fn compare_at(
+    what: &str,
+    model: &Arc<GPT2Model>,
+    batch: usize,
+    dtype: Dtype,
+    prompt_len: usize,
+    steps: usize,
+    point: &[(&str, i64)],
+) -> usize {
     let (bar, tie): (f64, f64) = match dtype {
         Dtype::F32 => (1e-4, 1e-4),
         _ => (1e-2, 3e-2),
@@ -63,6 +77,11 @@ fn compare(what: &str, model: &Arc<GPT2Model>, batch: usize, dtype: Dtype, promp
     let mut exact = (dtype != Dtype::F32).then(|| backend(model, batch, Dtype::F32, DecodeEngine::Launches));
     let mut mega = backend(model, batch, dtype, DecodeEngine::Megakernel);
     let mut greedy = backend(model, batch, dtype, DecodeEngine::Megakernel);
+    if !point.is_empty() {
+        let point: Vec<(String, i64)> = point.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+        mega.set_megakernel_point(point.clone());
+        greedy.set_megakernel_point(point);
+    }
     let vocab = model.config.vocab_size as u32;
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| {
@@ -180,6 +199,36 @@ fn megakernel_matches_kernel_by_kernel_decode_on_deeper_wider_and_gpt2_shapes() 
     compare("124M f32 B=1", &gpt2, 1, Dtype::F32, 16, 256);
     compare("124M bf16 B=1", &gpt2, 1, Dtype::Bf16, 16, 256);
     compare("124M bf16 B=8", &gpt2, 8, Dtype::Bf16, 16, 64);
+}
+
+/// Points beyond the fitted ones: every columns-per-warp value (how many weight rows each
+/// input load serves, and how the lanes' sums are dealt out to finish the outputs) at both block
+/// sizes, in f32 and bf16, on a model whose tasks are narrower than a block's warps and on GPT-2
+/// small's shapes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn megakernel_points_of_every_column_count_and_block_size_match() {
+    let _lock = gpu_lock();
+    let wide = model(6, 6, 384, 512, 1001, 19);
+    let gpt2 = model(12, 12, 768, 1024, 50257, 23);
+    for cols_per_warp in [1, 2, 4] {
+        for threads in [256, 512] {
+            let point = [("cols_per_warp", cols_per_warp), ("threads", threads)];
+            let what = |m: &str| format!("{m} cols_per_warp={cols_per_warp} threads={threads}");
+            compare_at(&what("L6 C384 f32 B=2"), &wide, 2, Dtype::F32, 40, 48, &point);
+            compare_at(&what("L6 C384 bf16 B=1"), &wide, 1, Dtype::Bf16, 40, 48, &point);
+        }
+        let point = [("cols_per_warp", cols_per_warp)];
+        compare_at(
+            &format!("124M bf16 B=1 cols_per_warp={cols_per_warp}"),
+            &gpt2,
+            1,
+            Dtype::Bf16,
+            16,
+            32,
+            &point,
+        );
+    }
 }
 
 /// The timeline records every task once, each on the block that ran it, in a sensible order.

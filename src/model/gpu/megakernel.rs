@@ -26,9 +26,10 @@ pub const MEGAKERNEL_FAMILY: &str = "decode_megakernel";
 const STAMPS: usize = 4;
 
 /// The default point of the megakernel family fitted to a batch of `batch` rows of width `c`:
-/// the fewest `max_rows` that hold the batch (registers grow with it), and the largest weight
-/// slot with which the ring and the staged input still fit in shared memory (bigger tasks
-/// spread each task's fixed cost over more bytes).
+/// the fewest `max_rows` that hold the batch (registers grow with it), two output columns per
+/// warp in 16-bit storage and one in f32, and the largest weight slot with which the ring and
+/// the staged input still fit in shared memory (bigger tasks spread each task's fixed cost over
+/// more bytes).
 pub fn fitted_default(
     family: &crate::spec::Family,
     batch: usize,
@@ -45,6 +46,13 @@ pub fn fitted_default(
         if rows > 1 && values("threads").contains(&256) {
             point.push(("threads".to_string(), 256));
         }
+    }
+    // Measured on the H100, GPT-2 small after a 1,000-token prompt, batch 1: bf16 0.334 ms a step
+    // with two columns per warp against 0.353 with one; f32 0.460 with one against 0.492 with
+    // two (16-byte loads carry half as many f32 values: one column keeps more warps busy).
+    let cols_per_warp = if elem_bytes == 2 { 2 } else { 1 };
+    if values("cols_per_warp").contains(&cols_per_warp) {
+        point.push(("cols_per_warp".to_string(), cols_per_warp));
     }
     let slots = family.default.get("slots").copied().unwrap_or(3);
     // what the kernel keeps in static shared memory besides the ring, with room to spare
@@ -359,5 +367,36 @@ impl GpuBackend {
         self.megakernel
             .as_ref()
             .map(|m| (m.kernel.label.clone(), m.lowered.stages.len(), m.lowered.total_tasks()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{Catalog, DeviceLimits};
+
+    fn fitted(batch: usize, elem_bytes: usize) -> std::collections::BTreeMap<String, i64> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
+        fitted_default(family, batch, 768, elem_bytes, &DeviceLimits::default())
+            .into_iter()
+            .collect()
+    }
+
+    /// The fitted point of GPT-2 small on an H100: the rows the batch needs, the columns per
+    /// warp of the storage width, and the largest slot that leaves room for the staged input.
+    #[test]
+    fn the_fitted_point_follows_the_batch_and_the_storage_width() {
+        let bf16 = fitted(1, 2);
+        assert_eq!((bf16["max_rows"], bf16["cols_per_warp"], bf16["slot_kib"]), (1, 2, 64));
+        assert!(!bf16.contains_key("threads"), "one row keeps the default 512 threads");
+        let f32 = fitted(1, 4);
+        assert_eq!((f32["max_rows"], f32["cols_per_warp"]), (1, 1));
+        let batch = fitted(5, 2);
+        assert_eq!((batch["max_rows"], batch["threads"]), (8, 256));
+        // 3 slots of 64 KiB, 8 rows of 4 * 768 bf16 and the static 24 KiB exceed 227 KiB
+        assert_eq!(batch["slot_kib"], 48);
+        assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
     }
 }

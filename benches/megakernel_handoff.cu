@@ -1,0 +1,163 @@
+// What one stage handoff costs in a persistent decode kernel (templates/decode/megakernel.cu.tera),
+// measured alone: a chain of STAGES dependent stages in one cooperative launch; in each, P
+// producer blocks write a slice of a vector of N floats and every block of the next stage reads
+// the whole vector and reduces it (as a layernorm or a matrix-vector task reads its input row).
+// Ways to hand a stage over:
+//   0 counter: red.release by each producer; relaxed polls, then fence.acq_rel once reached
+//   1 counter: red.release by each producer; an acquire load per poll (the megakernel's way)
+//   2 a flag per producer block (st.release), polled in parallel by P threads with acquire loads
+//   3 a flag inside every 8-byte word of the data (no counter; the consumer polls the data)
+//   4 no synchronisation at all (wrong results; the floor of the stage's own work)
+// Optionally each block also copies a 27 KB weight tile per stage (cp.async, issued before the
+// wait, waited on after it), so that the handoff runs on a busy memory system.
+// Not a Rust bench (the kernel is fixed, no spec): build and run by hand with the CUDA toolkit:
+//   nvcc -O3 -arch=sm_90 -o megakernel_handoff benches/megakernel_handoff.cu && ./megakernel_handoff
+// H100 SXM (driver 580, CUDA 13.0), µs a stage, N = 768, no weight tiles: 2.28 (0), 1.89 (1),
+// 3.14 (2), 1.52 (3), 0.87 (4); with the weight tiles: 2.90, 2.56, 4.03, 2.31, 1.98.
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+
+constexpr int THREADS = 512;
+constexpr int STAGES = 60;
+constexpr int P = 128;  // producer blocks per stage
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
+
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) { unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) { unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ void red_release(unsigned* p, unsigned v) { asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ __forceinline__ void st_release(unsigned* p, unsigned v) { asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ __forceinline__ void st_ll(uint4* p, uint4 v) { asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory"); }
+__device__ __forceinline__ uint4 ld_ll(const uint4* p) { uint4 v; asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) { asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src)); }
+
+__device__ float block_sum(float v, float* sh) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = threadIdx.x % 32 < THREADS / 32 ? sh[threadIdx.x % 32] : 0.f;
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
+    return v;
+}
+
+extern __shared__ __align__(16) unsigned char wsmem[];
+
+template <int VARIANT>
+__global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*/, uint4* ll /*[STAGES+1][N/2]*/,
+                                                      unsigned* counters, unsigned* flags, int N, unsigned epoch,
+                                                      const char* weights, long long wsize, int wbytes, float* out) {
+    __shared__ float sh[32];
+    const unsigned tag = epoch * (STAGES + 1);
+    // stage 0 input: block 0 writes it
+    if (blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < N; i += THREADS) bufs[i] = 1.0f + i * 1e-4f;
+        for (int i = threadIdx.x; i < N / 2; i += THREADS)
+            st_ll(ll + i, make_uint4(__float_as_uint(1.0f + 2 * i * 1e-4f), tag + 1, __float_as_uint(1.0f + (2 * i + 1) * 1e-4f), tag + 1));
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (VARIANT <= 1) red_release(&counters[0], P);
+            if (VARIANT == 2) for (int p = 0; p < P; ++p) st_release(&flags[p], epoch + 1);
+        }
+    }
+    const unsigned wdst = (unsigned)__cvta_generic_to_shared(wsmem);
+    for (int s = 0; s < STAGES; ++s) {
+        // this block's weight tile for the stage, copied before the wait (as the real kernel does)
+        if (wbytes) {
+            const long long off = (((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes);
+            for (int b = threadIdx.x * 16; b < wbytes; b += THREADS * 16) cp_async16(wdst + b, weights + (off & ~15ll) + b);
+            asm volatile("cp.async.commit_group;");
+        }
+        const float* in = bufs + (long long)s * N;
+        float acc = 0.f;
+        if (VARIANT == 0 || VARIANT == 1 || VARIANT == 2 || VARIANT == 4) {
+            if (VARIANT == 0 && threadIdx.x == THREADS - 32) {
+                while (ld_relaxed(&counters[s]) < P * (epoch + 1)) {}
+                asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            }
+            if (VARIANT == 1 && threadIdx.x == THREADS - 32) { while (ld_acquire(&counters[s]) < P * (epoch + 1)) {} }
+            if (VARIANT == 2 && threadIdx.x < P) { while (ld_acquire(&flags[s * P + threadIdx.x]) != epoch + 1) {} }
+            __syncthreads();
+            for (int i = threadIdx.x * 4; i < N; i += THREADS * 4) {
+                float4 v = __ldcg(reinterpret_cast<const float4*>(in + i));
+                acc += v.x + v.y + v.z + v.w;
+            }
+        } else {  // LL
+            const uint4* lin = ll + (long long)s * (N / 2);
+            const unsigned want = tag + s + 1;
+            for (int i = threadIdx.x; i < N / 2; i += THREADS) {
+                uint4 v;
+                do { v = ld_ll(lin + i); } while (v.y != want || v.w != want);
+                acc += __uint_as_float(v.x) + __uint_as_float(v.z);
+            }
+        }
+        if (wbytes) { asm volatile("cp.async.wait_group 0;" ::: "memory"); acc += reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f; }
+        const float total = block_sum(acc, sh);
+        if (blockIdx.x < P) {
+            const int per = N / P;  // slice of the next vector
+            float* o = bufs + (long long)(s + 1) * N;
+            if (VARIANT == 3) {
+                uint4* lo = ll + (long long)(s + 1) * (N / 2);
+                const unsigned tg = tag + s + 2;
+                for (int j = threadIdx.x; j < per / 2; j += THREADS) {
+                    const int n = blockIdx.x * per + 2 * j;
+                    st_ll(lo + n / 2, make_uint4(__float_as_uint(total / N + n * 1e-4f), tg, __float_as_uint(total / N + (n + 1) * 1e-4f), tg));
+                }
+            } else {
+                for (int j = threadIdx.x; j < per; j += THREADS) o[blockIdx.x * per + j] = total / N + (blockIdx.x * per + j) * 1e-4f;
+                __syncthreads();
+                if (threadIdx.x == THREADS - 32) {
+                    if (VARIANT <= 1) red_release(&counters[s + 1], 1);
+                    if (VARIANT == 2) st_release(&flags[(s + 1) * P + blockIdx.x], epoch + 1);
+                }
+            }
+        }
+        if (s == STAGES - 1 && threadIdx.x == 0) out[blockIdx.x] = total;
+    }
+}
+
+template <int V>
+float run(int N, int wbytes, float* bufs, uint4* ll, unsigned* counters, unsigned* flags, const char* w, long long wsize, float* out, int grid) {
+    CK(cudaFuncSetAttribute(chain<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
+    CK(cudaMemset(counters, 0, (STAGES + 2) * 4));
+    CK(cudaMemset(flags, 0, (STAGES + 2) * P * 4));
+    CK(cudaMemset(ll, 0, (size_t)(STAGES + 1) * N * 8));
+    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+    std::vector<float> times;
+    for (unsigned epoch = 0; epoch < 60; ++epoch) {
+        void* args[] = {&bufs, &ll, &counters, &flags, &N, &epoch, &w, &wsize, &wbytes, &out};
+        cudaEventRecord(a);
+        CK(cudaLaunchCooperativeKernel((void*)chain<V>, grid, THREADS, args, 64 * 1024));
+        cudaEventRecord(b);
+        CK(cudaEventSynchronize(b));
+        float ms; cudaEventElapsedTime(&ms, a, b);
+        if (epoch >= 10) times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    float host[1]; CK(cudaMemcpy(host, out, 4, cudaMemcpyDeviceToHost));
+    return times[times.size() / 2] * 1000.f / STAGES;  // µs per stage
+}
+
+int main() {
+    int grid = 132;
+    float *bufs, *out; uint4* ll; unsigned *counters, *flags; char* w;
+    const long long wsize = 1ll << 30;
+    CK(cudaMalloc(&bufs, (STAGES + 1) * 4096 * 4)); CK(cudaMalloc(&ll, (size_t)(STAGES + 1) * 4096 * 8));
+    CK(cudaMalloc(&counters, (STAGES + 2) * 4)); CK(cudaMalloc(&flags, (STAGES + 2) * P * 4));
+    CK(cudaMalloc(&w, wsize)); CK(cudaMemset(w, 0, wsize)); CK(cudaMalloc(&out, grid * 4));
+    const char* names[] = {"counter+fence", "counter acquire", "flags/producer", "LL in data", "no sync"};
+    for (int wbytes : {0, 27648}) for (int N : {768, 3072}) {
+        printf("N=%4d weights/task=%5d B:", N, wbytes);
+        float t[5];
+        t[0] = run<0>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
+        t[1] = run<1>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
+        t[2] = run<2>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
+        t[3] = run<3>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
+        t[4] = run<4>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
+        for (int v = 0; v < 5; ++v) printf("  %s %.2f", names[v], t[v]);
+        printf("  (us/stage)\n");
+    }
+    return 0;
+}
