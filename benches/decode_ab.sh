@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A/B of two versions of the decode step in one device call: the same `bench` workloads with
+# binary and project folder A, then B, alternating for ROUNDS rounds so that clock drift hits
+# both alike; prints GPU and wall ms per step and tokens/s per workload and side. Use it before
+# merging a change to the megakernel's template or the decode path: a template change needs
+# only the folders (the binary renders the templates it finds there), a Rust change a second
+# binary.
+#   A_ROOT=.device/before B_ROOT=. [A_BIN=...] [B_BIN=...] [ROUNDS=2] [WORKLOADS="..."] \
+#     benches/decode_ab.sh
+# A workload is dtype:batch:prompt:steps (default: bf16 and f32 at batch 1 after 16 and 1,000
+# tokens, bf16 at batch 8). Prepare A's folder here with
+#   mkdir -p .device/before && git archive REV specs templates | tar -x -C .device/before
+# Results in $OUT/r (one text file per run).
+set -uo pipefail
+out=${OUT:-/tmp}/r
+mkdir -p "$out"
+a_root=${A_ROOT:?A_ROOT: the project folder (specs/, templates/) of side A}
+b_root=${B_ROOT:-.}
+a_bin=${A_BIN:-.device/kernelforge}
+b_bin=${B_BIN:-.device/kernelforge}
+rounds=${ROUNDS:-2}
+workloads=${WORKLOADS:-bf16:1:16:256 bf16:1:1000:48 f32:1:1000:48 bf16:8:16:128}
+dir=/tmp/models/gpt2
+[ -d "$dir" ] || python3 - "$dir" <<'PY'
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+GPT2LMHeadModel(GPT2Config()).save_pretrained(sys.argv[1], safe_serialization=True)
+PY
+printf '%-6s %-22s %5s %10s %10s %10s\n' side workload round "gpu ms" "wall ms" "tokens/s"
+for round in $(seq "$rounds"); do
+  for w in $workloads; do
+    IFS=: read -r dtype batch prompt steps <<< "$w"
+    for side in A B; do
+      if [ "$side" = A ]; then bin=$a_bin root=$a_root; else bin=$b_bin root=$b_root; fi
+      log="$out/$side-$dtype-b$batch-p$prompt-r$round.txt"
+      timeout 150 "$bin" bench --root "$root" --model "$dir" --device cuda --decode-engine megakernel --repeats 1 \
+        --dtype "$dtype" --batch "$batch" --seq "$prompt" --generate "$steps" > "$log" 2>&1
+      line=$(grep -E '^decode:' "$log")
+      wall=$(sed -E 's/.*\(([0-9.]+) ms\/step.*/\1/' <<< "$line")
+      gpu=$(sed -E 's/.*of which ([0-9.]+) ms on the GPU.*/\1/' <<< "$line")
+      tps=$(sed -E 's/.*, ([0-9.]+) tokens\/s.*/\1/' <<< "$line")
+      [ -n "$line" ] || { gpu=failed wall="(see $log)" tps=-; }
+      printf '%-6s %-22s %5s %10s %10s %10s\n' "$side" "$w" "$round" "$gpu" "$wall" "$tps"
+    done
+  done
+done
