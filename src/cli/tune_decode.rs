@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::model::gpu::{fitted_default, GpuBackend, MEGAKERNEL_FAMILY};
+use crate::model::gpu::{fitted_default, most_rows, GpuBackend, MEGAKERNEL_FAMILY};
 use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
 use crate::spec::{Catalog, Dtype};
 use crate::tune::db::{default_path, Entry, TuningDb};
@@ -36,18 +36,6 @@ fn contexts(cfg: &GPT2Config) -> [usize; 2] {
     [64, cfg.n_ctx * 3 / 4]
 }
 
-/// Wall ms per greedy decode step of `b` sequences on the backend's engine: the mean over
-/// `contexts`.
-fn time_step(gpu: &mut GpuBackend, b: usize, contexts: [usize; 2]) -> Result<f64> {
-    let mut sum = 0.0;
-    for prompt in contexts {
-        sum += gpu
-            .time_greedy_decode(b, prompt, STEPS, REPEATS)
-            .with_context(|| format!("after a {prompt}-token prompt"))?;
-    }
-    Ok(sum / contexts.len() as f64)
-}
-
 /// One batch's outcome.
 pub(super) struct DecodeTuned {
     pub batch: usize,
@@ -70,11 +58,7 @@ pub(super) fn tune_decode_steps(
     seed: u64,
 ) -> Result<Vec<DecodeTuned>> {
     let family = catalog.family(MEGAKERNEL_FAMILY)?.clone();
-    let most_rows = family
-        .params
-        .get("max_rows")
-        .and_then(|v| v.iter().max().copied())
-        .unwrap_or(1) as usize;
+    let most_rows = most_rows(&family).max(1);
     if let Some(&b) = batches.iter().find(|&&b| b > most_rows) {
         bail!(
             "--decode-step --batch {b}: the decode megakernel is compiled for at most {most_rows} sequences \
@@ -102,8 +86,9 @@ pub(super) fn tune_decode_steps(
         bar.enable_steady_tick(std::time::Duration::from_millis(120));
         bar.set_message("timing the graph engine");
         gpu.set_decode_engine(DecodeEngine::Graph)?;
-        let graph_ms =
-            time_step(&mut gpu, b, contexts).with_context(|| format!("batch {b}: timing the graph engine"))?;
+        let graph_ms = gpu
+            .time_greedy_decode(b, &contexts, STEPS, REPEATS)
+            .with_context(|| format!("batch {b}: timing the graph engine"))?;
 
         gpu.set_decode_engine(DecodeEngine::Megakernel)?;
         let elem_bytes = dtype.storage().bytes();
@@ -114,7 +99,9 @@ pub(super) fn tune_decode_steps(
         let (mut timed, mut best_so_far) = (0, f64::INFINITY);
         let descent = coordinate_descent(&family.params, &start, &FIXED, |point| {
             gpu.set_megakernel_point(point.iter().map(|(k, v)| (k.clone(), *v)).collect());
-            let ms = time_step(&mut gpu, b, contexts).map_err(|e| format!("{e:#}"))?;
+            let ms = gpu
+                .time_greedy_decode(b, &contexts, STEPS, REPEATS)
+                .map_err(|e| format!("{e:#}"))?;
             timed += 1;
             best_so_far = best_so_far.min(ms);
             bar.set_message(format!(

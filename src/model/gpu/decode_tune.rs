@@ -3,7 +3,7 @@
 //! engine the tuning database prefers for a batch, and the wall time of greedy decode steps on
 //! the current engine.
 
-use anyhow::Result as AnyResult;
+use anyhow::{Context, Result as AnyResult};
 
 use super::GpuBackend;
 use crate::model::engine::DecodeEngine;
@@ -28,34 +28,51 @@ impl GpuBackend {
     }
 
     /// Wall milliseconds per greedy decode step of `b` sequences on the current engine (the
-    /// time a user waits per token, host included): a quarter second of warm-up steps
-    /// (compiles, graph recording, and the GPU raising its clocks, which it does only under
-    /// sustained load), then the median over `repeats` runs of a prefill of `prompt` tokens and
-    /// `steps` timed steps (fewer when the context is shorter).
-    pub fn time_greedy_decode(&mut self, b: usize, prompt: usize, steps: usize, repeats: usize) -> AnyResult<f64> {
-        let cfg = &self.model.config;
-        let prompt = prompt.clamp(1, cfg.n_ctx.saturating_sub(1).max(1));
-        let steps = steps.clamp(1, (cfg.n_ctx - prompt).max(1));
+    /// time a user waits per token, host included), averaged over `contexts` (cache positions
+    /// before the timed steps): a quarter second of warm-up steps (compiles, graph recording,
+    /// and the GPU raising its clocks, which it does only under sustained load), then for each
+    /// context the median over `repeats` runs of a prefill of that many tokens and `steps` timed
+    /// steps (fewer when the context is shorter). One warm-up serves every context.
+    pub fn time_greedy_decode(&mut self, b: usize, contexts: &[usize], steps: usize, repeats: usize) -> AnyResult<f64> {
+        let cfg = self.model.config.clone();
         let vocab = cfg.vocab_size as u32;
-        let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|s| {
-                (0..prompt as u32)
-                    .map(|i| (i * 37 + s as u32 * 101 + 11) % vocab)
-                    .collect()
+        // (prompt length, prompts, steps) of each context
+        let runs: Vec<(usize, Vec<Vec<u32>>, usize)> = contexts
+            .iter()
+            .map(|&prompt| {
+                let prompt = prompt.clamp(1, cfg.n_ctx.saturating_sub(1).max(1));
+                let steps = steps.clamp(1, (cfg.n_ctx - prompt).max(1));
+                let prompts = (0..b)
+                    .map(|s| {
+                        (0..prompt as u32)
+                            .map(|i| (i * 37 + s as u32 * 101 + 11) % vocab)
+                            .collect()
+                    })
+                    .collect();
+                (prompt, prompts, steps)
             })
             .collect();
-        let run = |this: &mut GpuBackend| -> AnyResult<f64> {
-            Ok(timed_greedy_decode(this, &prompts, steps)?.0 / steps as f64)
+        let run = |this: &mut GpuBackend, (prompt, prompts, steps): &(usize, Vec<Vec<u32>>, usize)| -> AnyResult<f64> {
+            let (ms, _) = timed_greedy_decode(this, prompts, *steps)
+                .with_context(|| format!("{steps} decode steps after a {prompt}-token prompt"))?;
+            Ok(ms / *steps as f64)
+        };
+        let Some(first) = runs.first() else {
+            anyhow::bail!("no context to time decode steps at");
         };
         let warm = std::time::Instant::now();
         while warm.elapsed().as_secs_f64() < 0.25 {
-            run(self)?;
+            run(self, first)?;
         }
-        let mut times = (0..repeats.max(1))
-            .map(|_| run(self))
-            .collect::<AnyResult<Vec<f64>>>()?;
-        times.sort_by(f64::total_cmp);
+        let mut sum = 0.0;
+        for context in &runs {
+            let mut times = (0..repeats.max(1))
+                .map(|_| run(self, context))
+                .collect::<AnyResult<Vec<f64>>>()?;
+            times.sort_by(f64::total_cmp);
+            sum += times[times.len() / 2];
+        }
         self.take_decode_gpu_time();
-        Ok(times[times.len() / 2])
+        Ok(sum / runs.len() as f64)
     }
 }

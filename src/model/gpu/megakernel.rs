@@ -70,12 +70,23 @@ pub fn fitted_default(
     point
 }
 
+/// The most sequences any point of the megakernel family is compiled for (its largest
+/// `max_rows`; 0 when the spec lists none).
+pub fn most_rows(family: &crate::spec::Family) -> usize {
+    family
+        .params
+        .get("max_rows")
+        .and_then(|v| v.iter().max().copied())
+        .unwrap_or(0)
+        .max(0) as usize
+}
+
 /// The megakernel set up for one batch size: the selected kernel, its table and buffers.
 pub(super) struct MegakernelState {
     kernel: Kernel,
-    /// (batch, the whole batch its point and chunks are chosen for, buffers generation) the
-    /// table points into.
-    key: (usize, usize, u64),
+    /// (batch, the whole batch this backend runs a slice of, buffers generation) the table was
+    /// built for: what decides its point, its attention chunks and its pointers.
+    key: (usize, Option<usize>, u64),
     lowered: Lowered,
     config: LaunchConfig,
     table: CudaSlice<u8>,
@@ -151,10 +162,8 @@ impl GpuBackend {
             .registry
             .catalog
             .family(MEGAKERNEL_FAMILY)
-            .ok()
-            .and_then(|f| f.params.get("max_rows").and_then(|v| v.iter().max().copied()))
-            .unwrap_or(0);
-        if whole as i64 <= most {
+            .map_or(0, |f| most_rows(f));
+        if whole <= most {
             whole
         } else {
             b
@@ -173,15 +182,13 @@ impl GpuBackend {
     /// Lowers the greedy decode plan of batch `b`, checks it and uploads it (once per batch
     /// size and buffer generation).
     fn prepare_megakernel(&mut self, ks: &Kernels, b: usize) -> AnyResult<()> {
-        let whole = self.megakernel_rows(b);
-        if self
-            .megakernel
-            .as_ref()
-            .is_some_and(|m| m.key == (b, whole, self.buffers_generation))
-        {
+        // Checked every step: the key holds the inputs of the table, not what is derived from them.
+        let key = (b, self.selection_batch, self.buffers_generation);
+        if self.megakernel.as_ref().is_some_and(|m| m.key == key) {
             return Ok(());
         }
         self.megakernel = None;
+        let whole = self.megakernel_rows(b);
         let kernel = self.megakernel_kernel(b)?;
         let variant = &kernel.loaded.variant;
         let launch = kernel.launches[0].clone();
@@ -251,7 +258,7 @@ impl GpuBackend {
         self.megakernel = Some(MegakernelState {
             kernel,
             // After the plan was built: building it may have grown a buffer.
-            key: (b, whole, self.buffers_generation),
+            key: (b, self.selection_batch, self.buffers_generation),
             lowered,
             config,
             table,
