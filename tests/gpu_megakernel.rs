@@ -201,6 +201,66 @@ fn megakernel_matches_kernel_by_kernel_decode_on_deeper_wider_and_gpt2_shapes() 
     compare("124M bf16 B=8", &gpt2, 8, Dtype::Bf16, 16, 64);
 }
 
+/// Greedy steps run one ahead on the megakernel (`model::gpu::run_ahead`): a chain of greedy
+/// steps, broken now and then by feeding other tokens, up to the end of the context, gives
+/// exactly the ids of the same steps run one at a time (each step's logits, argmax on the
+/// host); every step the caller consumed counts once in the GPU time, none thrown away does;
+/// and a prefill after a step left running ahead starts clean.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn greedy_steps_run_ahead_equal_steps_run_one_at_a_time() {
+    let _lock = gpu_lock();
+    let tiny = model(2, 2, 128, 64, 300, 31);
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        let mut ahead = backend(&tiny, 2, dtype, DecodeEngine::Megakernel);
+        let mut one_at_a_time = backend(&tiny, 2, dtype, DecodeEngine::Megakernel);
+        let prompts: Vec<Vec<u32>> = vec![
+            (0..9).map(|i| (i * 13 + 5) % 300).collect(),
+            (0..9).map(|i| (i * 29 + 1) % 300).collect(),
+        ];
+        let first = one_at_a_time.prefill_last(&prompts).unwrap();
+        ahead.prefill_last(&prompts).unwrap();
+        ahead.take_decode_gpu_time();
+        let mut feed: Vec<u32> = (0..2).map(|b| argmax(first.last(b)).unwrap()).collect();
+        let mut calls = 0;
+        for step in 9..64 {
+            let got = ahead.decode_argmax(&feed).unwrap();
+            calls += 1;
+            let logits: Logits = one_at_a_time.decode(&feed).unwrap();
+            let want: Vec<u32> = (0..2).map(|b| argmax(logits.last(b)).unwrap()).collect();
+            assert_eq!(
+                got, want,
+                "{dtype:?} position {step}: ids of the chain against one step at a time"
+            );
+            // every seventh step the caller breaks the chain: the step run ahead is thrown away
+            feed = if step % 7 == 0 {
+                got.iter().map(|&t| (t + 1) % 300).collect()
+            } else {
+                got
+            };
+        }
+        let err = ahead.decode_argmax(&feed).expect_err("the context is full");
+        assert!(format!("{err}").contains("context"), "{err}");
+        let (_, steps) = ahead.take_decode_gpu_time();
+        assert_eq!(
+            steps, calls,
+            "{dtype:?}: GPU time of the steps consumed, not of those thrown away"
+        );
+        // a prefill right after a chained step (one ran ahead) starts clean
+        let again = ahead.prefill_last(&prompts).unwrap();
+        let feed: Vec<u32> = (0..2).map(|b| argmax(again.last(b)).unwrap()).collect();
+        let got = ahead.decode_argmax(&feed).unwrap();
+        let got = ahead.decode_argmax(&got).unwrap();
+        let first = one_at_a_time.prefill_last(&prompts).unwrap();
+        let mut want: Vec<u32> = (0..2).map(|b| argmax(first.last(b)).unwrap()).collect();
+        for _ in 0..2 {
+            let logits: Logits = one_at_a_time.decode(&want).unwrap();
+            want = (0..2).map(|b| argmax(logits.last(b)).unwrap()).collect();
+        }
+        assert_eq!(got, want, "{dtype:?}: two chained steps after a new prefill");
+    }
+}
+
 /// Points beyond the fitted ones: every columns-per-warp value (how many weight rows each
 /// input load serves, and how the lanes' sums are dealt out to finish the outputs) at both block
 /// sizes, in f32 and bf16, on a model whose tasks are narrower than a block's warps and on GPT-2

@@ -833,11 +833,15 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
 }
 
 // ---- embedding --------------------------------------------------------------------------------
+// `tokens` may be the previous step's argmax, read on the device by a step the host launched
+// before it saw them (src/model/gpu/run_ahead.rs): a row whose logits held NaN has id -1 there,
+// read as token 0 (the host throws that step away when it sees the -1).
 __device__ void embed_task(const Stage& s, int B, int pos, const int* tokens) {
     const int C = s.n;
     for (int i = threadIdx.x; i < B * C; i += THREADS) {
         const int b = i / C, c = i - b * C;
-        const float v = to_float(s.weight[(long long)tokens[b] * C + c]) + to_float(s.aux[(long long)pos * C + c]);
+        const int token = max(tokens[b], 0);
+        const float v = to_float(s.weight[(long long)token * C + c]) + to_float(s.aux[(long long)pos * C + c]);
         s.out[i] = from_float(v);
     }
 }

@@ -288,8 +288,7 @@ pub fn generate(
         if pos >= cfg.n_ctx {
             break StopReason::ContextFull;
         }
-        // Finished sequences keep being fed their last token (ignored) so the batch stays
-        // rectangular.
+        // Finished sequences keep being fed a token (ignored) so the batch stays rectangular.
         let mut next: Vec<u32> = (0..batch)
             .map(|b| *out[b].last().unwrap_or(&prompts[b][pos.min(prompts[b].len()) - 1]))
             .collect();
@@ -311,6 +310,11 @@ pub fn generate(
                     done[b] = true;
                 }
                 next[b] = tok;
+            } else if let Step::Tokens(tokens) = &step {
+                // A finished sequence's outputs are ignored, so it may be fed anything: in
+                // greedy decoding, the backend's own choice, which keeps the chain of a backend
+                // that runs greedy steps ahead (the GPU's megakernel) unbroken.
+                next[b] = tokens[b];
             }
         }
         if done.iter().all(|&d| d) {

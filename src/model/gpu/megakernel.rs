@@ -174,6 +174,7 @@ impl GpuBackend {
     /// changed; empty: the tuned winner or the default) from the next decode step on.
     pub fn set_megakernel_point(&mut self, point: Vec<(String, i64)>) {
         if point != self.megakernel_point {
+            self.discard_ahead();
             self.megakernel = None;
             self.megakernel_point = point;
         }
@@ -271,13 +272,26 @@ impl GpuBackend {
     }
 
     /// One decode step of batch `b` at position `pos` as one cooperative launch: writes the
-    /// logits and the greedy next ids. Launched, not waited for.
-    pub(super) fn megakernel_step(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<()> {
+    /// logits and the greedy next ids. Its input tokens are the uploaded ids, or with
+    /// `tokens_on_device` the previous step's next ids (read by the embedding at the start of the
+    /// step, overwritten with this step's at its end). Launched, not waited for.
+    pub(super) fn megakernel_step(
+        &mut self,
+        ks: &Kernels,
+        b: usize,
+        pos: usize,
+        tokens_on_device: bool,
+    ) -> AnyResult<()> {
         self.prepare_megakernel(ks, b)?;
         let cfg = self.model.config.clone();
         let events = self.profile_begin()?;
         let gpu = &self.gpu;
-        let (ids, next_ids) = (ptr(gpu, &self.act.ids), ptr(gpu, &self.act.next_ids));
+        let next_ids = ptr(gpu, &self.act.next_ids);
+        let ids = if tokens_on_device {
+            next_ids
+        } else {
+            ptr(gpu, &self.act.ids)
+        };
         let m = self.megakernel.as_mut().expect("prepared above");
         if self.timeline_on && m.timeline.is_none() {
             m.timeline = Some(

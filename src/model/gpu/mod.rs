@@ -58,6 +58,7 @@ mod megakernel;
 mod open;
 mod plan;
 mod profile;
+mod run_ahead;
 mod select;
 mod stage_table;
 
@@ -164,6 +165,14 @@ pub struct GpuBackend {
     pinned_logits: Option<PinnedHostSlice<u8>>,
     /// CUDA events around the last decode step's kernels, and the GPU time of the steps so far.
     step_events: Option<(CudaEvent, CudaEvent)>,
+    /// The greedy step launched ahead of the caller (see `run_ahead.rs`); `len` counts it. And
+    /// the ids the last greedy step returned (a caller feeding them back is chaining steps).
+    ahead: Option<run_ahead::LaunchedStep>,
+    returned: Vec<u32>,
+    /// Page-locked landing places of greedy steps' ids (two: one step's ids can still be on
+    /// their way while the next step's are copied), and the one the next step uses.
+    pinned_ids: Vec<PinnedHostSlice<i32>>,
+    next_pinned: usize,
     decode_gpu_ms: (f64, usize),
     notes: Vec<String>,
     /// What this GPU's tuning database is keyed by (its default file is named after it).
@@ -252,6 +261,9 @@ impl GpuBackend {
                 );
             }
         }
+        if engine != self.engine {
+            self.discard_ahead();
+        }
         self.engine = engine;
         if engine != DecodeEngine::Graph {
             self.decode_graphs.clear();
@@ -283,6 +295,7 @@ impl GpuBackend {
     /// Megakernel only: stamp every task of each decode step (start, inputs ready, end) so that
     /// [`GpuBackend::take_timeline`] can return the last step's blocks × time picture.
     pub fn set_timeline(&mut self, on: bool) {
+        self.discard_ahead(); // a step launched ahead would not be stamped
         self.timeline_on = on;
     }
 
@@ -381,6 +394,8 @@ impl GpuBackend {
     }
 
     fn prefill_impl(&mut self, tokens: &[Vec<u32>], head: HeadRows) -> AnyResult<Option<Logits>> {
+        self.discard_ahead();
+        self.returned.clear();
         let cfg = self.model.config.clone();
         let b = tokens.len();
         if b == 0 {
@@ -429,8 +444,11 @@ impl GpuBackend {
     }
 
     /// One decode step up to the LM head (and, when `greedy`, the argmax kernel into
-    /// `act.next_ids`), launched but not waited for. Returns the batch size.
-    fn decode_step(&mut self, last: &[u32], greedy: bool) -> AnyResult<usize> {
+    /// `act.next_ids`), launched but not waited for. Returns the batch size. `last`: the tokens
+    /// to feed; `None`: the previous greedy step's ids, still in `act.next_ids` (the megakernel
+    /// engine only: see `run_ahead.rs`).
+    fn decode_step(&mut self, last: Option<&[u32]>, greedy: bool) -> AnyResult<usize> {
+        self.discard_ahead();
         if let Some(why) = &self.decode_missing {
             bail!("{why}");
         }
@@ -439,10 +457,9 @@ impl GpuBackend {
             bail!("decode called before prefill");
         }
         let b = self.batch;
-        if last.len() != b {
-            return Err(
-                ModelError::Batch(format!("decode got {} tokens for a batch of {b} sequences", last.len())).into(),
-            );
+        if last.is_some_and(|last| last.len() != b) {
+            let n = last.map_or(0, <[u32]>::len);
+            return Err(ModelError::Batch(format!("decode got {n} tokens for a batch of {b} sequences")).into());
         }
         if self.len + 1 > cfg.n_ctx {
             return Err(ModelError::ContextOverflow {
@@ -451,15 +468,18 @@ impl GpuBackend {
             }
             .into());
         }
-        let tokens: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
-        self.upload_ids(&tokens)?;
+        match last {
+            Some(last) => self.upload_ids(&last.iter().map(|&t| vec![t]).collect::<Vec<_>>())?,
+            None if self.engine == DecodeEngine::Megakernel && greedy => {}
+            None => bail!("a decode step from the previous step's ids runs on the megakernel engine only"),
+        }
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
         let (start, end) = (self.timing_event()?, self.timing_event()?);
         let graphs = self.decode_graphs();
         if self.engine == DecodeEngine::Megakernel {
             record_event(&start, &self.gpu)?;
-            self.megakernel_step(&ks, b, pos)?;
+            self.megakernel_step(&ks, b, pos, last.is_none())?;
         } else if graphs {
             if self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
@@ -494,7 +514,7 @@ impl GpuBackend {
     }
 
     fn decode_impl(&mut self, last: &[u32]) -> AnyResult<Logits> {
-        let b = self.decode_step(last, false)?;
+        let b = self.decode_step(Some(last), false)?;
         self.read_logits(b, 1, b)
     }
 
@@ -508,27 +528,7 @@ impl GpuBackend {
                 .map(|b| crate::model::sampling::argmax(logits.last(b)).map_err(Into::into))
                 .collect();
         }
-        let b = self.decode_step(last, true)?;
-        let mut ids = vec![0i32; b];
-        self.gpu
-            .stream
-            .memcpy_dtoh(&self.act.next_ids.slice(0..b), &mut ids)
-            .map_err(GpuError::cuda(format!("copying {b} token ids back")))?;
-        self.gpu.synchronize().context(SYNC_HINT)?;
-        self.finish_step_timing()?;
-        self.flush_profile()?;
-        ids.iter()
-            .enumerate()
-            .map(|(s, &id)| {
-                u32::try_from(id).map_err(|_| {
-                    ModelError::Sampling(format!(
-                        "the logits of sequence {s} contain NaN ({} on the GPU)",
-                        self.name
-                    ))
-                    .into()
-                })
-            })
-            .collect()
+        self.greedy_step_on_device(last)
     }
 
     /// A full forward pass (LM head on every position) that leaves the logits on the device:

@@ -29,6 +29,7 @@ pub(super) struct Profiler {
 impl GpuBackend {
     /// Turn per-kernel timing on (clearing what was recorded) or off.
     pub fn set_profiling(&mut self, on: bool) {
+        self.discard_ahead(); // a step launched ahead would not be profiled
         self.profiler = on.then(Profiler::default);
     }
 
