@@ -55,6 +55,8 @@ impl GpuBackend {
     fn launch_greedy(&mut self, last: Option<&[u32]>) -> AnyResult<LaunchedStep> {
         let b = self.batch;
         if self.pinned_ids.iter().any(|p| p.len() < b) || self.pinned_ids.len() < 2 {
+            // no copy may still be on its way into the buffers being replaced
+            self.gpu.synchronize().context(SYNC_HINT)?;
             self.pinned_ids = (0..2)
                 // SAFETY: page-locked memory of b i32s; nothing reads it before a copy has
                 // filled it (the slot's event orders the read after the copy).
@@ -105,7 +107,10 @@ impl GpuBackend {
             None
         };
         let b = self.batch;
-        let landed = step.landed.synchronize().and_then(|()| self.pinned_ids[step.slot].as_slice());
+        let landed = step
+            .landed
+            .synchronize()
+            .and_then(|()| self.pinned_ids[step.slot].as_slice());
         let raw: Vec<i32> = match landed {
             Ok(ids) => ids[..b].to_vec(),
             Err(e) => {
@@ -141,6 +146,16 @@ impl GpuBackend {
                 self.discard_ahead();
                 Err(e.into())
             }
+        }
+    }
+}
+
+impl Drop for GpuBackend {
+    /// A step launched ahead may still be copying its ids into the pinned buffers about to be
+    /// freed: let the stream finish first.
+    fn drop(&mut self) {
+        if self.ahead.is_some() {
+            let _ = self.gpu.synchronize();
         }
     }
 }
