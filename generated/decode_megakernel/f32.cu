@@ -784,18 +784,29 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
     }
     __syncthreads();
     if (!*is_last) return;
-    // every other chunk's partial is visible to this block: the acq_rel add above (by one
-    // thread) and the barrier after it
+    // Every other chunk's partial is visible to this block: the acq_rel add above (by one
+    // thread) and the barrier after it. The head's partials come in with one trip to memory:
+    // the whole block copies them into the task's slot (free again: its keys and values are used
+    // up), then HEAD_DIM threads combine them from shared memory. Read straight from memory by
+    // the combining threads, each chunk's loads would wait behind the previous chunk's use.
+    const float* first = workspace + s.ws_offset + (long long)bh * s.cols * (HEAD_DIM + 2);
+    float* staged = reinterpret_cast<float*>(slot);
+    const int parts = chunks * (HEAD_DIM + 2);
+    const bool in_slot = parts * (int)sizeof(float) <= SLOT_BYTES;  // the same for every thread
+    if (in_slot) {
+        for (int i = threadIdx.x; i < parts; i += THREADS) staged[i] = __ldcg(first + i);
+        __syncthreads();
+    }
+    auto part = [&](int i) { return in_slot ? staged[i] : __ldcg(first + i); };
     if (threadIdx.x < HEAD_DIM) {
-        const float* first = workspace + s.ws_offset + (long long)bh * s.cols * (HEAD_DIM + 2);
         float M = __int_as_float(0xff800000);
-        for (int c = 0; c < chunks; ++c) M = fmaxf(M, __ldcg(first + c * (HEAD_DIM + 2)));
+        for (int c = 0; c < chunks; ++c) M = fmaxf(M, part(c * (HEAD_DIM + 2)));
         float L = 0.0f, o = 0.0f;
         for (int c = 0; c < chunks; ++c) {
-            const float* part = first + c * (HEAD_DIM + 2);
-            const float w = exp2f(__ldcg(part) - M);  // an empty chunk has max -inf: weight 0
-            L += __ldcg(part + 1) * w;
-            o += __ldcg(part + 2 + threadIdx.x) * w;
+            const int at = c * (HEAD_DIM + 2);
+            const float w = exp2f(part(at) - M);  // an empty chunk has max -inf: weight 0
+            L += part(at + 1) * w;
+            o += part(at + 2 + threadIdx.x) * w;
         }
         att[threadIdx.x] = from_float(o / L);
     }
@@ -946,6 +957,10 @@ decode_megakernel_b203919b_main(const int* stage_table, int n_stages, unsigned* 
             } else {
                 attention_task(st, local, B, pos, NH, max_T, scale, slot, arrivals, workspace, q_s, scores, partial_s,
                                &is_last);
+                // The task wrote its slot with ordinary stores (this step's cache row, the head's
+                // partials); the copy engine fills the slot next. Stores and bulk copies are
+                // different proxies of shared memory: order the stores before the copy.
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             }
         } else {
             staged = s;
