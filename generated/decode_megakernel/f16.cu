@@ -596,16 +596,16 @@ __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, flo
 #define OUTPUTS_PER_LANE ((OUTPUTS + 31) / 32)
 
 // acc[c][b] += this lane's share of the dot products of columns c0 .. c0 + COLS_PER_WARP - 1
-// (those below `cols`) of the weight rows in the slot with the staged input rows: the lanes walk
-// K 16 bytes each (conflict-free: consecutive lanes, consecutive 16 bytes), and every input
-// vector loaded once serves COLS_PER_WARP weight rows.
+// (those below `cols`) of the weight rows in the slot with the staged input rows: the lane
+// takes the 16 bytes of K at element `first`, `first + step`, ... (a warp's lanes take
+// consecutive 16 bytes: conflict-free), and every input vector loaded once serves COLS_PER_WARP
+// weight rows.
 // Every one of the MAX_ROWS staged rows is multiplied, also those beyond B (their sums are never
 // stored): no branch per row in the hot loop.
 __device__ __forceinline__ void dot_columns(unsigned slot_addr, unsigned xs_addr, int c0, int cols, int k,
-                                            float (&acc)[COLS_PER_WARP][MAX_ROWS]) {
-    const int lane = threadIdx.x % 32;
+                                            int first, int step, float (&acc)[COLS_PER_WARP][MAX_ROWS]) {
     #pragma unroll 2
-    for (int i = lane * VEC; i < k; i += 32 * VEC) {
+    for (int i = first; i < k; i += step) {
         float x[MAX_ROWS][VEC];
         #pragma unroll
         for (int b = 0; b < MAX_ROWS; ++b) load_shared_vec(xs_addr + (b * k + i) * STORAGE_BYTES, x[b]);
@@ -646,39 +646,92 @@ __device__ __forceinline__ void warp_sums(const float (&acc)[COLS_PER_WARP][MAX_
         }
 }
 
+// Loads what the outputs of columns c0 .. c0 + COLS_PER_WARP - 1 that lane p finishes add to
+// their dot products (before the dot products: their latency hides behind them).
+__device__ __forceinline__ void load_epilogue_inputs(const Stage& s, int B, int n0, int c0, int cols,
+                                                     const float* bias_s, EpilogueInputs (&in)[OUTPUTS_PER_LANE]) {
+    const int lane = threadIdx.x % 32;
+    #pragma unroll
+    for (int q = 0; q < OUTPUTS_PER_LANE; ++q) {
+        const int p = lane + 32 * q, c = p / MAX_ROWS, b = p % MAX_ROWS;
+        if (p < OUTPUTS && b < B && c0 + c < cols) in[q] = epilogue_inputs(s, b, n0 + c0 + c, bias_s, c0 + c);
+    }
+}
+
+// The epilogue and store of the outputs lane p holds the sums of (see warp_sums); with
+// FLAG_ARGMAX the rounded logits also go to `tile` for the task's argmax.
+__device__ __forceinline__ void finish_columns(const Stage& s, int B, int n0, int c0, int cols,
+                                               const float (&mine)[OUTPUTS_PER_LANE],
+                                               const EpilogueInputs (&in)[OUTPUTS_PER_LANE], float* tile,
+                                               int pos, int NH, int max_T) {
+    const int lane = threadIdx.x % 32;
+    #pragma unroll
+    for (int q = 0; q < OUTPUTS_PER_LANE; ++q) {
+        const int p = lane + 32 * q, c = p / MAX_ROWS, b = p % MAX_ROWS;
+        if (p < OUTPUTS && b < B && c0 + c < cols) {
+            const float v = finish_output(s, b, n0 + c0 + c, mine[q], in[q], pos, NH, max_T);
+            if (s.flags & FLAG_ARGMAX) tile[b * MAX_TASK_COLS + c0 + c] = to_float(from_float(v));
+        }
+    }
+}
+
+// The sums lane p finishes (see warp_sums) of columns c0 .. c0 + COLS_PER_WARP - 1, over the
+// share of K from element `first` in steps of `step`.
+__device__ __forceinline__ void column_sums(unsigned slot_addr, unsigned xs_addr, int c0, int cols, int k,
+                                            int first, int step, float (&mine)[OUTPUTS_PER_LANE]) {
+    float acc[COLS_PER_WARP][MAX_ROWS];
+    #pragma unroll
+    for (int c = 0; c < COLS_PER_WARP; ++c)
+        #pragma unroll
+        for (int b = 0; b < MAX_ROWS; ++b) acc[c][b] = 0.0f;
+    dot_columns(slot_addr, xs_addr, c0, cols, k, first, step, acc);
+    warp_sums(acc, mine);
+}
+
 // out[b, n0 + c] for the task's columns (`slot_addr`: the weight rows, `xs_addr`: the staged
-// input rows, shared-window addresses): each warp takes COLS_PER_WARP columns at a time; lane
-// p finishes output (c, b) = (p / MAX_ROWS, p % MAX_ROWS) of them (and p + 32, ...).
-// With FLAG_ARGMAX the rounded logits also go to `tile` for the task's argmax.
+// input rows, shared-window addresses). Each warp takes a group of COLS_PER_WARP columns at a
+// time; lane p finishes output (c, b) = (p / MAX_ROWS, p % MAX_ROWS) of them (and p + 32, ...).
+// A task with fewer groups than warps (the fc projection of a wide model: a few columns of a
+// long K) would leave warps idle, so it splits K instead: `splits` warps share a group, each
+// walking every splits-th 16 bytes of K, and the group's first warp adds up the others' sums
+// from `partials` (shared, WARPS * OUTPUTS floats) and finishes the outputs.
 __device__ void matvec_task(const Stage& s, int task, int B, unsigned slot_addr, unsigned xs_addr,
-                            const float* bias_s, float* tile, int pos, int NH, int max_T) {
+                            const float* bias_s, float* tile, float* partials, int pos, int NH, int max_T) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = task * s.cols;
     const int cols = min(s.cols, s.n - n0);
     const int k = s.k;
-    for (int c0 = warp * COLS_PER_WARP; c0 < cols; c0 += WARPS * COLS_PER_WARP) {
-        EpilogueInputs in[OUTPUTS_PER_LANE];
-        #pragma unroll
-        for (int q = 0; q < OUTPUTS_PER_LANE; ++q) {
-            const int p = lane + 32 * q, c = p / MAX_ROWS, b = p % MAX_ROWS;
-            if (p < OUTPUTS && b < B && c0 + c < cols) in[q] = epilogue_inputs(s, b, n0 + c0 + c, bias_s, c0 + c);
+    const int groups = (cols + COLS_PER_WARP - 1) / COLS_PER_WARP;
+    const int splits = groups >= WARPS ? 1 : WARPS / groups;  // the same in every thread
+    if (splits == 1) {
+        for (int c0 = warp * COLS_PER_WARP; c0 < cols; c0 += WARPS * COLS_PER_WARP) {
+            EpilogueInputs in[OUTPUTS_PER_LANE];
+            load_epilogue_inputs(s, B, n0, c0, cols, bias_s, in);
+            float mine[OUTPUTS_PER_LANE];
+            column_sums(slot_addr, xs_addr, c0, cols, k, lane * VEC, 32 * VEC, mine);
+            finish_columns(s, B, n0, c0, cols, mine, in, tile, pos, NH, max_T);
         }
-        float acc[COLS_PER_WARP][MAX_ROWS];
-        #pragma unroll
-        for (int c = 0; c < COLS_PER_WARP; ++c)
+        return;
+    }
+    const int group = warp / splits, part = warp % splits, c0 = group * COLS_PER_WARP;
+    float mine[OUTPUTS_PER_LANE];
+    EpilogueInputs in[OUTPUTS_PER_LANE];
+    if (group < groups) {
+        if (part == 0) load_epilogue_inputs(s, B, n0, c0, cols, bias_s, in);
+        column_sums(slot_addr, xs_addr, c0, cols, k, (part * 32 + lane) * VEC, splits * 32 * VEC, mine);
+        if (part != 0) {
             #pragma unroll
-            for (int b = 0; b < MAX_ROWS; ++b) acc[c][b] = 0.0f;
-        dot_columns(slot_addr, xs_addr, c0, cols, k, acc);
-        float mine[OUTPUTS_PER_LANE];
-        warp_sums(acc, mine);
-        #pragma unroll
-        for (int q = 0; q < OUTPUTS_PER_LANE; ++q) {
-            const int p = lane + 32 * q, c = p / MAX_ROWS, b = p % MAX_ROWS;
-            if (p < OUTPUTS && b < B && c0 + c < cols) {
-                const float v = finish_output(s, b, n0 + c0 + c, mine[q], in[q], pos, NH, max_T);
-                if (s.flags & FLAG_ARGMAX) tile[b * MAX_TASK_COLS + c0 + c] = to_float(from_float(v));
-            }
+            for (int q = 0; q < OUTPUTS_PER_LANE; ++q)
+                if (lane + 32 * q < OUTPUTS) partials[warp * OUTPUTS + lane + 32 * q] = mine[q];
         }
+    }
+    __syncthreads();  // every share's sums are in `partials` (all threads: `splits` is uniform)
+    if (group < groups && part == 0) {
+        #pragma unroll
+        for (int q = 0; q < OUTPUTS_PER_LANE; ++q)
+            if (lane + 32 * q < OUTPUTS)
+                for (int j = 1; j < splits; ++j) mine[q] += partials[(warp + j) * OUTPUTS + lane + 32 * q];
+        finish_columns(s, B, n0, c0, cols, mine, in, tile, pos, NH, max_T);
     }
 }
 
@@ -883,7 +936,8 @@ decode_megakernel_0f10be87_main(const int* stage_table, int n_stages, unsigned* 
     __shared__ float q_s[HEAD_DIM];
     __shared__ float scores[MAX_CHUNK];
     __shared__ int stage_end[MAX_STAGES];  // first task after each stage
-    __shared__ float partial_s[WARPS * HEAD_DIM];
+    __shared__ float partial_s[WARPS * HEAD_DIM];  // attention's partials; a split matrix-vector task's sums
+    static_assert(OUTPUTS <= HEAD_DIM, "a split matrix-vector task's sums fit in partial_s");
     __shared__ float tile[MAX_ROWS * MAX_TASK_COLS];
     __shared__ float bias_s[MAX_TASK_COLS];
     __shared__ float best_val[MAX_ROWS];
@@ -979,7 +1033,8 @@ decode_megakernel_0f10be87_main(const int* stage_table, int n_stages, unsigned* 
             if (timeline) t_data = global_time();
             if (kind == STAGE_MATVEC) {
                 matvec_task(st, local, B, dynamic_smem_address() + (i % SLOTS) * SLOT_BYTES,
-                            dynamic_smem_address() + SLOTS * SLOT_BYTES, bias_s, tile, pos, NH, max_T);
+                            dynamic_smem_address() + SLOTS * SLOT_BYTES, bias_s, tile, partial_s, pos, NH,
+                            max_T);
                 if (st.flags & FLAG_ARGMAX) {
                     __syncthreads();
                     argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan);
