@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use crate::codegen::{render_catalog, write_files, Renderer};
+use crate::gpu::cubin::code_sizes;
 use crate::gpu::{Compiler, Gpu, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask};
 use crate::spec::{expand, variant_with, ArchTarget, Catalog, DeviceLimits, Dtype, Points};
@@ -58,6 +59,11 @@ pub struct InspectArgs {
     /// Also print registers, shared memory and local (spill) bytes per kernel (needs a GPU).
     #[arg(long)]
     pub resources: bool,
+    /// Also print each kernel's machine code size (its section of the CUBIN; needs NVRTC, and a
+    /// GPU unless --arch is given). A persistent kernel larger than the SM's instruction caches
+    /// fetches its code from L2 as it switches between kinds of task.
+    #[arg(long)]
+    pub code_size: bool,
     /// Compile for this architecture (e.g. sm_90) instead of the GPU's own. A family with an
     /// exact `[family] arch` (sm_90a) is compiled for that target, and refused for another
     /// compute capability.
@@ -190,11 +196,13 @@ pub fn gen(root: &Path, args: GenArgs) -> Result<()> {
     Ok(())
 }
 
+/// `kernelforge inspect`: one variant's source, and on request its PTX, resources and code size.
 pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
     let catalog = catalog(root)?;
     let family = catalog.family(&args.family)?;
-    let gpu = if args.resources || (args.ptx && args.arch.is_none()) {
-        Some(Gpu::new(0).context("--resources (and --ptx without --arch) need a GPU")?)
+    let compiles = args.ptx || args.code_size;
+    let gpu = if args.resources || (compiles && args.arch.is_none()) {
+        Some(Gpu::new(0).context("--resources (and --ptx or --code-size without --arch) need a GPU")?)
     } else {
         None
     };
@@ -211,7 +219,7 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
     if !args.no_source {
         println!("{}", source.code);
     }
-    if args.ptx || args.resources {
+    if compiles || args.resources {
         let arch = match (&args.arch, &gpu) {
             (Some(a), _) => a.clone(),
             (None, Some(g)) => g.info.arch(),
@@ -238,12 +246,25 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
         if args.ptx {
             println!("// ---- PTX ({arch}) ----\n{}", compiler.ptx(&source)?);
         }
-        if args.resources {
-            let gpu = gpu.as_ref().expect("opened above");
+        let compiled = if args.code_size || args.resources {
             let compiled = compiler.compile(&source)?;
             if !compiled.log.is_empty() {
                 eprintln!("NVRTC: {}", compiled.log);
             }
+            Some(compiled)
+        } else {
+            None
+        };
+        if let (true, Some(compiled)) = (args.code_size, &compiled) {
+            println!("// ---- machine code ({arch}) ----");
+            let mut table = vec![vec!["function".to_string(), "code bytes".into()]];
+            for (function, bytes) in code_sizes(&compiled.cubin)? {
+                table.push(vec![function, bytes.to_string()]);
+            }
+            print!("{}", render_table(&table));
+        }
+        if let (true, Some(compiled)) = (args.resources, &compiled) {
+            let gpu = gpu.as_ref().expect("opened above");
             let loaded = LoadedVariant::load(gpu, &variant, &compiled)?;
             println!("// ---- resources ({}, {arch}) ----", gpu.info.name);
             let mut table = vec![vec![

@@ -1,6 +1,6 @@
 //! The CUDA side: find the device and its limits ([`device`]), pick the GPUs a command runs on
 //! and slice a batch across them ([`devices`]), compile rendered sources with
-//! NVRTC behind an on-disk cache ([`compile`]), and run a variant on a problem: buffers,
+//! NVRTC behind an on-disk cache ([`compile`]) and read what the machine code holds ([`cubin`]), and run a variant on a problem: buffers,
 //! constant memory, launch geometry from the spec, poisoned outputs ([`run`]); replay a fixed
 //! sequence of launches as one CUDA graph ([`graph`]); build the TMA descriptors some kernels take
 //! ([`tensor_map`]); measure the copy bandwidth that bounds memory-bound work ([`bandwidth`]).
@@ -8,6 +8,7 @@
 pub mod bandwidth;
 pub mod compile;
 pub mod compile_workers;
+pub mod cubin;
 pub mod device;
 pub mod devices;
 pub mod graph;
