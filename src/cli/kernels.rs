@@ -265,7 +265,7 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
         }
         if let (true, Some(compiled)) = (args.resources, &compiled) {
             let gpu = gpu.as_ref().expect("opened above");
-            let loaded = LoadedVariant::load(gpu, &variant, &compiled)?;
+            let loaded = LoadedVariant::load(gpu, &variant, compiled)?;
             println!("// ---- resources ({}, {arch}) ----", gpu.info.name);
             let mut table = vec![vec![
                 "kernel".to_string(),
