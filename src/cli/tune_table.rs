@@ -6,10 +6,10 @@ use anyhow::Result;
 use super::kernels::render_table;
 use crate::gpu::Gpu;
 use crate::spec::{shape_text, Dtype};
-use crate::tune::baseline::{
+use crate::tune::db::Ceilings;
+use crate::tune::peaks::{
     fp32_peak_flops, measure_copy_bandwidth, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE,
 };
-use crate::tune::db::Ceilings;
 use crate::tune::spread::{KindOutcome, SpreadResult};
 use crate::tune::tuner::TuneResult;
 

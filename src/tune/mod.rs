@@ -8,6 +8,7 @@ pub mod cublaslt_layout;
 pub mod db;
 pub mod decode_search;
 pub mod evaluate;
+pub mod peaks;
 pub mod peer;
 pub mod records;
 pub mod registry;
