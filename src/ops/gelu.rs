@@ -25,33 +25,14 @@ impl OpContract for Gelu {
         &["N"]
     }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
-        check_variant(self, epilogue, mask)?;
-        get_dim(self, shape, "N")?;
-        check_i32(self, shape, &[])
+        elementwise::complete_shape(self, shape, epilogue, mask)
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [1, 3, 37, 1001, 4099, 100_003]
-            .iter()
-            .map(|&n| shape_of(&[("N", n)]))
-            .collect()
+        elementwise::test_shapes()
     }
     fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
-        let mut shape = shape.clone();
-        self.complete_shape(&mut shape, epilogue, mask)?;
-        let n = shape["N"];
-        let tensors = vec![
-            TensorArg::output_f32("out", n as usize),
-            TensorArg::input_f32("inp", uniform(rng, n as usize, -4.0, 4.0)),
-        ];
-        let args = vec![Arg::Tensor(0), Arg::Tensor(1), Arg::I32(n as i32)];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
+        elementwise::problem(self, shape, epilogue, mask, |n| {
+            vec![TensorArg::input_f32("inp", uniform(rng, n, -4.0, 4.0))]
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {

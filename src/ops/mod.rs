@@ -13,6 +13,7 @@ pub mod argmax;
 pub mod attention;
 pub mod attention_decode;
 pub mod decode_step;
+mod elementwise;
 pub mod encoder;
 pub mod gelu;
 pub mod kv_append;

@@ -25,34 +25,17 @@ impl OpContract for Residual {
         &["N"]
     }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
-        check_variant(self, epilogue, mask)?;
-        get_dim(self, shape, "N")?;
-        check_i32(self, shape, &[])
+        elementwise::complete_shape(self, shape, epilogue, mask)
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [1, 3, 37, 1001, 4099, 100_003]
-            .iter()
-            .map(|&n| shape_of(&[("N", n)]))
-            .collect()
+        elementwise::test_shapes()
     }
     fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
-        let mut shape = shape.clone();
-        self.complete_shape(&mut shape, epilogue, mask)?;
-        let n = shape["N"];
-        let tensors = vec![
-            TensorArg::output_f32("out", n as usize),
-            TensorArg::input_f32("a", uniform(rng, n as usize, -1.0, 1.0)),
-            TensorArg::input_f32("b", uniform(rng, n as usize, -1.0, 1.0)),
-        ];
-        let args = vec![Arg::Tensor(0), Arg::Tensor(1), Arg::Tensor(2), Arg::I32(n as i32)];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
+        elementwise::problem(self, shape, epilogue, mask, |n| {
+            vec![
+                TensorArg::input_f32("a", uniform(rng, n, -1.0, 1.0)),
+                TensorArg::input_f32("b", uniform(rng, n, -1.0, 1.0)),
+            ]
         })
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
