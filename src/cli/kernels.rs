@@ -246,16 +246,14 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
         if args.ptx {
             println!("// ---- PTX ({arch}) ----\n{}", compiler.ptx(&source)?);
         }
-        let compiled = if args.code_size || args.resources {
-            let compiled = compiler.compile(&source)?;
-            if !compiled.log.is_empty() {
-                eprintln!("NVRTC: {}", compiled.log);
-            }
-            Some(compiled)
-        } else {
-            None
-        };
-        if let (true, Some(compiled)) = (args.code_size, &compiled) {
+        if !(args.code_size || args.resources) {
+            return Ok(());
+        }
+        let compiled = compiler.compile(&source)?;
+        if !compiled.log.is_empty() {
+            eprintln!("NVRTC: {}", compiled.log);
+        }
+        if args.code_size {
             println!("// ---- machine code ({arch}) ----");
             let mut table = vec![vec!["function".to_string(), "code bytes".into()]];
             for (function, bytes) in code_sizes(&compiled.cubin)? {
@@ -263,9 +261,9 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
             }
             print!("{}", render_table(&table));
         }
-        if let (true, Some(compiled)) = (args.resources, &compiled) {
+        if args.resources {
             let gpu = gpu.as_ref().expect("opened above");
-            let loaded = LoadedVariant::load(gpu, &variant, compiled)?;
+            let loaded = LoadedVariant::load(gpu, &variant, &compiled)?;
             println!("// ---- resources ({}, {arch}) ----", gpu.info.name);
             let mut table = vec![vec![
                 "kernel".to_string(),
