@@ -93,13 +93,10 @@ impl GpuBackend {
     /// then this step's ids are read back.
     pub(super) fn greedy_step_on_device(&mut self, last: &[u32]) -> AnyResult<Vec<u32>> {
         let chaining = self.returned == last;
-        let step = match self.ahead.take() {
-            Some(ahead) if ahead.fed == last => ahead,
-            other => {
-                self.ahead = other;
-                self.discard_ahead();
-                self.launch_greedy(Some(last))?
-            }
+        // A step ahead that guessed other ids stays, for launching this one to throw it away.
+        let step = match self.ahead.take_if(|ahead| ahead.fed == last) {
+            Some(ahead) => ahead,
+            None => self.launch_greedy(Some(last))?,
         };
         let ahead = if chaining && self.may_run_ahead() && self.len < self.model.config.n_ctx {
             Some(self.launch_greedy(None)?)
