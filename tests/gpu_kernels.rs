@@ -308,6 +308,81 @@ fn gpu_matmul_wgmma() {
     }
 }
 
+/// matmul_wgmma_tma's bias+residual with the staged epilogue, where the residual comes by TMA
+/// into the staging buffers ahead of the epilogue: the points that exercise each way the loads
+/// are scheduled (a tile of one chunk; of several, so the epilogue loads chunks 2..; ping-pong;
+/// two m64 tiles; column-split consumers; 64-byte chunks; a 2-CTA cluster), in every dtype, on
+/// shapes with several tiles per block and partial tiles both ways.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_residual_by_tma() {
+    let catalog = catalog_of(&["matmul_wgmma_tma"]);
+    let family = &catalog.families[0];
+    let gpu = Gpu::new(0).expect("a CUDA GPU");
+    if gpu.info.compute_capability != (9, 0) {
+        eprintln!("skipped: matmul_wgmma_tma needs sm_90a");
+        return;
+    }
+    let points: [&[(&str, i64)]; 6] = [
+        &[],
+        &[("pingpong", 1)],
+        &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2)],
+        &[("split_n", 1), ("mma_n", 128)],
+        &[("consumers", 1), ("mma_n", 64)],
+        &[("mma_n", 256), ("pingpong", 1), ("raster_m", 1)],
+    ];
+    let mut variants = Vec::new();
+    for dtype in &family.dtypes {
+        for point in points {
+            let overrides: Vec<(String, i64)> = point
+                .iter()
+                .chain(&[("staged_epilogue", 1)])
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect();
+            variants.push(
+                variant_with(
+                    family,
+                    &overrides,
+                    *dtype,
+                    Epilogue::BiasResidual,
+                    Mask::None,
+                    &gpu.info.limits,
+                )
+                .unwrap_or_else(|e| panic!("{dtype} {point:?}: {e}")),
+            );
+        }
+    }
+    let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
+    let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
+    for (m, n, k) in [(4099, 1000, 264), (333, 264, 136), (8, 72, 64)] {
+        let shape: Shape = [("M", m), ("N", n), ("K", k)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let rows = verify(
+            &gpu,
+            &compiler,
+            &renderer,
+            &variants,
+            &Shapes::Given(shape),
+            seed(),
+            |_| {},
+        );
+        for r in &rows {
+            eprintln!(
+                "{:40} {:42} {:?} {:?} {}",
+                r.kernel, r.shape, r.error, r.status, r.variant
+            );
+        }
+        assert_no_failures(rows.iter());
+        assert_eq!(
+            rows.iter().filter(|r| r.status == Status::Pass).count(),
+            variants.len(),
+            "every point passes on M={m} N={n} K={k}: {rows:#?}"
+        );
+    }
+}
+
 /// matmul_mma alone, small: its default and one sampled point, every epilogue, both dtypes, on
 /// the awkward shapes. Sized for compute-sanitizer (memcheck, racecheck) runs.
 #[test]

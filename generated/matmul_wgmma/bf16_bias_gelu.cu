@@ -202,19 +202,24 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[48], unsigned long long des
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
-// GELU exactly as gelu_precise() (the same identity, not a different approximation of GELU),
-// with the fast-math intrinsics __expf and __fdividef: ~10 instructions instead of ~25 (tanhf
-// would be ~40 with a branch). It matters when it runs once per output of a GEMM epilogue
-// (M*N times, inside a compute-bound kernel). Accuracy: __expf is within a few ulp
-// (relative error grows like |arg| * 2^-24, ~1e-6 at the largest arguments that matter) and
-// that error is damped by e/(1+e) <= 1 in the result, so gelu_fast stays within ~1e-6
-// relative of gelu_precise, well inside the f32 bar (1e-5). Limits are right: x -> +inf gives
-// x / 1, x -> -inf gives x / inf = -0 (__fdividef returns 0 once the divisor exceeds 2^126,
-// where the true value is below 1e-37 anyway).
-__device__ __forceinline__ float gelu_fast(float x) {
-    const float minus_2_sqrt_2_over_pi = -1.5957691216057308f;
-    const float u = minus_2_sqrt_2_over_pi * fmaf(0.044715f * x, x * x, x);
-    return __fdividef(x, 1.0f + __expf(u));
+// GELU for half-precision outputs of the tensor-core GEMMs, as the tanh form itself:
+//     gelu(x) = 0.5 x (1 + tanh(u)),  tanh by tanh.approx.f32.
+// Why not gelu_fast: that one costs two special-function instructions per element (ex2 and
+// rcp), and the special-function unit delivers 16 results per clock per SM; a 128 x 256 tile's
+// epilogue (128 GELUs per consumer thread) then keeps the tensor cores idle for about a quarter
+// of the tile's K loop. tanh.approx.f32 is ONE such instruction. Its error (about 2^-11
+// relative on tanh, per the PTX ISA) reaches the result as at most ~2^-12 |x| absolute, which
+// for negative x is large relative to the tiny result (the cancellation gelu_precise avoids),
+// but is below what the half-precision inputs already put into x (the bf16 rounding of the
+// operands alone moves a K = 768 dot product by far more) and below a bf16 ulp of x: a half
+// output cannot tell. f32 and tf32 outputs keep gelu_fast.
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float sqrt_2_over_pi = 0.7978845608028654f;
+    const float u = sqrt_2_over_pi * fmaf(0.044715f * x, x * x, x);
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
+    const float half_x = 0.5f * x;
+    return fmaf(half_x, t, half_x);
 }
 // Epilogue `bias_gelu` for two adjacent columns n, n + 1 (n even) of row m, in the storage
 // type. Indices in 64 bits (M * N can approach 2^31).
@@ -245,8 +250,8 @@ __device__ __forceinline__ long long output_index(int m, int n, int M, int N, in
 __device__ __forceinline__ void finish_pair(float& v0, float& v1, float b0, float b1) {
     v0 += b0;
     v1 += b1;
-    v0 = gelu_fast(v0);
-    v1 = gelu_fast(v1);
+    v0 = gelu_tanh(v0);
+    v1 = gelu_tanh(v1);
 }
 
 __device__ __forceinline__ void store_output_pair(storage_t* out, const storage_t* bias, const storage_t* residual,

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // Hopper GEMM the way cuBLAS builds it (sm_90a only): a persistent grid walks the output tiles; in each block one producer thread feeds a ring of 128-byte-swizzled shared-memory stages with TMA copies (one instruction per tile and operand, edges zero-filled by the hardware) while one or two consumer warpgroups issue wgmma.mma_async straight from those stages, the two sides handing stages over through mbarriers; the producer runs ahead into the next tile while the consumers store the fused epilogue from their registers; two consumers either share a tile or each take their own (ping-pong)
 // Variant: dtype=f16 epilogue=bias mma_n=192 m_tiles=1 consumers=2 split_n=0 pingpong=0 panels=1 stages=4 min_blocks=1 cluster_m=1 staged_epilogue=1 raster_m=0
-// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197712
+// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197744
 
 // ---------------------------------------------------------------------------------------------
 // matmul_wgmma_tma / matmul_wgmma_tma_bias_2779d990  (op matmul, dtype f16, epilogue bias)
@@ -53,6 +53,10 @@
 //    unit, which writes whole lines and clips the matrix edges itself. (qkv scatters rows into
 //    per-head tensors, which one 2-D map cannot describe: there the threads copy each staged row
 //    out in 16-byte pieces, which is almost as good: one head's 64 values are 128 contiguous bytes.)
+//    bias+residual reads the residual the same way round: the TMA unit loads each chunk of it
+//    into the staging buffer the chunk's outputs will be written to, in the same swizzled
+//    layout, ahead of time (see load_residual_chunk), instead of every thread loading 4-byte
+//    pairs from global memory after the K loop and waiting for them.
 //
 // Tile: BLOCK_M x BLOCK_N [128 x 192]; each consumer holds WG_M x MMA_N [64 x 192] = M_TILES
 // [1] m64n192 accumulators of 96 floats per thread (SPLIT_N [0] = 1: the consumers
@@ -361,6 +365,9 @@ static_assert(B_SLICE_ROWS % 8 == 0, "B slices start on swizzle atoms");
 // Staged epilogue: per consumer two buffers of one m64 tile x EPI_BYTES bytes of columns.
 constexpr unsigned EPI_CHUNK_BYTES = 64 * EPI_BYTES;
 constexpr unsigned STAGING_BYTES = STAGED_EPILOGUE ? CONSUMERS * 2 * EPI_CHUNK_BYTES : 0;
+constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
+constexpr int CHUNKS_PER_M64 = MMA_N / CHUNK_COLS;          // chunks across one m64 tile's columns
+constexpr int CHUNKS_PER_TILE = M_TILES * CHUNKS_PER_M64;   // chunks of one consumer's part of a tile
 
 // The MMAs of one K tile for one warpgroup (rows a_rows .. a_rows + 64 M_TILES of the A tile,
 // columns b_rows .. b_rows + WGMMA_N of the B tile), committed as one wgmma group. The
@@ -488,14 +495,13 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
                                                           int consumer, int& chunks, int row0, int col0,
                                                           storage_t* out, const storage_t* bias, const storage_t* residual,
                                                           int M, int N, int T, int n_head, const TensorMap& out_map) {
-    constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
     const int lane = threadIdx.x % 32;
     const int warp_in_group = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int p = 0; p < MMA_N / CHUNK_COLS; ++p, ++chunks) {
+        for (int p = 0; p < CHUNKS_PER_M64; ++p, ++chunks) {
             const unsigned buffer = staging + (chunks % 2) * EPI_CHUNK_BYTES;
             if (leader) tma_store_wait_read<1>();
             consumer_sync(consumer);   // everyone knows the buffer is free (and, for qkv, read)
@@ -553,6 +559,7 @@ matmul_wgmma_tma_bias_2779d990_main(storage_t* out, const storage_t* __restrict_
     const unsigned full_bar = staging + STAGING_BYTES;
     const unsigned empty_bar = full_bar + STAGES * 8;
     const unsigned turn_bar = empty_bar + STAGES * 8;   // ping-pong: turn[c], c = 0, 1
+    const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]
     auto a_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES; };
     auto b_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
 

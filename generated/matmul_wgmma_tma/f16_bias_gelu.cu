@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // Hopper GEMM the way cuBLAS builds it (sm_90a only): a persistent grid walks the output tiles; in each block one producer thread feeds a ring of 128-byte-swizzled shared-memory stages with TMA copies (one instruction per tile and operand, edges zero-filled by the hardware) while one or two consumer warpgroups issue wgmma.mma_async straight from those stages, the two sides handing stages over through mbarriers; the producer runs ahead into the next tile while the consumers store the fused epilogue from their registers; two consumers either share a tile or each take their own (ping-pong)
 // Variant: dtype=f16 epilogue=bias_gelu mma_n=192 m_tiles=1 consumers=2 split_n=0 pingpong=0 panels=1 stages=4 min_blocks=1 cluster_m=1 staged_epilogue=1 raster_m=0
-// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197712
+// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197744
 
 // ---------------------------------------------------------------------------------------------
 // matmul_wgmma_tma / matmul_wgmma_tma_bias_gelu_93459189  (op matmul, dtype f16, epilogue bias_gelu)
@@ -53,6 +53,10 @@
 //    unit, which writes whole lines and clips the matrix edges itself. (qkv scatters rows into
 //    per-head tensors, which one 2-D map cannot describe: there the threads copy each staged row
 //    out in 16-byte pieces, which is almost as good: one head's 64 values are 128 contiguous bytes.)
+//    bias+residual reads the residual the same way round: the TMA unit loads each chunk of it
+//    into the staging buffer the chunk's outputs will be written to, in the same swizzled
+//    layout, ahead of time (see load_residual_chunk), instead of every thread loading 4-byte
+//    pairs from global memory after the K loop and waiting for them.
 //
 // Tile: BLOCK_M x BLOCK_N [128 x 192]; each consumer holds WG_M x MMA_N [64 x 192] = M_TILES
 // [1] m64n192 accumulators of 96 floats per thread (SPLIT_N [0] = 1: the consumers
@@ -283,19 +287,24 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[96], unsigned long long des
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "l"(desc_a), "l"(desc_b), "r"(1));
 }
-// GELU exactly as gelu_precise() (the same identity, not a different approximation of GELU),
-// with the fast-math intrinsics __expf and __fdividef: ~10 instructions instead of ~25 (tanhf
-// would be ~40 with a branch). It matters when it runs once per output of a GEMM epilogue
-// (M*N times, inside a compute-bound kernel). Accuracy: __expf is within a few ulp
-// (relative error grows like |arg| * 2^-24, ~1e-6 at the largest arguments that matter) and
-// that error is damped by e/(1+e) <= 1 in the result, so gelu_fast stays within ~1e-6
-// relative of gelu_precise, well inside the f32 bar (1e-5). Limits are right: x -> +inf gives
-// x / 1, x -> -inf gives x / inf = -0 (__fdividef returns 0 once the divisor exceeds 2^126,
-// where the true value is below 1e-37 anyway).
-__device__ __forceinline__ float gelu_fast(float x) {
-    const float minus_2_sqrt_2_over_pi = -1.5957691216057308f;
-    const float u = minus_2_sqrt_2_over_pi * fmaf(0.044715f * x, x * x, x);
-    return __fdividef(x, 1.0f + __expf(u));
+// GELU for half-precision outputs of the tensor-core GEMMs, as the tanh form itself:
+//     gelu(x) = 0.5 x (1 + tanh(u)),  tanh by tanh.approx.f32.
+// Why not gelu_fast: that one costs two special-function instructions per element (ex2 and
+// rcp), and the special-function unit delivers 16 results per clock per SM; a 128 x 256 tile's
+// epilogue (128 GELUs per consumer thread) then keeps the tensor cores idle for about a quarter
+// of the tile's K loop. tanh.approx.f32 is ONE such instruction. Its error (about 2^-11
+// relative on tanh, per the PTX ISA) reaches the result as at most ~2^-12 |x| absolute, which
+// for negative x is large relative to the tiny result (the cancellation gelu_precise avoids),
+// but is below what the half-precision inputs already put into x (the bf16 rounding of the
+// operands alone moves a K = 768 dot product by far more) and below a bf16 ulp of x: a half
+// output cannot tell. f32 and tf32 outputs keep gelu_fast.
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float sqrt_2_over_pi = 0.7978845608028654f;
+    const float u = sqrt_2_over_pi * fmaf(0.044715f * x, x * x, x);
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
+    const float half_x = 0.5f * x;
+    return fmaf(half_x, t, half_x);
 }
 // Epilogue `bias_gelu` for two adjacent columns n, n + 1 (n even) of row m, in the storage
 // type. Indices in 64 bits (M * N can approach 2^31).
@@ -326,8 +335,8 @@ __device__ __forceinline__ long long output_index(int m, int n, int M, int N, in
 __device__ __forceinline__ void finish_pair(float& v0, float& v1, float b0, float b1) {
     v0 += b0;
     v1 += b1;
-    v0 = gelu_fast(v0);
-    v1 = gelu_fast(v1);
+    v0 = gelu_tanh(v0);
+    v1 = gelu_tanh(v1);
 }
 
 __device__ __forceinline__ void store_output_pair(storage_t* out, const storage_t* bias, const storage_t* residual,
@@ -377,6 +386,9 @@ static_assert(B_SLICE_ROWS % 8 == 0, "B slices start on swizzle atoms");
 // Staged epilogue: per consumer two buffers of one m64 tile x EPI_BYTES bytes of columns.
 constexpr unsigned EPI_CHUNK_BYTES = 64 * EPI_BYTES;
 constexpr unsigned STAGING_BYTES = STAGED_EPILOGUE ? CONSUMERS * 2 * EPI_CHUNK_BYTES : 0;
+constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
+constexpr int CHUNKS_PER_M64 = MMA_N / CHUNK_COLS;          // chunks across one m64 tile's columns
+constexpr int CHUNKS_PER_TILE = M_TILES * CHUNKS_PER_M64;   // chunks of one consumer's part of a tile
 
 // The MMAs of one K tile for one warpgroup (rows a_rows .. a_rows + 64 M_TILES of the A tile,
 // columns b_rows .. b_rows + WGMMA_N of the B tile), committed as one wgmma group. The
@@ -504,14 +516,13 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
                                                           int consumer, int& chunks, int row0, int col0,
                                                           storage_t* out, const storage_t* bias, const storage_t* residual,
                                                           int M, int N, int T, int n_head, const TensorMap& out_map) {
-    constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
     const int lane = threadIdx.x % 32;
     const int warp_in_group = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int p = 0; p < MMA_N / CHUNK_COLS; ++p, ++chunks) {
+        for (int p = 0; p < CHUNKS_PER_M64; ++p, ++chunks) {
             const unsigned buffer = staging + (chunks % 2) * EPI_CHUNK_BYTES;
             if (leader) tma_store_wait_read<1>();
             consumer_sync(consumer);   // everyone knows the buffer is free (and, for qkv, read)
@@ -569,6 +580,7 @@ matmul_wgmma_tma_bias_gelu_93459189_main(storage_t* out, const storage_t* __rest
     const unsigned full_bar = staging + STAGING_BYTES;
     const unsigned empty_bar = full_bar + STAGES * 8;
     const unsigned turn_bar = empty_bar + STAGES * 8;   // ping-pong: turn[c], c = 0, 1
+    const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]
     auto a_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES; };
     auto b_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
 

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // Hopper GEMM the way cuBLAS builds it (sm_90a only): a persistent grid walks the output tiles; in each block one producer thread feeds a ring of 128-byte-swizzled shared-memory stages with TMA copies (one instruction per tile and operand, edges zero-filled by the hardware) while one or two consumer warpgroups issue wgmma.mma_async straight from those stages, the two sides handing stages over through mbarriers; the producer runs ahead into the next tile while the consumers store the fused epilogue from their registers; two consumers either share a tile or each take their own (ping-pong)
 // Variant: dtype=tf32 epilogue=bias_residual mma_n=192 m_tiles=1 consumers=2 split_n=0 pingpong=0 panels=1 stages=4 min_blocks=1 cluster_m=1 staged_epilogue=1 raster_m=0
-// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197712
+// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197744
 
 // ---------------------------------------------------------------------------------------------
 // matmul_wgmma_tma / matmul_wgmma_tma_bias_residual_eaf520a2  (op matmul, dtype tf32, epilogue bias_residual)
@@ -53,6 +53,10 @@
 //    unit, which writes whole lines and clips the matrix edges itself. (qkv scatters rows into
 //    per-head tensors, which one 2-D map cannot describe: there the threads copy each staged row
 //    out in 16-byte pieces, which is almost as good: one head's 64 values are 128 contiguous bytes.)
+//    bias+residual reads the residual the same way round: the TMA unit loads each chunk of it
+//    into the staging buffer the chunk's outputs will be written to, in the same swizzled
+//    layout, ahead of time (see load_residual_chunk), instead of every thread loading 4-byte
+//    pairs from global memory after the K loop and waiting for them.
 //
 // Tile: BLOCK_M x BLOCK_N [128 x 192]; each consumer holds WG_M x MMA_N [64 x 192] = M_TILES
 // [1] m64n192 accumulators of 96 floats per thread (SPLIT_N [0] = 1: the consumers
@@ -383,6 +387,9 @@ static_assert(B_SLICE_ROWS % 8 == 0, "B slices start on swizzle atoms");
 // Staged epilogue: per consumer two buffers of one m64 tile x EPI_BYTES bytes of columns.
 constexpr unsigned EPI_CHUNK_BYTES = 64 * EPI_BYTES;
 constexpr unsigned STAGING_BYTES = STAGED_EPILOGUE ? CONSUMERS * 2 * EPI_CHUNK_BYTES : 0;
+constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
+constexpr int CHUNKS_PER_M64 = MMA_N / CHUNK_COLS;          // chunks across one m64 tile's columns
+constexpr int CHUNKS_PER_TILE = M_TILES * CHUNKS_PER_M64;   // chunks of one consumer's part of a tile
 
 // tf32: wgmma reads f32 operands from shared memory and drops their low 13 mantissa bits
 // (truncation toward zero). Rounding the tiles in shared memory first costs a read and a write
@@ -523,6 +530,22 @@ __device__ __forceinline__ void consumer_sync(int consumer) {
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + consumer) : "memory");
 }
 
+// bias+residual: the residual under chunk q of this consumer's part of a tile (origin row0,
+// col0) comes into the staging buffer of the chunk (its `chunk`-th, counted like `chunks`
+// below) by one TMA load, reported to that buffer's mbarrier. The map has the output's box and
+// swizzle, so each thread later finds its two residual values exactly where it writes its two
+// outputs. Only the consumer's leader calls this, once the buffer's previous store has read it.
+// The k-th load into a buffer is chunk 2k (+1): its waiters wait for parity (chunk / 2) & 1, and
+// a load is issued only after everyone has waited for the one before (phases never alias).
+__device__ __forceinline__ void load_residual_chunk(const TensorMap& residual_map, unsigned staging,
+                                                    unsigned residual_bar, int chunk, int q, int row0, int col0) {
+    const unsigned buffer = chunk % 2;
+    tma_store_wait_read<0>();   // the buffer's last store (chunk - 2) has read it
+    mbar_arrive_expect_tx(residual_bar + 8 * buffer, EPI_CHUNK_BYTES);   // edges count too (zero-filled)
+    tma_load_2d(staging + buffer * EPI_CHUNK_BYTES, residual_map, col0 + (q % CHUNKS_PER_M64) * CHUNK_COLS,
+                row0 + 64 * (q / CHUNKS_PER_M64), residual_bar + 8 * buffer);
+}
+
 // Stores this consumer's WG_M x MMA_N accumulators at (row0, col0) of `out` through its two
 // staging buffers, one m64 x EPI_BYTES chunk at a time. `chunks` counts the chunks this consumer
 // has staged so far (buffer = chunks % 2): before a buffer is rewritten, the store issued from it
@@ -530,19 +553,19 @@ __device__ __forceinline__ void consumer_sync(int consumer) {
 __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_TILES][ACC_REGS], unsigned staging,
                                                           int consumer, int& chunks, int row0, int col0,
                                                           storage_t* out, const storage_t* bias, const storage_t* residual,
-                                                          int M, int N, int T, int n_head, const TensorMap& out_map) {
-    constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
+                                                          int M, int N, int T, int n_head, const TensorMap& out_map,
+                                                          const TensorMap& residual_map, unsigned residual_bar) {
     const int lane = threadIdx.x % 32;
     const int warp_in_group = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
-    const bool pairs = (reinterpret_cast<unsigned long long>(residual) % (2 * sizeof(storage_t))) == 0;
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int p = 0; p < MMA_N / CHUNK_COLS; ++p, ++chunks) {
+        for (int p = 0; p < CHUNKS_PER_M64; ++p, ++chunks) {
             const unsigned buffer = staging + (chunks % 2) * EPI_CHUNK_BYTES;
-            if (leader) tma_store_wait_read<1>();
-            consumer_sync(consumer);   // everyone knows the buffer is free (and, for qkv, read)
+            // The buffer holds the chunk's residual once its load has landed (the load was only
+            // issued once the buffer's previous store had read it).
+            mbar_wait(residual_bar + 8 * (chunks % 2), (chunks / 2) & 1);
 #pragma unroll
             for (int jj = 0; jj < CHUNK_COLS / 8; ++jj) {
                 const int j = p * (CHUNK_COLS / 8) + jj;       // 8-column block of the accumulator
@@ -554,16 +577,11 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
                     const int row = warp_in_group * 16 + lane / 4 + 8 * h;   // row within the chunk
                     float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
                     finish_pair(v0, v1, b0, b1);
-                    const int m = row0 + 64 * i + row;
-                    if (m < M && n + 1 < N && pairs) {
-                        const float2 r = load2(residual + (long long)m * N + n);
-                        v0 += r.x;
-                        v1 += r.y;
-                    } else if (m < M && n < N) {
-                        v0 += to_float(residual[(long long)m * N + n]);
-                        if (n + 1 < N) v1 += to_float(residual[(long long)m * N + n + 1]);
-                    }
                     const unsigned at = buffer + staged_offset(row, (8 * jj + 2 * (lane % 4)) * STORAGE_BYTES);
+                    float2 r;
+                    asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(at) : "memory");
+                    v0 += r.x;   // zero past the matrix's edges (TMA fills them so)
+                    v1 += r.y;
                     asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(at), "f"(v0), "f"(v1) : "memory");
                 }
             }
@@ -574,6 +592,12 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
             if (leader) {
                 tma_store_2d(out_map, col0 + p * CHUNK_COLS, row0 + 64 * i, buffer);
                 tma_store_commit();
+                // The tile's first two chunks were loaded during its K loop; the rest follow
+                // here, each into the buffer just handed to the store, while the other buffer's
+                // chunk is being finished.
+                const int q = i * CHUNKS_PER_M64 + p;
+                if (q + 2 < CHUNKS_PER_TILE)
+                    load_residual_chunk(residual_map, staging, residual_bar, chunks + 2, q + 2, row0, col0);
             }
         }
 }
@@ -593,7 +617,8 @@ matmul_wgmma_tma_bias_residual_eaf520a2_main(storage_t* out, const storage_t* __
                        const storage_t* bias, const storage_t* residual, float* workspace,
                        int M, int N, int K, int T, int n_head,
                        const __grid_constant__ TensorMap inp_map, const __grid_constant__ TensorMap weight_map,
-                       const __grid_constant__ TensorMap out_map) {
+                       const __grid_constant__ TensorMap out_map,
+                       const __grid_constant__ TensorMap residual_map) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // The 128-byte swizzle is a function of address bits [4:9]: stages must start on 1024-byte
     // boundaries (dynamic shared memory is only 16-byte aligned: round up into the slack).
@@ -604,6 +629,7 @@ matmul_wgmma_tma_bias_residual_eaf520a2_main(storage_t* out, const storage_t* __
     const unsigned full_bar = staging + STAGING_BYTES;
     const unsigned empty_bar = full_bar + STAGES * 8;
     const unsigned turn_bar = empty_bar + STAGES * 8;   // ping-pong: turn[c], c = 0, 1
+    const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]
     auto a_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES; };
     auto b_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
 
@@ -624,6 +650,7 @@ matmul_wgmma_tma_bias_residual_eaf520a2_main(storage_t* out, const storage_t* __
         }
         mbar_init(turn_bar, 128);
         mbar_init(turn_bar + 8, 128);
+        for (int b = 0; b < 2 * CONSUMERS; ++b) mbar_init(residual_bar + 8 * b, 1);   // the leader's expect_tx
         // Make the initialised barriers visible to the other threads, to the async proxy (the
         // TMA unit signals them) and to the cluster's other CTAs.
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -697,11 +724,19 @@ matmul_wgmma_tma_bias_residual_eaf520a2_main(storage_t* out, const storage_t* __
                 // warpgroup keeps the tensor cores busy meanwhile.
                 retire_mmas<0>(acc, kt > 0, empty_bar + 8 * ring_stage(i - 1));
                 issue_mmas(acc, a_tile(ring_stage(i)), b_tile(ring_stage(i)), a_rows, b_rows);
+                // While the first MMAs run, fetch the residual under the tile's first two chunks
+                // (the leader waits here, not the tensor cores, for the last tile's stores to
+                // have read the buffers).
+                if (kt == 0 && threadIdx.x % 128 == 0)
+                    for (int q = 0; q < 2 && q < CHUNKS_PER_TILE; ++q)
+                        load_residual_chunk(residual_map, staging + consumer * 2 * EPI_CHUNK_BYTES,
+                                            residual_bar + consumer * 16, chunks + q, q, m0 + a_rows, n0 + b_rows);
             }
             retire_mmas<0>(acc, true, empty_bar + 8 * ring_stage(i - 1));
             // The producer is already filling the freed stages with the next tile.
             store_accumulators_staged(acc, staging + consumer * 2 * EPI_CHUNK_BYTES, consumer, chunks,
-                                      m0 + a_rows, n0 + b_rows, out, bias, residual, M, N, T, n_head, out_map);
+                                      m0 + a_rows, n0 + b_rows, out, bias, residual, M, N, T, n_head, out_map,
+                                      residual_map, residual_bar + consumer * 16);
         }
         // Shared memory must stay until the last stores have read it; wait until they are done.
         if (threadIdx.x % 128 == 0) tma_store_wait_all();

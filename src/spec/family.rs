@@ -175,7 +175,7 @@ impl Family {
             return Err(self.field_error("default", format!("the default point violates `{failed}`")));
         }
         // Evaluate every shape-time expression once so that typos surface at load time.
-        let vars = self.scope(&default_params, &default_derived, shape, limits);
+        let vars = self.scope(&default_params, &default_derived, self.epilogues[0], shape, limits);
         let mut all: Vec<(String, &Expr)> = Vec::new();
         for (i, c) in self.shape_constraints.iter().enumerate() {
             all.push((format!("constraints.shape[{i}]"), c));
@@ -273,6 +273,7 @@ impl Family {
         &self,
         params: &IndexMap<String, i64>,
         derived: &IndexMap<String, i64>,
+        epilogue: Epilogue,
         shape: &Shape,
         limits: &DeviceLimits,
     ) -> Vars {
@@ -280,6 +281,9 @@ impl Family {
         for (k, v) in shape {
             vars.set(k, *v);
         }
+        // Which op tensors the epilogue reads beyond the product's operands: a kernel may take
+        // a tensor map of the residual only when there is one.
+        vars.set("epilogue_residual", i64::from(epilogue == Epilogue::BiasResidual));
         vars
     }
 

@@ -170,7 +170,8 @@ impl Variant {
     }
 
     pub(super) fn vars(&self, shape: &Shape, limits: &DeviceLimits) -> Vars {
-        self.family.scope(&self.params, &self.derived, shape, limits)
+        self.family
+            .scope(&self.params, &self.derived, self.epilogue, shape, limits)
     }
 
     /// Whether the variant can run on the device `limits` describes at all: a family with an
