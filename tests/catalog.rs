@@ -395,24 +395,27 @@ fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
         assert!(d["smem_bytes"] <= limits.max_smem_dynamic, "{}", v.key());
         assert!(d["block_m"] <= 256 && d["block_n"] <= 256, "{}", v.key());
         assert_eq!((d["block_n"] / v.params["cluster_m"]) % 8, 0, "{}", v.key());
+        if v.params["split_k"] > 1 {
+            // the partial sums of a tile fit in the ring; no multicast or ping-pong beside split-K
+            assert!(
+                v.params["stages"] * d["stage_bytes"] >= d["block_m"] * d["block_n"] * 4,
+                "{}",
+                v.key()
+            );
+            assert_eq!((v.params["cluster_m"], v.params["pingpong"]), (1, 0), "{}", v.key());
+        }
     }
+    assert!(all.iter().any(|v| v.params["split_k"] == 4));
     let shape: kernelforge::ops::Shape = [("M", 1000), ("N", 2304), ("K", 768), ("T", 1000), ("n_head", 1)]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
     let renderer = Renderer::new(&c.templates_dir).unwrap();
-    let variant = |dtype: Dtype, params: &[(&str, i64)]| {
+    let variant_of = |dtype: Dtype, epilogue: kernelforge::ops::Epilogue, params: &[(&str, i64)]| {
         let params: Vec<(String, i64)> = params.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-        variant_with(
-            f,
-            &params,
-            dtype,
-            kernelforge::ops::Epilogue::Bias,
-            kernelforge::ops::Mask::None,
-            &limits,
-        )
-        .unwrap()
+        variant_with(f, &params, dtype, epilogue, kernelforge::ops::Mask::None, &limits).unwrap()
     };
+    let variant = |dtype: Dtype, params: &[(&str, i64)]| variant_of(dtype, kernelforge::ops::Epilogue::Bias, params);
     // Default (staged epilogue): inp, weight and out maps, boxes of 128 bytes; persistent grid.
     let v = variant(Dtype::Bf16, &[]);
     let launch = v.launches(&shape, &limits).unwrap().remove(0);
@@ -446,13 +449,55 @@ fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
     assert_eq!(launch.grid, [96, 1, 1]);
     let code = renderer.render(&v).unwrap().code;
     for want in [
-        "__cluster_dims__(CLUSTER_M, 1, 1)",
+        "__cluster_dims__(CLUSTER_SIZE, 1, 1)",
         ".multicast::cluster",
         "mapa.shared::cluster",
         "barrier.cluster.wait",
     ] {
         assert!(code.contains(want), "cluster: missing {want}");
     }
+    // Split-K: 4 CTAs per tile (whole clusters, K cut in 4 slices of 3 K tiles each) exchanging
+    // partial sums through distributed shared memory; bias+residual's residual map rides along.
+    let v = variant_of(Dtype::Bf16, kernelforge::ops::Epilogue::BiasResidual, &[("split_k", 4)]);
+    let launch = v.launches(&shape, &limits).unwrap().remove(0);
+    let maps: Vec<_> = launch.tensor_maps.iter().map(|m| m.arg.as_str()).collect();
+    assert_eq!(maps, ["inp", "weight", "out", "residual"]);
+    assert_eq!(
+        launch.grid,
+        [4 * 33, 1, 1],
+        "33 clusters of 4 CTAs for 96 tiles, not 132 single CTAs"
+    );
+    let code = renderer.render(&v).unwrap().code;
+    for want in [
+        "__cluster_dims__(CLUSTER_SIZE, 1, 1)",
+        "#define SPLIT_K 4",
+        "ld.shared::cluster.v4.f32",
+        "mbarrier.arrive.release.cluster.shared::cluster.b64",
+        "mbarrier.try_wait.parity.acquire.cluster",
+    ] {
+        assert!(code.contains(want), "split-K: missing {want}");
+    }
+    let short_k: kernelforge::ops::Shape = [("M", 64), ("N", 64), ("K", 192), ("T", 64), ("n_head", 1)]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let why = v.check_shape(&short_k, &limits).unwrap_err();
+    assert!(why.contains("split_k"), "3 K tiles cannot feed 4 slices: {why}");
+    let params: Vec<(String, i64)> = [("split_k", 2), ("cluster_m", 2)]
+        .iter()
+        .map(|(k, v)| (k.to_string(), *v))
+        .collect();
+    let err = variant_with(
+        f,
+        &params,
+        Dtype::Bf16,
+        kernelforge::ops::Epilogue::None,
+        kernelforge::ops::Mask::None,
+        &limits,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("split_k == 1 ||"), "{err}");
     // tf32: f32 boxes of 32 elements; A through registers (ldmatrix, rounded, register-A
     // wgmma), no rounding pass over shared memory.
     let v = variant(Dtype::Tf32, &[]);

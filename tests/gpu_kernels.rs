@@ -308,14 +308,10 @@ fn gpu_matmul_wgmma() {
     }
 }
 
-/// matmul_wgmma_tma's bias+residual with the staged epilogue, where the residual comes by TMA
-/// into the staging buffers ahead of the epilogue: the points that exercise each way the loads
-/// are scheduled (a tile of one chunk; of several, so the epilogue loads chunks 2..; ping-pong;
-/// two m64 tiles; column-split consumers; 64-byte chunks; a 2-CTA cluster), in every dtype, on
-/// shapes with several tiles per block and partial tiles both ways.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_matmul_wgmma_tma_residual_by_tma() {
+/// Verifies matmul_wgmma_tma at the given points (params over the default; the staged epilogue
+/// always), in every dtype and each of `epilogues`, on `shapes` (M, N, K, T, n_head): every
+/// variant must pass on every shape.
+fn verify_tma_points(points: &[&[(&str, i64)]], epilogues: &[Epilogue], shapes: &[[i64; 5]]) {
     let catalog = catalog_of(&["matmul_wgmma_tma"]);
     let family = &catalog.families[0];
     let gpu = Gpu::new(0).expect("a CUDA GPU");
@@ -323,39 +319,26 @@ fn gpu_matmul_wgmma_tma_residual_by_tma() {
         eprintln!("skipped: matmul_wgmma_tma needs sm_90a");
         return;
     }
-    let points: [&[(&str, i64)]; 6] = [
-        &[],
-        &[("pingpong", 1)],
-        &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2)],
-        &[("split_n", 1), ("mma_n", 128)],
-        &[("consumers", 1), ("mma_n", 64)],
-        &[("mma_n", 256), ("pingpong", 1), ("raster_m", 1)],
-    ];
     let mut variants = Vec::new();
     for dtype in &family.dtypes {
-        for point in points {
-            let overrides: Vec<(String, i64)> = point
-                .iter()
-                .chain(&[("staged_epilogue", 1)])
-                .map(|(k, v)| (k.to_string(), *v))
-                .collect();
-            variants.push(
-                variant_with(
-                    family,
-                    &overrides,
-                    *dtype,
-                    Epilogue::BiasResidual,
-                    Mask::None,
-                    &gpu.info.limits,
-                )
-                .unwrap_or_else(|e| panic!("{dtype} {point:?}: {e}")),
-            );
+        for epilogue in epilogues {
+            for point in points {
+                let overrides: Vec<(String, i64)> = point
+                    .iter()
+                    .chain(&[("staged_epilogue", 1)])
+                    .map(|(k, v)| (k.to_string(), *v))
+                    .collect();
+                variants.push(
+                    variant_with(family, &overrides, *dtype, *epilogue, Mask::None, &gpu.info.limits)
+                        .unwrap_or_else(|e| panic!("{dtype} {epilogue:?} {point:?}: {e}")),
+                );
+            }
         }
     }
     let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
     let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
-    for (m, n, k) in [(4099, 1000, 264), (333, 264, 136), (8, 72, 64)] {
-        let shape: Shape = [("M", m), ("N", n), ("K", k)]
+    for &[m, n, k, t, n_head] in shapes {
+        let shape: Shape = [("M", m), ("N", n), ("K", k), ("T", t), ("n_head", n_head)]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();
@@ -378,9 +361,56 @@ fn gpu_matmul_wgmma_tma_residual_by_tma() {
         assert_eq!(
             rows.iter().filter(|r| r.status == Status::Pass).count(),
             variants.len(),
-            "every point passes on M={m} N={n} K={k}: {rows:#?}"
+            "every variant passes on M={m} N={n} K={k}: {rows:#?}"
         );
     }
+}
+
+/// matmul_wgmma_tma's bias+residual with the staged epilogue, where the residual comes by TMA
+/// into the staging buffers ahead of the epilogue: the points that exercise each way the loads
+/// are scheduled (a tile of one chunk; of several, so the epilogue loads chunks 2..; ping-pong;
+/// two m64 tiles; column-split consumers; 64-byte chunks; a 2-CTA cluster), in every dtype, on
+/// shapes with several tiles per block and partial tiles both ways.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_residual_by_tma() {
+    verify_tma_points(
+        &[
+            &[],
+            &[("pingpong", 1)],
+            &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2)],
+            &[("split_n", 1), ("mma_n", 128)],
+            &[("consumers", 1), ("mma_n", 64)],
+            &[("mma_n", 256), ("pingpong", 1), ("raster_m", 1)],
+        ],
+        &[Epilogue::BiasResidual],
+        &[[4099, 1000, 264, 4099, 1], [333, 264, 136, 333, 1], [8, 72, 64, 8, 1]],
+    );
+}
+
+/// matmul_wgmma_tma with split-K clusters: 2 and 4 CTAs per tile adding their partial sums
+/// through distributed shared memory, each storing the chunks it owns, for every epilogue kind
+/// (the residual's TMA loads follow the owned chunks), on shapes where a cluster walks many
+/// tiles (the ring is handed back and forth), a few, and one; K slices of unequal length.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_split_k() {
+    verify_tma_points(
+        &[
+            &[("split_k", 2)],
+            &[("split_k", 4)],
+            &[("split_k", 2), ("mma_n", 96), ("m_tiles", 2)],
+            &[("split_k", 4), ("split_n", 1), ("mma_n", 128)],
+        ],
+        &[
+            Epilogue::None,
+            Epilogue::BiasGelu,
+            Epilogue::BiasResidual,
+            Epilogue::Qkv,
+        ],
+        // (M, N, K, T, n_head): qkv's heads are 84, 44 and 12 wide
+        &[[4099, 1008, 264, 4099, 4], [333, 264, 520, 111, 2], [8, 72, 256, 4, 2]],
+    );
 }
 
 /// matmul_mma alone, small: its default and one sampled point, every epilogue, both dtypes, on

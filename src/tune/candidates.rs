@@ -226,11 +226,21 @@ impl<'w> WorkloadSearch<'w> {
             .fold(f64::INFINITY, f64::min)
     }
 
-    /// The `n` fastest timed candidates, fastest first.
+    /// The fastest timed candidate of each of the `n` fastest families, fastest first: the
+    /// climb starts from different families rather than from two neighbours in one.
     pub fn leaders(&self, n: usize) -> Vec<&Variant> {
         let mut timed: Vec<&(Variant, Timing)> = self.timed.iter().collect();
         timed.sort_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
-        timed.into_iter().take(n).map(|(v, _)| v).collect()
+        let mut leaders: Vec<&Variant> = Vec::with_capacity(n);
+        for (v, _) in timed {
+            if leaders.len() == n {
+                break;
+            }
+            if leaders.iter().all(|l| l.family.name != v.family.name) {
+                leaders.push(v);
+            }
+        }
+        leaders
     }
 
     /// Successive halving: keep the best of the previous round, time them longer; the fastest

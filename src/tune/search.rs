@@ -191,8 +191,11 @@ pub fn nearest_in_pool<'p>(pool: &'p [Variant], family: &str, params: &IndexMap<
 }
 
 /// One step of the climb from `v`: each parameter moved to the next listed value below or
-/// above its own (the valid ones only; the shape is checked by the caller).
-pub fn steps(v: &Variant, limits: &DeviceLimits) -> Vec<Variant> {
+/// above its own. Where the constraints forbid that move alone (split-K needs the staged
+/// epilogue, a wider tile fewer stages, ...), the step is the point of `pool` (the workload's
+/// valid variants) that has the new value and keeps the most of `v`'s other values: otherwise
+/// the climb could never cross such a coupling one parameter at a time.
+pub fn steps(v: &Variant, pool: &[Variant], limits: &DeviceLimits) -> Vec<Variant> {
     let mut out = Vec::new();
     for (name, values) in &v.family.params {
         let Some(at) = values.iter().position(|x| *x == v.params[name]) else {
@@ -205,8 +208,18 @@ pub fn steps(v: &Variant, limits: &DeviceLimits) -> Vec<Variant> {
                 .iter()
                 .map(|(k, x)| (k.clone(), if k == name { values[i] } else { *x }))
                 .collect();
-            if let Ok(n) = variant_with(&v.family, &overrides, v.dtype, v.epilogue, v.mask, limits) {
-                out.push(n);
+            match variant_with(&v.family, &overrides, v.dtype, v.epilogue, v.mask, limits) {
+                Ok(n) => out.push(n),
+                Err(_) => {
+                    let with_value: Vec<Variant> = pool
+                        .iter()
+                        .filter(|p| p.family.name == v.family.name && p.params.get(name) == Some(&values[i]))
+                        .cloned()
+                        .collect();
+                    if let Some(n) = nearest_in_pool(&with_value, &v.family.name, &v.params) {
+                        out.push(n.clone());
+                    }
+                }
             }
         }
     }
@@ -319,7 +332,10 @@ mod tests {
         assert_eq!(names(first_round(&decode, &[], 7)), names(round));
     }
 
-    /// A step moves exactly one parameter to a neighbouring listed value.
+    /// A step moves one parameter to a neighbouring listed value, and nothing else unless the
+    /// constraints forbid that move alone; then it lands on the valid point with the new value
+    /// that keeps the most of the others (split-K from a point without the staged epilogue
+    /// turns the staged epilogue on).
     #[test]
     fn steps_move_one_parameter_to_an_adjacent_value() {
         let limits = DeviceLimits::default();
@@ -327,21 +343,39 @@ mod tests {
         let pool = pool_of(&w);
         let start = pool
             .iter()
-            .find(|v| v.family.name == "matmul_wgmma_tma" && v.params == v.family.default)
+            .find(|v| {
+                v.family.name == "matmul_wgmma_tma"
+                    && v.params
+                        .iter()
+                        .all(|(k, x)| *x == if k == "staged_epilogue" { 0 } else { v.family.default[k] })
+            })
             .unwrap();
-        let steps = steps(start, &limits);
+        let steps = steps(start, &pool, &limits);
         assert!(!steps.is_empty());
         for s in &steps {
             let moved: Vec<&String> = s.params.keys().filter(|k| s.params[*k] != start.params[*k]).collect();
-            assert_eq!(moved.len(), 1, "{}", s.key());
-            let name = moved[0];
-            let values = &start.family.params[name];
-            let (a, b) = (
-                values.iter().position(|x| *x == start.params[name]).unwrap(),
-                values.iter().position(|x| *x == s.params[name]).unwrap(),
-            );
-            assert_eq!(a.abs_diff(b), 1, "{name}: {} -> {}", start.params[name], s.params[name]);
+            let adjacent = |name: &String| {
+                let values = &start.family.params[name];
+                let a = values.iter().position(|x| *x == start.params[name]).unwrap();
+                let b = values.iter().position(|x| *x == s.params[name]).unwrap();
+                a.abs_diff(b) == 1
+            };
+            assert!(moved.iter().any(|n| adjacent(n)), "{}", s.key());
+            if moved.len() > 1 {
+                assert!(
+                    pool.iter().any(|p| p.key() == s.key()),
+                    "a compound step is a pool point"
+                );
+            }
         }
+        let split = steps.iter().find(|s| s.params["split_k"] == 2).expect("a split-K step");
+        assert_eq!(split.params["staged_epilogue"], 1, "{}", split.key());
+        let moved = split
+            .params
+            .keys()
+            .filter(|k| split.params[*k] != start.params[*k])
+            .count();
+        assert_eq!(moved, 2, "only what split-K needs changes: {}", split.key());
     }
 
     /// A point lands on itself when the pool has it, else on the member sharing most values.

@@ -366,10 +366,12 @@ fn result_for(w: &Workload, winner: Option<Entry>, from_db: bool, tried: Vec<Tri
 }
 
 /// The next round of the climb for each workload still climbing: one-parameter steps from its
-/// own best points (at most [`search::MAX_STEPS`]), then the best point of each sibling
-/// workload (same op; its nearest point in this pool; at most [`search::MAX_SIBLINGS`]), those
-/// not measured yet. A workload stops climbing when its last round gained
-/// less than [`search::MIN_GAIN`] or it has nothing new to try.
+/// best point in each of its [`search::CLIMB_FROM`] fastest families, taken in turn from each
+/// (at most [`search::MAX_STEPS`]), then the best point of each sibling workload (same op; its
+/// nearest point in this pool; at most [`search::MAX_SIBLINGS`]), those not measured yet. A
+/// round that gained less than [`search::MIN_GAIN`] ends the climb only once every step from
+/// the best point has been measured (a local optimum for one-parameter moves); until then the
+/// climb goes on with those steps alone. It also ends when there is nothing new to try.
 fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits) -> Vec<Vec<Variant>> {
     // Each workload's best point: (op, family, params).
     type Leader = (String, String, indexmap::IndexMap<String, i64>);
@@ -384,23 +386,40 @@ fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits
     let mut next = Vec::with_capacity(states.len());
     for (i, s) in states.iter_mut().enumerate() {
         let best = s.best_ms();
-        if s.climbing && best.is_finite() && best > s.best_before * (1.0 - search::MIN_GAIN) {
-            s.climbing = false;
-        }
+        let stalled = best.is_finite() && best > s.best_before * (1.0 - search::MIN_GAIN);
         s.best_before = best;
         if !s.climbing {
             next.push(Vec::new());
             continue;
         }
-        // Steps from this workload's own best points, then the siblings' best points.
+        // Steps from this workload's best point per family, interleaved (the first step of
+        // each, then the second, ...) so that truncation leaves every family some.
         let shape = &s.workload.shape;
-        let steps: Vec<Variant> = s
+        let per_leader: Vec<Vec<Variant>> = s
             .leaders(search::CLIMB_FROM)
             .into_iter()
-            .flat_map(|v| search::steps(v, limits))
-            .filter(|v| v.check_shape(shape, limits).is_ok())
+            .map(|v| {
+                let steps = search::steps(v, &s.pool, limits)
+                    .into_iter()
+                    .filter(|v| v.check_shape(shape, limits).is_ok())
+                    .collect();
+                s.unseen(steps)
+            })
             .collect();
-        let mut fresh = s.unseen(steps);
+        if stalled {
+            // Only the best point's own neighbours are left to try, if any.
+            let mut fresh = per_leader.into_iter().next().unwrap_or_default();
+            fresh.truncate(search::MAX_STEPS);
+            if fresh.is_empty() {
+                s.climbing = false;
+            }
+            next.push(fresh);
+            continue;
+        }
+        let longest = per_leader.iter().map(Vec::len).max().unwrap_or(0);
+        let mut fresh: Vec<Variant> = (0..longest)
+            .flat_map(|k| per_leader.iter().filter_map(move |steps| steps.get(k).cloned()))
+            .collect();
         fresh.truncate(search::MAX_STEPS);
         let siblings: Vec<Variant> = leaders
             .iter()
