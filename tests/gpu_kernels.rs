@@ -70,6 +70,26 @@ fn catalog_of(families: &[&str]) -> Catalog {
     catalog
 }
 
+/// Verifies `variants` on one given shape, prints a line per check and fails on any failure.
+fn verify_on_shape(
+    gpu: &Gpu,
+    compiler: &Compiler,
+    renderer: &Renderer,
+    variants: &[Variant],
+    shape: &[(&str, i64)],
+) -> Vec<Check> {
+    let shape: Shape = shape.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    let rows = verify(gpu, compiler, renderer, variants, &Shapes::Given(shape), seed(), |_| {});
+    for r in &rows {
+        eprintln!(
+            "{:40} {:42} {:?} {:?} {}",
+            r.kernel, r.shape, r.error, r.status, r.variant
+        );
+    }
+    assert_no_failures(rows.iter());
+    rows
+}
+
 /// Fails the test with every failing row listed.
 fn assert_no_failures<'a>(rows: impl Iterator<Item = &'a Check> + Clone) {
     let failures: Vec<_> = rows.clone().filter(|r| matches!(r.status, Status::Fail(_))).collect();
@@ -281,26 +301,7 @@ fn gpu_matmul_wgmma() {
     // Then partial tiles in both directions with N % 8 == 0, where the staged epilogue's TMA
     // stores (which need it) clip the edges: 333 rows, 264 = 2 x 128 + 8 columns.
     for (m, n, k) in [(4099, 1000, 264), (333, 264, 136)] {
-        let shape: Shape = [("M", m), ("N", n), ("K", k)]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        let rows = verify(
-            &gpu,
-            &compiler,
-            &renderer,
-            &variants,
-            &Shapes::Given(shape),
-            seed(),
-            |_| {},
-        );
-        for r in &rows {
-            eprintln!(
-                "{:40} {:42} {:?} {:?} {}",
-                r.kernel, r.shape, r.error, r.status, r.variant
-            );
-        }
-        assert_no_failures(rows.iter());
+        let rows = verify_on_shape(&gpu, &compiler, &renderer, &variants, &[("M", m), ("N", n), ("K", k)]);
         assert!(
             rows.iter().filter(|r| r.status == Status::Pass).count() >= 2 * 2,
             "both dtypes, both epilogues, the default at least: {rows:#?}"
@@ -338,26 +339,8 @@ fn verify_tma_points(points: &[&[(&str, i64)]], epilogues: &[Epilogue], shapes: 
     let compiler = Compiler::new(&gpu.info.arch()).expect("NVRTC");
     let renderer = Renderer::new(&catalog.templates_dir).expect("templates");
     for &[m, n, k, t, n_head] in shapes {
-        let shape: Shape = [("M", m), ("N", n), ("K", k), ("T", t), ("n_head", n_head)]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        let rows = verify(
-            &gpu,
-            &compiler,
-            &renderer,
-            &variants,
-            &Shapes::Given(shape),
-            seed(),
-            |_| {},
-        );
-        for r in &rows {
-            eprintln!(
-                "{:40} {:42} {:?} {:?} {}",
-                r.kernel, r.shape, r.error, r.status, r.variant
-            );
-        }
-        assert_no_failures(rows.iter());
+        let shape = [("M", m), ("N", n), ("K", k), ("T", t), ("n_head", n_head)];
+        let rows = verify_on_shape(&gpu, &compiler, &renderer, &variants, &shape);
         assert_eq!(
             rows.iter().filter(|r| r.status == Status::Pass).count(),
             variants.len(),
