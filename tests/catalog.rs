@@ -498,6 +498,23 @@ fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("split_k == 1 ||"), "{err}");
+    // qkv: out seen as the [3 B n_head T, HS] matrix of its heads, so that a chunk of one head
+    // and 64 positions is one box; heads that are not a multiple of 64 wide are refused.
+    let v = variant_of(Dtype::Bf16, kernelforge::ops::Epilogue::Qkv, &[]);
+    let gpt2: kernelforge::ops::Shape = [("M", 2048), ("N", 2304), ("K", 768), ("T", 1024), ("n_head", 12)]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let launch = v.launches(&gpt2, &limits).unwrap().remove(0);
+    let out = launch.tensor_maps.iter().find(|m| m.arg == "out").unwrap();
+    assert_eq!(
+        (out.rows, out.cols, out.box_rows, out.box_cols),
+        (2048 * 36, 64, 64, 64)
+    );
+    let mut narrow_heads = gpt2.clone();
+    narrow_heads.insert("n_head".into(), 8);
+    let why = v.check_shape(&narrow_heads, &limits).unwrap_err();
+    assert!(why.contains("epilogue_qkv"), "96-wide heads: {why}");
     // tf32: f32 boxes of 32 elements; A through registers (ldmatrix, rounded, register-A
     // wgmma), no rounding pass over shared memory.
     let v = variant(Dtype::Tf32, &[]);

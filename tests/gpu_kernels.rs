@@ -391,8 +391,36 @@ fn gpu_matmul_wgmma_tma_split_k() {
             Epilogue::BiasResidual,
             Epilogue::Qkv,
         ],
-        // (M, N, K, T, n_head): qkv's heads are 84, 44 and 12 wide
-        &[[4099, 1008, 264, 4099, 4], [333, 264, 520, 111, 2], [8, 72, 256, 4, 2]],
+        // (M, N, K, T, n_head), heads 64 wide: qkv stores by TMA (T % 64 == 0) on the first and
+        // the last, copies chunk by chunk on the second
+        &[
+            [4096, 1536, 264, 1024, 8],
+            [333, 384, 520, 111, 2],
+            [64, 384, 256, 64, 2],
+        ],
+    );
+}
+
+/// matmul_wgmma_tma's qkv epilogue with the staged epilogue: with T % 64 == 0 each chunk (one
+/// head, 64 positions) goes out as one TMA store into the [3, B, n_head, T, HS] tensors; with
+/// other T the threads copy it; on GPT-2's shape and on small ones, one tile or many.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_qkv_heads() {
+    verify_tma_points(
+        &[
+            &[],
+            &[("pingpong", 1)],
+            &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2)],
+            &[("consumers", 1), ("mma_n", 64)],
+            &[("split_n", 1), ("mma_n", 128)],
+        ],
+        &[Epilogue::Qkv],
+        &[
+            [2048, 2304, 768, 1024, 12],
+            [300, 384, 136, 100, 2],
+            [128, 1152, 64, 64, 6],
+        ],
     );
 }
 

@@ -51,8 +51,10 @@
 //    finished values (bias, GELU, residual applied, converted to bf16) into a swizzled
 //    shared-memory chunk of 64 rows x EPI_BYTES [128] bytes, and one thread hands the chunk to the TMA
 //    unit, which writes whole lines and clips the matrix edges itself. (qkv scatters rows into
-//    per-head tensors, which one 2-D map cannot describe: there the threads copy each staged row
-//    out in 16-byte pieces, which is almost as good: one head's 64 values are 128 contiguous bytes.)
+//    per-head tensors [3, B, n_head, T, HS]: seen as a matrix of HS columns, 64 positions of one
+//    head are 64 consecutive rows, so a chunk that holds one head's columns is still one TMA
+//    store (out_map describes that view for qkv); only when T % 64 != 0, and a chunk could
+//    straddle two sequences, the threads copy each staged row out in 16-byte pieces.)
 //    bias+residual reads the residual the same way round: the TMA unit loads each chunk of it
 //    into the staging buffer the chunk's outputs will be written to, in the same swizzled
 //    layout, ahead of time (see load_residual_chunk), instead of every thread loading 4-byte
@@ -486,7 +488,17 @@ __device__ __forceinline__ void consumer_sync(int consumer) {
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + consumer) : "memory");
 }
 
-// qkv: copies a staged chunk (64 rows from row0, EPI_BYTES of columns from col0) to its scattered
+// qkv's head view (out_map for qkv): output element (m, n) = row `row`, column `col` of the
+// [3 B n_head T, HS] matrix that q, k and v form back to back (see output_index).
+__device__ __forceinline__ void head_view_origin(int m, int n, int M, int N, int T, int n_head, int& row, int& col) {
+    const int C = N / 3, HS = C / n_head;
+    const int which = n / C, c = n - which * C, h = c / HS;
+    const int b = m / T, t = m - b * T;
+    row = ((which * (M / T) + b) * n_head + h) * T + t;
+    col = c - h * HS;
+}
+
+// qkv when T % 64 != 0: copies a staged chunk (64 rows from row0, EPI_BYTES of columns from col0) to its scattered
 // place, one 16-byte segment (8 consecutive columns) per thread and step: consecutive threads take
 // consecutive segments of a row, which lie within one head (HS % 8 == 0) and so are contiguous
 // in the destination. Segments that do not qualify go element by element.
@@ -530,7 +542,8 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
             const int q = i * CHUNKS_PER_M64 + p;
             if (q % SPLIT_K != split) continue;   // another CTA of the cluster stores it
             const unsigned buffer = staging + (chunks % 2) * EPI_CHUNK_BYTES;
-            consumer_sync(consumer);   // everyone knows the buffer is free (and, for qkv, read)
+            if (leader) tma_store_wait_read<1>();
+            consumer_sync(consumer);   // everyone knows the buffer is free (and, for a copied qkv chunk, read)
 #pragma unroll
             for (int jj = 0; jj < CHUNK_COLS / 8; ++jj) {
                 const int j = p * (CHUNK_COLS / 8) + jj;       // 8-column block of the accumulator
@@ -552,7 +565,18 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
             // async proxy: fence, then make sure every thread's part is in before the store.
             wgmma_fence_proxy_async();
             consumer_sync(consumer);
-            copy_chunk_out(buffer, out, row0 + 64 * i, col0 + p * CHUNK_COLS, M, N, T, n_head);
+            if (T % 64 == 0) {   // 64 positions of one sequence and (spec: HS % 64 == 0) one head
+                // M = B T is then a multiple of 64 too, so a chunk is all inside or all past M;
+                // the head view has no edge there (its rows go on into k and v): skip the latter.
+                if (leader && row0 + 64 * i < M) {
+                    int row, col;
+                    head_view_origin(row0 + 64 * i, col0 + p * CHUNK_COLS, M, N, T, n_head, row, col);
+                    tma_store_2d(out_map, col, row, buffer);
+                    tma_store_commit();
+                }
+            } else {
+                copy_chunk_out(buffer, out, row0 + 64 * i, col0 + p * CHUNK_COLS, M, N, T, n_head);
+            }
             ++chunks;
         }
 }
@@ -686,5 +710,7 @@ matmul_wgmma_tma_qkv_90ee5d10_main(storage_t* out, const storage_t* __restrict__
             store_accumulators_staged(acc, staging + consumer * 2 * EPI_CHUNK_BYTES, consumer, chunks,
                                       m0 + a_rows, n0 + b_rows, out, bias, residual, M, N, T, n_head, out_map, split);
         }
+        // Shared memory must stay until the last stores have read it; wait until they are done.
+        if (threadIdx.x % 128 == 0) tma_store_wait_all();
     }
 }

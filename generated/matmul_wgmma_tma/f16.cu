@@ -51,8 +51,10 @@
 //    finished values (bias, GELU, residual applied, converted to f16) into a swizzled
 //    shared-memory chunk of 64 rows x EPI_BYTES [128] bytes, and one thread hands the chunk to the TMA
 //    unit, which writes whole lines and clips the matrix edges itself. (qkv scatters rows into
-//    per-head tensors, which one 2-D map cannot describe: there the threads copy each staged row
-//    out in 16-byte pieces, which is almost as good: one head's 64 values are 128 contiguous bytes.)
+//    per-head tensors [3, B, n_head, T, HS]: seen as a matrix of HS columns, 64 positions of one
+//    head are 64 consecutive rows, so a chunk that holds one head's columns is still one TMA
+//    store (out_map describes that view for qkv); only when T % 64 != 0, and a chunk could
+//    straddle two sequences, the threads copy each staged row out in 16-byte pieces.)
 //    bias+residual reads the residual the same way round: the TMA unit loads each chunk of it
 //    into the staging buffer the chunk's outputs will be written to, in the same swizzled
 //    layout, ahead of time (see load_residual_chunk), instead of every thread loading 4-byte
@@ -514,7 +516,7 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
             if (q % SPLIT_K != split) continue;   // another CTA of the cluster stores it
             const unsigned buffer = staging + (chunks % 2) * EPI_CHUNK_BYTES;
             if (leader) tma_store_wait_read<1>();
-            consumer_sync(consumer);   // everyone knows the buffer is free (and, for qkv, read)
+            consumer_sync(consumer);   // everyone knows the buffer is free (and, for a copied qkv chunk, read)
 #pragma unroll
             for (int jj = 0; jj < CHUNK_COLS / 8; ++jj) {
                 const int j = p * (CHUNK_COLS / 8) + jj;       // 8-column block of the accumulator

@@ -281,9 +281,10 @@ impl Family {
         for (k, v) in shape {
             vars.set(k, *v);
         }
-        // Which op tensors the epilogue reads beyond the product's operands: a kernel may take
-        // a tensor map of the residual only when there is one.
+        // What the epilogue reads and writes beyond a plain matrix: a kernel may take a tensor
+        // map of the residual only when there is one, and views qkv's output as per-head rows.
         vars.set("epilogue_residual", i64::from(epilogue == Epilogue::BiasResidual));
+        vars.set("epilogue_qkv", i64::from(epilogue == Epilogue::Qkv));
         vars
     }
 
