@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // Hopper GEMM the way cuBLAS builds it (sm_90a only): a persistent grid walks the output tiles; in each block one producer thread feeds a ring of 128-byte-swizzled shared-memory stages with TMA copies (one instruction per tile and operand, edges zero-filled by the hardware) while one or two consumer warpgroups issue wgmma.mma_async straight from those stages, the two sides handing stages over through mbarriers; the producer runs ahead into the next tile while the consumers store the fused epilogue from their registers; two consumers either share a tile or each take their own (ping-pong)
 // Variant: dtype=f16 epilogue=bias mma_n=192 m_tiles=1 consumers=2 split_k=1 split_n=0 pingpong=0 panels=1 stages=4 min_blocks=1 cluster_m=1 staged_epilogue=1 raster_m=0
-// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=197760
+// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=199296
 
 // ---------------------------------------------------------------------------------------------
 // matmul_wgmma_tma / matmul_wgmma_tma_bias_fbfcaaf6  (op matmul, dtype f16, epilogue bias)
@@ -376,6 +376,8 @@ static_assert(B_SLICE_ROWS % 8 == 0, "B slices start on swizzle atoms");
 // Staged epilogue: per consumer two buffers of one m64 tile x EPI_BYTES bytes of columns.
 constexpr unsigned EPI_CHUNK_BYTES = 64 * EPI_BYTES;
 constexpr unsigned STAGING_BYTES = STAGED_EPILOGUE ? CONSUMERS * 2 * EPI_CHUNK_BYTES : 0;
+// ... and per consumer the bias of its MMA_N columns, as floats.
+constexpr unsigned BIAS_BYTES = STAGED_EPILOGUE ? CONSUMERS * MMA_N * 4 : 0;
 constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
 constexpr int CHUNKS_PER_M64 = MMA_N / CHUNK_COLS;          // chunks across one m64 tile's columns
 constexpr int CHUNKS_PER_TILE = M_TILES * CHUNKS_PER_M64;   // chunks of one consumer's part of a tile
@@ -504,7 +506,7 @@ __device__ __forceinline__ void consumer_sync(int consumer) {
 // (buffer = chunks % 2): before a buffer is rewritten, the store issued from it two chunks ago
 // must have finished reading it.
 __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_TILES][ACC_REGS], unsigned staging,
-                                                          int consumer, int& chunks, int row0, int col0,
+                                                          unsigned bias_s, int consumer, int& chunks, int row0, int col0,
                                                           storage_t* out, const storage_t* bias, const storage_t* residual,
                                                           int M, int N, int T, int n_head, const TensorMap& out_map, int split) {
     const int lane = threadIdx.x % 32;
@@ -523,8 +525,9 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
             for (int jj = 0; jj < CHUNK_COLS / 8; ++jj) {
                 const int j = p * (CHUNK_COLS / 8) + jj;       // 8-column block of the accumulator
                 const int n = col0 + 8 * j + 2 * (lane % 4);    // this thread's first column
-                const float b0 = n < N ? to_float(bias[n]) : 0.0f;
-                const float b1 = n + 1 < N ? to_float(bias[n + 1]) : 0.0f;
+                float b0, b1;   // bias[n], bias[n + 1] from shared memory (zeros past N)
+                asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];\n"
+                             : "=f"(b0), "=f"(b1) : "r"(bias_s + 4 * (n - col0)) : "memory");
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = warp_in_group * 16 + lane / 4 + 8 * h;   // row within the chunk
@@ -571,7 +574,8 @@ matmul_wgmma_tma_bias_fbfcaaf6_main(storage_t* out, const storage_t* __restrict_
     // address the peers' stages and barriers by the local offsets.
     const unsigned smem_base = (smem_address(smem_raw) + 1023u) & ~1023u;
     const unsigned staging = smem_base + STAGES * STAGE_BYTES;   // the staged epilogue's buffers
-    const unsigned full_bar = staging + STAGING_BYTES;
+    const unsigned bias_smem = staging + STAGING_BYTES;   // the staged epilogue's bias: [consumer][MMA_N]
+    const unsigned full_bar = bias_smem + BIAS_BYTES;
     const unsigned empty_bar = full_bar + STAGES * 8;
     const unsigned turn_bar = empty_bar + STAGES * 8;   // ping-pong: turn[c], c = 0, 1
     const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]
@@ -660,6 +664,16 @@ matmul_wgmma_tma_bias_fbfcaaf6_main(storage_t* out, const storage_t* __restrict_
             }
             int m0, n0;
             unit_origin(unit, units_m, tiles_n, rank, m0, n0);
+            // This part's bias, loaded now so that the loads land during the K loop; the
+            // epilogue puts it in shared memory and reads it from there (a global load in its
+            // chunk loop would wait out its latency behind every shared-memory store).
+            constexpr int BIAS_PER_THREAD = (MMA_N + 127) / 128;
+            float bias_held[BIAS_PER_THREAD];
+#pragma unroll
+            for (int r = 0; r < BIAS_PER_THREAD; ++r) {
+                const int c = threadIdx.x % 128 + 128 * r, n = n0 + b_rows + c;
+                bias_held[r] = c < MMA_N && n < N ? to_float(bias[n]) : 0.0f;
+            }
             float acc[M_TILES][ACC_REGS];
 #pragma unroll
             for (int t = 0; t < M_TILES; ++t)
@@ -674,7 +688,16 @@ matmul_wgmma_tma_bias_fbfcaaf6_main(storage_t* out, const storage_t* __restrict_
             }
             retire_mmas<0>(acc, true, empty_bar + 8 * ring_stage(i - 1));
             // The producer is already filling the freed stages with the next tile.
-            store_accumulators_staged(acc, staging + consumer * 2 * EPI_CHUNK_BYTES, consumer, chunks,
+            const unsigned bias_s = bias_smem + consumer * MMA_N * 4;
+            // Every thread of the part has finished the last tile's epilogue (it read bias_s
+            // before that epilogue's last consumer_sync): the bias may be replaced.
+#pragma unroll
+            for (int r = 0; r < BIAS_PER_THREAD; ++r) {
+                const int c = threadIdx.x % 128 + 128 * r;
+                if (c < MMA_N) asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(bias_s + 4 * c), "f"(bias_held[r]) : "memory");
+            }
+            consumer_sync(consumer);
+            store_accumulators_staged(acc, staging + consumer * 2 * EPI_CHUNK_BYTES, bias_s, consumer, chunks,
                                       m0 + a_rows, n0 + b_rows, out, bias, residual, M, N, T, n_head, out_map, split);
         }
         // Shared memory must stay until the last stores have read it; wait until they are done.
