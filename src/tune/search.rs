@@ -226,6 +226,23 @@ pub fn steps(v: &Variant, pool: &[Variant], limits: &DeviceLimits) -> Vec<Varian
     out
 }
 
+/// The climb's next candidates from the unseen steps of each leader (the best first). While
+/// the climb gains: the leaders' steps in turn (the first of each, then the second, ...), so
+/// that the [`MAX_STEPS`] cut leaves every leader some. Once a round gained less than
+/// [`MIN_GAIN`] (`stalled`): the best leader's steps alone; none left ends the climb.
+pub fn next_steps(per_leader: Vec<Vec<Variant>>, stalled: bool) -> Vec<Variant> {
+    let mut fresh: Vec<Variant> = if stalled {
+        per_leader.into_iter().next().unwrap_or_default()
+    } else {
+        let longest = per_leader.iter().map(Vec::len).max().unwrap_or(0);
+        (0..longest)
+            .flat_map(|k| per_leader.iter().filter_map(move |steps| steps.get(k).cloned()))
+            .collect()
+    };
+    fresh.truncate(MAX_STEPS);
+    fresh
+}
+
 /// How many of the best points the climb steps from each round, how many of their steps a
 /// workload takes per round at most (the best point's first), and when it stops: after a
 /// round that improved the best time by less than [`MIN_GAIN`], or after [`MAX_ROUNDS`].
@@ -376,6 +393,40 @@ mod tests {
             .filter(|k| split.params[*k] != start.params[*k])
             .count();
         assert_eq!(moved, 2, "only what split-K needs changes: {}", split.key());
+    }
+
+    /// The leaders' steps are taken in turn and cut at MAX_STEPS; a stalled climb keeps only
+    /// the best leader's.
+    #[test]
+    fn next_steps_interleave_the_leaders_and_a_stall_keeps_the_best_ones() {
+        let pool = pool_of(&workload(Dtype::Bf16, 1024));
+        let of = |family: &str, n: usize| -> Vec<Variant> {
+            pool.iter()
+                .filter(|v| v.family.name == family)
+                .take(n)
+                .cloned()
+                .collect()
+        };
+        let (tma, mma) = (of("matmul_wgmma_tma", 20), of("matmul_mma", 3));
+        assert_eq!((tma.len(), mma.len()), (20, 3));
+        let fresh = next_steps(vec![tma.clone(), mma.clone()], false);
+        assert_eq!(fresh.len(), MAX_STEPS);
+        let names: Vec<String> = fresh.iter().map(|v| v.kernel_name()).collect();
+        let want: Vec<String> = [&tma[0], &mma[0], &tma[1], &mma[1], &tma[2], &mma[2], &tma[3]]
+            .iter()
+            .map(|v| v.kernel_name())
+            .collect();
+        assert_eq!(names[..7], want[..], "in turn, then the longer list alone");
+        assert!(fresh[7..].iter().all(|v| v.family.name == "matmul_wgmma_tma"));
+        let stalled = next_steps(vec![tma[..5].to_vec(), mma.clone()], true);
+        assert_eq!(
+            stalled.iter().map(|v| v.kernel_name()).collect::<Vec<_>>(),
+            tma[..5].iter().map(|v| v.kernel_name()).collect::<Vec<_>>()
+        );
+        assert!(
+            next_steps(vec![Vec::new(), mma], true).is_empty(),
+            "the best has nothing left: the climb ends"
+        );
     }
 
     /// A point lands on itself when the pool has it, else on the member sharing most values.

@@ -392,8 +392,7 @@ fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits
             next.push(Vec::new());
             continue;
         }
-        // Steps from this workload's best point per family, interleaved (the first step of
-        // each, then the second, ...) so that truncation leaves every family some.
+        // Steps from this workload's best point per family (see search::next_steps).
         let shape = &s.workload.shape;
         let per_leader: Vec<Vec<Variant>> = s
             .leaders(search::CLIMB_FROM)
@@ -406,34 +405,22 @@ fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits
                 s.unseen(steps)
             })
             .collect();
-        if stalled {
-            // Only the best point's own neighbours are left to try, if any.
-            let mut fresh = per_leader.into_iter().next().unwrap_or_default();
-            fresh.truncate(search::MAX_STEPS);
-            if fresh.is_empty() {
-                s.climbing = false;
-            }
-            next.push(fresh);
-            continue;
+        let mut fresh = search::next_steps(per_leader, stalled);
+        if !stalled {
+            let siblings: Vec<Variant> = leaders
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .filter_map(|(_, leader)| leader.as_ref())
+                .filter(|(op, _, _)| *op == s.key.op)
+                .filter_map(|(_, family, params)| search::nearest_in_pool(&s.pool, family, params))
+                .filter(|v| !fresh.iter().any(|f| f.kernel_name() == v.kernel_name()))
+                .cloned()
+                .collect();
+            let mut siblings = s.unseen(siblings);
+            siblings.truncate(search::MAX_SIBLINGS);
+            fresh.extend(siblings);
         }
-        let longest = per_leader.iter().map(Vec::len).max().unwrap_or(0);
-        let mut fresh: Vec<Variant> = (0..longest)
-            .flat_map(|k| per_leader.iter().filter_map(move |steps| steps.get(k).cloned()))
-            .collect();
-        fresh.truncate(search::MAX_STEPS);
-        let siblings: Vec<Variant> = leaders
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != i)
-            .filter_map(|(_, leader)| leader.as_ref())
-            .filter(|(op, _, _)| *op == s.key.op)
-            .filter_map(|(_, family, params)| search::nearest_in_pool(&s.pool, family, params))
-            .filter(|v| !fresh.iter().any(|f| f.kernel_name() == v.kernel_name()))
-            .cloned()
-            .collect();
-        let mut siblings = s.unseen(siblings);
-        siblings.truncate(search::MAX_SIBLINGS);
-        fresh.extend(siblings);
         if fresh.is_empty() {
             s.climbing = false;
         }
