@@ -177,9 +177,13 @@ pub fn first_round(pool: &[Variant], seeds: &[Variant], seed: u64) -> Vec<Varian
 /// (the first such in pool order): where another workload's best point lands in this one's
 /// pool when its exact point is not valid here (another epilogue, another shape).
 pub fn nearest_in_pool<'p>(pool: &'p [Variant], family: &str, params: &IndexMap<String, i64>) -> Option<&'p Variant> {
+    nearest(pool.iter().filter(|v| v.family.name == family), params)
+}
+
+/// Of `candidates`, the one that shares the most parameter values with `params` (the first such).
+fn nearest<'p>(candidates: impl Iterator<Item = &'p Variant>, params: &IndexMap<String, i64>) -> Option<&'p Variant> {
     let shared = |v: &Variant| params.iter().filter(|(k, x)| v.params.get(*k) == Some(x)).count();
-    pool.iter()
-        .filter(|v| v.family.name == family)
+    candidates
         .fold(None, |best: Option<(&Variant, usize)>, v| {
             let n = shared(v);
             match best {
@@ -211,12 +215,10 @@ pub fn steps(v: &Variant, pool: &[Variant], limits: &DeviceLimits) -> Vec<Varian
             match variant_with(&v.family, &overrides, v.dtype, v.epilogue, v.mask, limits) {
                 Ok(n) => out.push(n),
                 Err(_) => {
-                    let with_value: Vec<Variant> = pool
+                    let with_value = pool
                         .iter()
-                        .filter(|p| p.family.name == v.family.name && p.params.get(name) == Some(&values[i]))
-                        .cloned()
-                        .collect();
-                    if let Some(n) = nearest_in_pool(&with_value, &v.family.name, &v.params) {
+                        .filter(|p| p.family.name == v.family.name && p.params.get(name) == Some(&values[i]));
+                    if let Some(n) = nearest(with_value, &v.params) {
                         out.push(n.clone());
                     }
                 }
