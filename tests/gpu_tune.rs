@@ -281,6 +281,61 @@ fn gpu_timing_counts_gpu_time_not_launch_cost() {
     assert!((0.095..0.150).contains(&busy_gpu.median_ms), "{busy_gpu:?}");
 }
 
+/// Contestants timed in turns each get their own timing: holds of 40, 120 and 80 µs come back
+/// in that order at about those times, each from `rounds` x the plan's runs, and every call of
+/// a contestant goes to its own copies in rotation.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_time_in_turns_keeps_each_contestant_apart() {
+    use kernelforge::tune::time::{time_in_turns, Contestant, TimingPlan};
+    use std::cell::RefCell;
+    let gpu = Gpu::new(0).expect("a CUDA GPU");
+    let plan = TimingPlan {
+        warmup: 1,
+        min_runs: 6,
+        max_runs: 6,
+        target_ms: 0.0,
+    };
+    let holds_us = [40u64, 120, 80];
+    let calls: Vec<RefCell<Vec<usize>>> = holds_us.iter().map(|_| RefCell::new(Vec::new())).collect();
+    let mut contestants: Vec<Contestant> = holds_us
+        .iter()
+        .zip(&calls)
+        .map(|(&us, seen)| {
+            let gpu = &gpu;
+            Contestant {
+                copies: 3,
+                enqueue: Box::new(move |i| {
+                    seen.borrow_mut().push(i);
+                    Ok(gpu.hold(us * 1000)?)
+                }),
+            }
+        })
+        .collect();
+    let times = time_in_turns(&gpu, &plan, 4, &mut contestants).unwrap();
+    drop(contestants);
+    assert_eq!(times.len(), holds_us.len());
+    for ((t, us), seen) in times.iter().zip(holds_us).zip(&calls) {
+        eprintln!(
+            "a {us} µs hold in turns: {:.1} µs over {} runs",
+            t.median_ms * 1e3,
+            t.runs
+        );
+        assert_eq!(t.runs, 4 * 6, "{t:?}");
+        let expected = us as f64 * 1e-3;
+        assert!(
+            (expected * 0.95..expected * 1.4).contains(&t.median_ms),
+            "{us} µs: {t:?}"
+        );
+        let seen = seen.borrow();
+        assert_eq!(seen.len(), 4 * (1 + 6), "warm-up and runs of every round");
+        assert!(
+            seen.iter().all(|&i| i < 3),
+            "copy indices stay below the copies: {seen:?}"
+        );
+    }
+}
+
 /// Counts what the tuner reports, per device (what the one progress display draws).
 #[derive(Default)]
 struct Counted {

@@ -25,7 +25,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKerne
 use super::cublaslt::{fused, Choice, CublasLt, LtCase, LtPlan, Operands};
 pub use super::peer::{entry_peer, peer_cells, peer_name, PeerError, PeerRun, PEER_LEGEND};
 use super::peer::{gpu_err, head_error, head_len, head_rows};
-use super::time::{rotation_count, time_with, Timing, TimingPlan};
+use super::time::{rotation_count, time_with, Contestant, Timing, TimingPlan};
 use super::verify::tolerance;
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiler, Gpu, GpuError, RunError};
@@ -416,30 +416,86 @@ impl CublasBaseline {
         plan: &TimingPlan,
         check_rows: usize,
     ) -> Result<PeerRun, PeerError> {
+        let ready = match self.prepare_matmul(gpu, problem, dtype, check_rows)? {
+            Ok(ready) => ready,
+            Err(unavailable) => return Ok(unavailable),
+        };
+        match ready.session.time(gpu, plan) {
+            Ok(t) => Ok(ready.timed(t)),
+            Err(e) => unavailable(ready.peer, e),
+        }
+    }
+
+    /// The peer of `problem` set up on its own copies of the inputs and checked like
+    /// [`CublasBaseline::measure_matmul`] does, ready to be timed beside other kernels (see
+    /// [`ReadyPeer::contestant`]); or, when it is declined, missing or wrong, the unavailable
+    /// [`PeerRun`] that says why.
+    pub fn prepare_matmul(
+        &self,
+        gpu: &Gpu,
+        problem: &Problem,
+        dtype: Dtype,
+        check_rows: usize,
+    ) -> Result<Result<ReadyPeer<'_>, PeerRun>, PeerError> {
         let peer = peer_name(problem.epilogue);
-        let outcome = self
+        let checked = self
             .session(gpu, problem, dtype, rotation_count(problem))
-            .and_then(|mut s| {
-                let error = check(&mut s, gpu, problem, check_rows)?;
-                Ok((s.time(gpu, plan)?, error))
-            });
-        match outcome {
-            Ok((t, error)) => Ok(PeerRun {
-                peer,
-                outcome: Ok(t),
-                error: Some(error),
-            }),
-            Err(e) if e.is_fatal() => Err(e),
-            Err(e) => Ok(PeerRun {
-                peer,
-                error: match &e {
-                    PeerError::Inaccurate { error, .. } => Some(*error),
-                    _ => None,
-                },
-                outcome: Err(e.to_string()),
+            .and_then(|mut s| Ok((check(&mut s, gpu, problem, check_rows)?, s)));
+        match checked {
+            Ok((error, session)) => Ok(Ok(ReadyPeer { session, peer, error })),
+            Err(e) => unavailable(peer, e).map(Err),
+        }
+    }
+}
+
+/// A peer set up and checked on a problem (see [`CublasBaseline::prepare_matmul`]).
+pub struct ReadyPeer<'a> {
+    session: Session<'a>,
+    peer: &'static str,
+    error: f64,
+}
+
+impl<'a> ReadyPeer<'a> {
+    /// The peer as one contestant of [`super::time::time_in_turns`].
+    pub fn contestant<'c>(&'c self, gpu: &'c Gpu) -> Contestant<'c> {
+        let session = &self.session;
+        Contestant {
+            copies: session.copies.len(),
+            enqueue: Box::new(move |i| {
+                session
+                    .enqueue(gpu, i % session.copies.len())
+                    .map_err(|e| RunError::Launch {
+                        kernel: "peer".into(),
+                        message: e.to_string(),
+                    })
             }),
         }
     }
+
+    /// The [`PeerRun`] `tune` records, from the peer's timing.
+    pub fn timed(&self, t: Timing) -> PeerRun {
+        PeerRun {
+            peer: self.peer,
+            outcome: Ok(t),
+            error: Some(self.error),
+        }
+    }
+}
+
+/// A peer that could not run or failed its check, as an unavailable [`PeerRun`]; GPU errors
+/// stay errors.
+fn unavailable(peer: &'static str, e: PeerError) -> Result<PeerRun, PeerError> {
+    if e.is_fatal() {
+        return Err(e);
+    }
+    Ok(PeerRun {
+        peer,
+        error: match &e {
+            PeerError::Inaccurate { error, .. } => Some(*error),
+            _ => None,
+        },
+        outcome: Err(e.to_string()),
+    })
 }
 
 /// The honesty check on a set-up session (see [`super::peer`]).

@@ -10,7 +10,7 @@ use rand::SeedableRng;
 use super::db::{Candidate, TuneKey};
 use super::evaluate::Evaluator;
 use super::search;
-use super::time::{rotation_count, Timing};
+use super::time::{rotation_count, Contestant, Timing};
 use super::tuner::{verification_shape, workload_bytes, Progress, Tried};
 use super::workloads::Workload;
 use crate::gpu::{DeviceProblem, Gpu};
@@ -70,6 +70,13 @@ pub struct WorkloadSearch<'w> {
     /// Still climbing, and the best screen time before the last round.
     pub climbing: bool,
     pub best_before: f64,
+}
+
+/// What [`WorkloadSearch::finals`] found: the fastest finalist, and the peer's time from the
+/// same turns (when a peer ran).
+pub struct Finals {
+    pub best: Option<(Variant, Timing)>,
+    pub peer: Option<Timing>,
 }
 
 impl<'w> WorkloadSearch<'w> {
@@ -243,22 +250,37 @@ impl<'w> WorkloadSearch<'w> {
         leaders
     }
 
-    /// Successive halving: keep the best of the previous round, time them longer; the fastest
-    /// of the last round wins.
-    pub fn finals(&mut self, eval: &mut Evaluator) -> Option<(Variant, Timing)> {
+    /// Successive halving (see [`search::HALVING`]): the best candidates by screen time are
+    /// timed again, then the best of those and `peer` (the vendor's kernel, if any) in turns.
+    pub fn finals(&mut self, eval: &mut Evaluator, peer: Option<Contestant<'_>>) -> Result<Finals, String> {
+        let by_time =
+            |field: &mut Vec<(Variant, Timing)>| field.sort_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
         let mut field = self.timed.clone();
-        for round in search::halving_rounds() {
-            field.sort_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
-            field.truncate(round.keep);
-            field = field
-                .into_iter()
-                .filter_map(|(v, _)| {
-                    eval.time(&v, &self.inputs.problem, &mut self.copies, &round.plan)
-                        .ok()
-                        .map(|t| (v, t))
-                })
-                .collect();
-        }
-        field.into_iter().min_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms))
+        by_time(&mut field);
+        field.truncate(search::HALVING_KEEP);
+        let mut field: Vec<(Variant, Timing)> = field
+            .into_iter()
+            .filter_map(|(v, _)| {
+                eval.time(&v, &self.inputs.problem, &mut self.copies, &search::HALVING)
+                    .ok()
+                    .map(|t| (v, t))
+            })
+            .collect();
+        by_time(&mut field);
+        field.truncate(search::FINAL_KEEP);
+        let finalists: Vec<Variant> = field.into_iter().map(|(v, _)| v).collect();
+        let (times, peer_time) = eval.time_in_turns(
+            &finalists,
+            &self.inputs.problem,
+            &mut self.copies,
+            &search::FINAL,
+            search::FINAL_ROUNDS,
+            peer,
+        )?;
+        let best = finalists
+            .into_iter()
+            .zip(times)
+            .min_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
+        Ok(Finals { best, peer: peer_time })
     }
 }

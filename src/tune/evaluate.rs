@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::records::Resources;
-use super::time::{time_variant, Timing, TimingPlan};
+use super::time::{time_in_turns, time_variant, Contestant, Timing, TimingPlan};
 use super::verify::{error_text, run_and_compare, tolerance, RunFailure};
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
@@ -267,6 +267,61 @@ impl<'a> Evaluator<'a> {
         let outcome = work(self);
         *phase(&mut self.phases) += started.elapsed().as_secs_f64();
         outcome
+    }
+
+    /// Times `variants` in turns on `problem`'s `copies` (see [`time_in_turns`]), with `extra`
+    /// (the vendor peer) as one more contestant. Returns the variants' timings, in order, and
+    /// `extra`'s.
+    pub fn time_in_turns(
+        &mut self,
+        variants: &[Variant],
+        problem: &Problem,
+        copies: &mut [DeviceProblem],
+        plan: &TimingPlan,
+        rounds: usize,
+        extra: Option<Contestant<'_>>,
+    ) -> Result<(Vec<Timing>, Option<Timing>), String> {
+        self.clocked(
+            |p| &mut p.time_s,
+            |eval| eval.time_in_turns_now(variants, problem, copies, plan, rounds, extra),
+        )
+    }
+
+    fn time_in_turns_now(
+        &mut self,
+        variants: &[Variant],
+        problem: &Problem,
+        copies: &mut [DeviceProblem],
+        plan: &TimingPlan,
+        rounds: usize,
+        extra: Option<Contestant<'_>>,
+    ) -> Result<(Vec<Timing>, Option<Timing>), String> {
+        let gpu = self.gpu;
+        for v in variants {
+            let elems = v
+                .workspace_elems(&problem.shape, &gpu.info.limits)
+                .map_err(|e| e.to_string())?;
+            for c in copies.iter_mut() {
+                c.ensure_workspace(gpu, elems).map_err(|e| e.to_string())?;
+            }
+            self.load(v)?;
+        }
+        let copies: &[DeviceProblem] = copies;
+        let mut contestants = Vec::with_capacity(variants.len() + 1);
+        for v in variants {
+            let loaded = &self.loaded[&v.kernel_name()];
+            let launches = loaded.plan(gpu, &problem.shape).map_err(|e| e.to_string())?;
+            loaded.fill_constants(gpu, problem).map_err(|e| e.to_string())?;
+            contestants.push(Contestant {
+                copies: copies.len(),
+                enqueue: Box::new(move |i| loaded.launch(gpu, problem, &copies[i % copies.len()], &launches)),
+            });
+        }
+        let has_extra = extra.is_some();
+        contestants.extend(extra);
+        let mut times = time_in_turns(gpu, plan, rounds, &mut contestants).map_err(|e| e.to_string())?;
+        let extra_time = if has_extra { times.pop() } else { None };
+        Ok((times, extra_time))
     }
 
     fn time_now(

@@ -31,7 +31,7 @@ pub fn peer_name(epilogue: Epilogue) -> &'static str {
 }
 
 /// What the peers are, in one paragraph for legends.
-pub const PEER_LEGEND: &str = "peer: cuBLASLt with its own fused epilogue (bias; bias+GELU; bias+residual as beta = 1 with C = the residual), the fastest of up to 8 algorithms its heuristic offers (32 MiB workspace), in the row's dtype; the QKV split has no cuBLASLt epilogue, so its peer is cuBLAS + a separate split kernel (unfused); every peer is checked against the f64 reference before it is timed";
+pub const PEER_LEGEND: &str = "peer: cuBLASLt with its own fused epilogue (bias; bias+GELU; bias+residual as beta = 1 with C = the residual), the fastest of up to 8 algorithms its heuristic offers (32 MiB workspace), in the row's dtype; the QKV split has no cuBLASLt epilogue, so its peer is cuBLAS + a separate split kernel (unfused); every peer is checked against the f64 reference, then timed in turns with the tuner's finalists (so both see the same clocks)";
 
 /// Why the peer of a matmul row has no time. Every message names the problem (shape, dtype,
 /// epilogue) and, where a library answered, its status.

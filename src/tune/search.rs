@@ -263,30 +263,26 @@ pub const SCREEN: TimingPlan = TimingPlan {
     target_ms: 2.0,
 };
 
-/// The rounds of successive halving after the screen: keep the best `keep` by the previous
-/// round's median, time them again with `plan`. The last round picks the winner.
-pub struct HalvingRound {
-    pub keep: usize,
-    pub plan: TimingPlan,
-}
-
-pub fn halving_rounds() -> [HalvingRound; 2] {
-    [
-        HalvingRound {
-            keep: 8,
-            plan: TimingPlan {
-                warmup: 2,
-                min_runs: 10,
-                max_runs: 50,
-                target_ms: 10.0,
-            },
-        },
-        HalvingRound {
-            keep: 3,
-            plan: TimingPlan::default(),
-        },
-    ]
-}
+/// Successive halving after the screen: the best [`HALVING_KEEP`] by screen time are timed
+/// again with [`HALVING`]; the best [`FINAL_KEEP`] of those, and the vendor peer where the op
+/// has one, are then timed in turns ([`FINAL_ROUNDS`] rounds of [`FINAL`] each, see
+/// [`super::time::time_in_turns`]): the fastest finalist wins, and the peer's time comes from
+/// the same turns, at the same clocks.
+pub const HALVING_KEEP: usize = 8;
+pub const HALVING: TimingPlan = TimingPlan {
+    warmup: 2,
+    min_runs: 10,
+    max_runs: 50,
+    target_ms: 10.0,
+};
+pub const FINAL_KEEP: usize = 3;
+pub const FINAL_ROUNDS: usize = 4;
+pub const FINAL: TimingPlan = TimingPlan {
+    warmup: 1,
+    min_runs: 5,
+    max_runs: 50,
+    target_ms: 15.0,
+};
 
 #[cfg(test)]
 mod tests {

@@ -90,20 +90,61 @@ pub fn time_with(
     plan: &TimingPlan,
     mut body: impl FnMut(usize) -> Result<(), RunError>,
 ) -> Result<Timing, RunError> {
+    let mut samples = Vec::new();
+    sample(gpu, copies, plan, &mut body, &mut samples)?;
+    Ok(Timing::from_samples(samples))
+}
+
+/// One contestant of [`time_in_turns`]: how many input copies it rotates through, and the
+/// call that enqueues its work on copy `i % copies`.
+pub struct Contestant<'a> {
+    pub copies: usize,
+    pub enqueue: Box<dyn FnMut(usize) -> Result<(), RunError> + 'a>,
+}
+
+/// Times several contestants in turns: `rounds` rounds, in each of which every contestant gets
+/// a warm-up and `plan`'s runs. Under sustained load a GPU lowers its clocks (an H200 running
+/// the LM head's GEMM went from 1980 to 1530 MHz within 100 ms, power capping), so kernels timed
+/// one after the other are timed at different clocks; in turns, every contestant sees the same
+/// drift. Returns one timing per contestant, in order.
+pub fn time_in_turns(
+    gpu: &Gpu,
+    plan: &TimingPlan,
+    rounds: usize,
+    contestants: &mut [Contestant<'_>],
+) -> Result<Vec<Timing>, RunError> {
+    let mut samples = vec![Vec::new(); contestants.len()];
+    for _ in 0..rounds.max(1) {
+        for (c, s) in contestants.iter_mut().zip(&mut samples) {
+            sample(gpu, c.copies, plan, &mut c.enqueue, s)?;
+        }
+    }
+    Ok(samples.into_iter().map(Timing::from_samples).collect())
+}
+
+/// Appends to `samples` the times of `plan`'s warm-up then its runs of `body`.
+fn sample(
+    gpu: &Gpu,
+    copies: usize,
+    plan: &TimingPlan,
+    body: &mut dyn FnMut(usize) -> Result<(), RunError>,
+    samples: &mut Vec<f64>,
+) -> Result<(), RunError> {
     let event = || {
         gpu.ctx
             .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(GpuError::cuda("creating an event"))
     };
+    let copies = copies.max(1);
     for i in 0..plan.warmup {
         body(i % copies)?;
     }
     gpu.synchronize()?;
-    let mut samples = Vec::new();
-    let mut total = 0.0;
+    let (first, mut total) = (samples.len(), 0.0);
+    let taken = |samples: &Vec<f64>| samples.len() - first;
     // Measure in batches so that the stopping rule sees real times without a sync per launch.
-    while samples.len() < plan.max_runs && (samples.len() < plan.min_runs || total < plan.target_ms) {
-        let batch = plan.min_runs.min(plan.max_runs - samples.len()).max(1);
+    while taken(samples) < plan.max_runs && (taken(samples) < plan.min_runs || total < plan.target_ms) {
+        let batch = plan.min_runs.min(plan.max_runs - taken(samples)).max(1);
         let mut events = Vec::with_capacity(batch);
         for _ in 0..batch {
             let (start, end) = (event()?, event()?);
@@ -111,7 +152,7 @@ pub fn time_with(
             start
                 .record(&gpu.stream)
                 .map_err(GpuError::cuda("recording an event"))?;
-            body(samples.len() + events.len())?;
+            body((taken(samples) + events.len()) % copies)?;
             end.record(&gpu.stream).map_err(GpuError::cuda("recording an event"))?;
             events.push((start, end));
         }
@@ -121,7 +162,7 @@ pub fn time_with(
             total += ms;
         }
     }
-    Ok(Timing::from_samples(samples))
+    Ok(())
 }
 
 /// Times one loaded variant on `copies` uploaded copies of `problem`.

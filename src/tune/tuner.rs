@@ -18,7 +18,6 @@ use super::evaluate::Evaluator;
 pub use super::evaluate::Phases;
 use super::registry::variant_kind;
 use super::search;
-use super::time::TimingPlan;
 use super::workloads::Workload;
 use crate::codegen::Renderer;
 use crate::gpu::{Compiler, Gpu};
@@ -303,7 +302,8 @@ fn compile_and_measure(
 
 /// Finishes one workload: the pruned candidates after all if nothing else ran, the halving
 /// rounds, the vendor peer (cuBLASLt with its fused epilogue; cuBLAS + split kernel for qkv,
-/// checked on the verification rows of the real problem, then timed), the winner saved.
+/// checked on the verification rows of the real problem, then timed in turns with the
+/// finalists: see [`WorkloadSearch::finals`]), the winner saved.
 fn finish(
     s: &mut WorkloadSearch,
     eval: &mut Evaluator,
@@ -314,20 +314,27 @@ fn finish(
     let w = s.workload;
     progress.stage(&format!("{} (finals)", s.title()), 1);
     s.measure_pruned_if_nothing_ran(eval, progress)?;
-    let best = s.finals(eval);
+    // The peer is set up and checked first, then timed in turns with the finalists.
     let peer_started = Instant::now();
-    let peer = match (cublas, w.op) {
+    let prepared = match (cublas, w.op) {
         (Some(c), "matmul") => {
             let rows = s.inputs.check_shape.get("M").copied().unwrap_or(1).max(1) as usize;
             Some(
-                c.measure_matmul(eval.gpu, &s.inputs.problem, w.dtype, &TimingPlan::default(), rows)
+                c.prepare_matmul(eval.gpu, &s.inputs.problem, w.dtype, rows)
                     .map_err(|e| e.to_string())?,
             )
         }
         _ => None,
     };
     eval.phases.peer_s += peer_started.elapsed().as_secs_f64();
-    let winner = best.map(|(v, t)| Entry {
+    let ready = prepared.as_ref().and_then(|p| p.as_ref().ok());
+    let finals = s.finals(eval, ready.map(|r| r.contestant(eval.gpu)))?;
+    let peer = match (&prepared, finals.peer) {
+        (Some(Ok(ready)), Some(t)) => Some(ready.timed(t)),
+        (Some(Err(unavailable)), _) => Some(unavailable.clone()),
+        _ => None,
+    };
+    let winner = finals.best.map(|(v, t)| Entry {
         family: v.family.name.clone(),
         params: v.params.clone(),
         shape: w.shape.clone(),
