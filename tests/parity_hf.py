@@ -23,9 +23,10 @@ saves it with save_pretrained (safetensors), then checks:
 One summary line per check; exit status 1 when any check misses.
 
 `--size gpt2` builds a full-size random 124M model and prints throughput side by side:
-transformers eager forward (batch 8 x 1024) and cached greedy decode (batch 1 and 8) against
-`kernelforge bench ... --json`: kernelforge f32 and `--dtype tf32` against transformers f32,
-kernelforge `--dtype bf16` and `--dtype f16` against transformers fp16.
+transformers forward (batch 8 x 1024) and cached greedy decode (batch 1 and 8) against
+`kernelforge bench ... --json`, each kernelforge dtype against transformers in the same precision
+(f32 with TF32 off; `--dtype tf32` against f32 with TF32 matmuls on; bf16; f16), attention SDPA
+(`--hf-attention eager` for the eager one).
 
 With `--size gpt2` it also runs the strongest PyTorch decode peer (`--static-peer yes|no|only`):
 transformers bf16 with a static KV cache (`StaticCache`) and the whole greedy decode step (model,
@@ -439,23 +440,31 @@ def throughput(args):
         model.save_pretrained(mdir, safe_serialization=True)
         if args.static_peer == "only":
             return static_peer(args, mdir)
-        try:
-            model_cuda = GPT2LMHeadModel.from_pretrained(mdir, attn_implementation="eager").cuda().eval()
-        except TypeError:
-            model_cuda = model.cuda().eval()
-        runs = [(8, [], "f32"), (8, ["--dtype", "tf32"], "f32"), (8, ["--dtype", "bf16"], "fp16"),
-                (8, ["--dtype", "f16"], "fp16"), (1, [], "f32"), (1, ["--dtype", "bf16"], "fp16")]
+        # Each kernelforge dtype against transformers in the same precision (tf32: f32 tensors
+        # with TF32 matmuls allowed), attention as --hf-attention says (SDPA by default).
+        runs = [(8, [], "f32"), (8, ["--dtype", "tf32"], "tf32"), (8, ["--dtype", "bf16"], "bf16"),
+                (8, ["--dtype", "f16"], "fp16"), (1, [], "f32"), (1, ["--dtype", "bf16"], "bf16")]
         if args.unfused:
             runs += [(8, ["--unfused"], "f32"), (1, ["--unfused"], "f32")]
         wanted = set(args.dtypes.split(","))
         runs = [r for r in runs if (r[1][1] if r[1][:1] == ["--dtype"] else "f32") in wanted]
         hf = {}
-        for peer in ("f32", "fp16"):
-            if any(r[2] == peer for r in runs):
-                m = model_cuda if peer == "f32" else model_cuda.half()
-                hf.update({(peer, b): hf_throughput(m, b, args.seq, args.steps, args.repeats) for b in (1, 8)})
-        del model_cuda
-        torch.cuda.empty_cache()
+        for peer in ("f32", "tf32", "bf16", "fp16"):
+            if not any(r[2] == peer for r in runs):
+                continue
+            torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(peer, torch.float32)
+            try:
+                m = GPT2LMHeadModel.from_pretrained(mdir, attn_implementation=args.hf_attention,
+                                                    torch_dtype=torch_dtype)
+            except TypeError:
+                m = GPT2LMHeadModel.from_pretrained(mdir, torch_dtype=torch_dtype)
+            m = m.cuda().eval()
+            torch.backends.cuda.matmul.allow_tf32 = peer == "tf32"
+            hf.update({(peer, b): hf_throughput(m, b, args.seq, args.steps, args.repeats) for b in (1, 8)})
+            torch.backends.cuda.matmul.allow_tf32 = False
+            del m
+            torch.cuda.empty_cache()
+        print(f"transformers peer: attention {args.hf_attention}, same precision as each kernelforge dtype", flush=True)
         for b, extra, peer in runs:
             p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--batch", str(b),
                                      "--seq", str(args.seq), "--generate", str(args.steps),
@@ -498,6 +507,8 @@ def main():
     ap.add_argument("--unfused", action="store_true", help="throughput: also bench kernelforge --unfused")
     ap.add_argument("--static-peer", choices=["yes", "no", "only"], default="yes",
                     help="throughput: also (or only) compare bf16 decode with transformers' static cache + CUDA graph")
+    ap.add_argument("--hf-attention", choices=["sdpa", "eager"], default="sdpa",
+                    help="throughput: transformers' attention implementation for the peer")
     ap.add_argument("--dtypes", default="f32,tf32,bf16,f16",
                     help="throughput: the kernelforge dtypes to bench (comma-separated)")
     args = ap.parse_args()
