@@ -520,9 +520,10 @@ fn gpu_attention() {
 
 /// The tensor-core attention families beyond the per-op sample: every head size they compile
 /// and the edges of their tilings (one- and eight-warp blocks, two m-tiles per warp, 32- and
-/// 128-key tiles, 3- and 4-stage rings), in every dtype they list (f16 and bf16 for attention_flash_mma, f32
-/// for attention_flash_3xtf32), every mask, on awkward T (77: not a multiple of any tile; 300
-/// with a window of 37; 1024 for the f32 family) against the f64 reference with the dtype's bar.
+/// 128-key tiles, 3- and 4-stage rings), in every dtype they list (f16 and bf16 for
+/// attention_flash_mma, f32 and tf32 for attention_flash_3xtf32), every mask, on awkward T (77:
+/// not a multiple of any tile; 300 with a window of 37; 1024 for the f32 family) against the f64
+/// reference with the dtype's bar.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attention_tensor_core_tilings() {

@@ -37,7 +37,8 @@ use crate::tune::workloads::{model_workloads, Workload};
 /// many, 0 compiles on threads instead.
 ///
 /// --dtype tf32 tunes the matmuls on tensor cores (TF32 inputs, f32 accumulation, relative L2
-/// error < 1e-3) against cuBLASLt in TF32 compute; the other ops of a model stay f32.
+/// error < 1e-3) against cuBLASLt in TF32 compute, and the prefill's attention in TF32 too;
+/// the other ops of a model stay f32.
 /// --dtype f16 / bf16 stores the matmul tensors as halves (f32 accumulation, relative L2
 /// error < 1e-2) and compares with cuBLASLt on the same halves (f32 compute).
 ///
@@ -72,8 +73,8 @@ pub struct TuneArgs {
     pub seq: Vec<i64>,
     /// Precision of the matmuls: f32 (FP32 FMA), tf32 (tensor cores, f32 storage; compared
     /// with cuBLASLt in TF32 compute), f16 or bf16 (half storage, f32 accumulation; compared
-    /// with cuBLASLt on the same halves). With --model, tf32 applies to the matmul workloads only:
-    /// layernorm, attention, embedding and the other ops stay f32 (they have no tf32 kernels).
+    /// with cuBLASLt on the same halves). With --model, tf32 applies to the matmul workloads and
+    /// the prefill's attention: layernorm, embedding and the other ops stay f32.
     #[arg(long, default_value = "f32", value_parser = super::kernels::parse_dtype)]
     pub dtype: Dtype,
     /// Tune one op instead of a model (with --shape).

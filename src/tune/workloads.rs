@@ -61,9 +61,21 @@ pub fn op_dtype(requested: Dtype) -> Dtype {
     }
 }
 
+/// The dtype a kernel of `op` runs in when `requested` is asked for (`rows`: a matmul's M):
+/// matmuls follow [`matmul_dtype`]; attention takes the requested dtype as it is, tf32
+/// included (its two products are matmuls: attention_flash_3xtf32 does them in plain TF32
+/// then, one MMA per product instead of three); every other op its storage type
+/// ([`op_dtype`]). The model and the tuner share this rule.
+pub fn kernel_dtype(op: &str, rows: Option<i64>, requested: Dtype) -> Dtype {
+    match (op, rows) {
+        ("matmul", Some(rows)) => matmul_dtype(rows, requested),
+        ("matmul" | "attention", _) => requested,
+        _ => op_dtype(requested),
+    }
+}
+
 /// Every distinct kernel shape of a forward pass over `batch` sequences of `seq` tokens
-/// (prefill when seq > 1, a decode step when seq = 1). The matmuls use [`matmul_dtype`], every
-/// other op [`op_dtype`].
+/// (prefill when seq > 1, a decode step when seq = 1), each in the dtype [`kernel_dtype`] gives.
 pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtype) -> Vec<Workload> {
     let (c, nh, l) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.n_layer as i64);
     let m = batch * seq;
@@ -114,7 +126,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
             Workload {
                 role: "attention (causal)".into(),
                 op: "attention",
-                dtype: op_dtype(requested),
+                dtype: kernel_dtype("attention", None, requested),
                 epilogue: Epilogue::None,
                 mask: Mask::Causal,
                 shape: shape(&[("B", batch), ("NH", nh), ("T", seq), ("HS", c / nh), ("window", 0)]),
@@ -194,13 +206,14 @@ mod tests {
     }
 
     #[test]
-    fn tf32_applies_to_matmuls_only() {
+    fn tf32_applies_to_matmuls_and_attention_only() {
         let cfg = GPT2Config::gpt2();
         let w = model_workloads(&cfg, &[8], &[1024], Dtype::Tf32);
         assert!(w.iter().any(|w| w.op == "matmul"));
+        assert!(w.iter().any(|w| w.op == "attention" && w.dtype == Dtype::Tf32));
         for w in &w {
             // The decode step (M = 8 rows) stays f32: it is bound by reading the weights.
-            let tensor_cores = w.op == "matmul" && w.shape["M"] >= TENSOR_CORE_MIN_ROWS;
+            let tensor_cores = (w.op == "matmul" && w.shape["M"] >= TENSOR_CORE_MIN_ROWS) || w.op == "attention";
             let want = if tensor_cores { Dtype::Tf32 } else { Dtype::F32 };
             assert_eq!(w.dtype, want, "{} {} {:?}", w.role, w.op, w.shape);
         }

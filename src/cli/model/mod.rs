@@ -104,7 +104,8 @@ pub struct ModelArgs {
     #[arg(long, value_name = "LIST|all", value_parser = parse_devices)]
     pub devices: Option<DeviceSelection>,
     /// Precision. f32: everything in f32 (the CPU's only mode). GPU only: tf32 = f32 storage,
-    /// the compute-bound matmuls on tensor cores with inputs rounded to TF32; f16 / bf16 =
+    /// the compute-bound matmuls and the prefill's attention on tensor cores with inputs rounded
+    /// to TF32; f16 / bf16 =
     /// weights (converted once at load), activations and KV cache stored in 16 bits, matmuls
     /// and attention on tensor cores, f32 math and accumulation inside every kernel.
     #[arg(long, default_value = "f32", value_parser = crate::cli::kernels::parse_dtype)]

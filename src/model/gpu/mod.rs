@@ -138,9 +138,9 @@ pub struct GpuBackend {
     profiler: Option<Profiler>,
     sync_each: bool,
     launch_mode: LaunchMode,
-    /// The dtype asked for: f32; tf32 (f32 storage, the compute-bound matmuls on tensor cores,
-    /// see [`matmul_dtype`]); or f16 / bf16 (weights, activations and KV cache stored in it,
-    /// f32 math inside).
+    /// The dtype asked for: f32; tf32 (f32 storage, the compute-bound matmuls and the prefill's
+    /// attention on tensor cores, see [`crate::tune::workloads::kernel_dtype`]); or f16 / bf16
+    /// (weights, activations and KV cache stored in it, f32 math inside).
     dtype: Dtype,
     /// How decode steps run (see [`DecodeEngine`]).
     engine: DecodeEngine,

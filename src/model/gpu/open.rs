@@ -18,7 +18,7 @@ use crate::ops::{self, Storage};
 use crate::spec::{Catalog, Dtype};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::registry::Registry;
-use crate::tune::workloads::op_dtype;
+use crate::tune::workloads::kernel_dtype;
 
 impl GpuBackend {
     /// Open GPU 0, load the kernel catalog from the project folder (see
@@ -64,7 +64,7 @@ impl GpuBackend {
             op_list
                 .iter()
                 .filter_map(|&op| {
-                    let want = if op == "matmul" { dtype } else { op_dtype(dtype) };
+                    let want = kernel_dtype(op, None, dtype);
                     let found = ops::op_by_name(op).is_some() && catalog.has_dtype(op, want);
                     (!found).then(|| format!("{op} ({want})"))
                 })

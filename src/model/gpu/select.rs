@@ -10,7 +10,7 @@ use crate::gpu::{GpuError, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Launch, Points, Variant};
 use crate::tune::registry::{variant_kind, Choice};
-use crate::tune::workloads::{matmul_dtype, op_dtype};
+use crate::tune::workloads::{kernel_dtype, op_dtype};
 
 /// One selected, loaded kernel and where it is used.
 #[derive(Clone)]
@@ -80,10 +80,7 @@ impl GpuBackend {
         // The shape kernels are chosen for: this one, or the whole batch's when this backend
         // runs a slice of it (see `set_selection_batch`).
         let select_shape = self.selection_shape(contract, epilogue, &shape);
-        let dtype = match (op, select_shape.get("M")) {
-            ("matmul", Some(&rows)) => matmul_dtype(rows, self.dtype),
-            _ => op_dtype(self.dtype),
-        };
+        let dtype = kernel_dtype(op, select_shape.get("M").copied(), self.dtype);
         let key = format!(
             "{role}|{op}|{dtype}|{}|{}|{}|{:?}|{}|{}",
             epilogue.as_str(),
