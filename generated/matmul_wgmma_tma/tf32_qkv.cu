@@ -10,7 +10,7 @@
 //
 // Hopper GEMM built like cuBLAS's own (compiled for sm_90a):
 //     out[m,n] = epilogue(sum_k inp[m,k] * weight[n,k] (+ bias[n])), weight is [N, K],
-// f32 storage, TF32 products (A rounded to nearest in registers, B truncated by the tensor cores) accumulated in f32 registers by wgmma.
+// f32 storage, TF32 products (both operands truncated to TF32 by the tensor cores) accumulated in f32 registers by wgmma.
 //
 // matmul_wgmma (the family this one grows from) reaches ~0.6x cuBLAS. Three things separate
 // it from cuBLAS, and this kernel has all three:
@@ -413,13 +413,12 @@ constexpr int CHUNKS_PER_M64 = MMA_N / CHUNK_COLS;          // chunks across one
 constexpr int CHUNKS_PER_TILE = M_TILES * CHUNKS_PER_M64;   // chunks of one consumer's part of a tile
 
 // tf32: wgmma reads f32 operands from shared memory and drops their low 13 mantissa bits
-// (truncation toward zero). Rounding the tiles in shared memory first costs a read and a write
-// of every stage on top of the TMA's write and wgmma's reads, more than the 128 bytes per clock
-// shared memory delivers at the tensor cores' TF32 rate (an earlier version of this kernel did
-// that and stopped at 0.57x cuBLAS). Instead the consumers load A into registers (ldmatrix),
-// round it there and issue wgmma's register-A form; B is read from shared memory and
-// truncated. The product then has the error of one rounded and one truncated operand (relative
-// L2 about 4e-4 on random data, against 2.5e-4 for both rounded and 7e-4 for both truncated).
+// (truncation toward zero), as cuBLASLt's TF32 kernels let it. Relative L2 error about 7e-4
+// on random data (the bar is 1e-3), against 4e-4 when A is rounded to nearest first. That
+// rounding costs: in shared memory, a read and a write of every stage (an earlier version
+// stopped at 0.57x cuBLAS); in registers (ldmatrix, round, wgmma's register-A form), a
+// retired group before every K tile's fragments are loaded, 8% slower on the LM head and 3-5%
+// on the other GPT-2 shapes than reading both operands from shared memory as here (H200).
 // The MMAs of one K tile for one warpgroup (rows a_rows .. a_rows + 64 M_TILES of the A tile,
 // columns b_rows .. b_rows + WGMMA_N of the B tile), committed as one wgmma group. The
 // descriptor of m64 tile i starts at row a_rows + 64 i of each A panel, B's at row b_rows (both
@@ -431,27 +430,17 @@ __device__ __forceinline__ void issue_mmas(float (&acc)[M_TILES][ACC_REGS], unsi
     // MMAs) must precede wgmma.fence, or ptxas serialises the pipeline (warning C7515).
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i) wgmma_acc_fence(acc[i]);
-    // tf32, A from registers: load and round the whole K tile's A fragments first, each K step
-    // its own. They must stay untouched until the group retires, and ptxas does not see that:
-    // the caller lets every earlier group retire before calling (wait_group 0).
-    unsigned a_frag[PANELS][K_STEPS][M_TILES][4];
-#pragma unroll
-    for (int p = 0; p < PANELS; ++p)
-#pragma unroll
-        for (int k = 0; k < K_STEPS; ++k)
-#pragma unroll
-            for (int i = 0; i < M_TILES; ++i)
-                load_a_tf32(a_frag[p][k][i], a_stage + p * A_PANEL_BYTES, a_rows + 64 * i, k);
-    wgmma_fence();   // also orders the fragments' register writes before the wgmmas read them
+    wgmma_fence();
 #pragma unroll
     for (int p = 0; p < PANELS; ++p) {
+        const unsigned a_panel = a_stage + p * A_PANEL_BYTES + a_rows * 128;
         const unsigned b_panel = b_stage + p * B_PANEL_BYTES + b_rows * 128;
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k) {
             const unsigned long long desc_b = smem_desc_sw128(b_panel + k * 32);
 #pragma unroll
             for (int i = 0; i < M_TILES; ++i)
-                wgmma_m64_rs(acc[i], a_frag[p][k][i], desc_b);
+                wgmma_m64(acc[i], smem_desc_sw128(a_panel + i * 64 * 128 + k * 32), desc_b);
         }
     }
     wgmma_commit();
@@ -749,13 +738,10 @@ matmul_wgmma_tma_qkv_255a72a0_main(storage_t* out, const storage_t* __restrict__
                 for (int j = 0; j < ACC_REGS; ++j) acc[t][j] = 0.0f;
             for (int kt = k_begin; kt < k_end; ++kt, ++i) {
                 mbar_wait(full_bar + 8 * ring_stage(i), ring_parity(i));   // K tile i has landed
-                // A comes from registers here, and a running wgmma reads its A registers until
-                // it retires, while ptxas considers them free once the instruction is issued
-                // (it reuses the same ones for the next tile's fragments). So the previous
-                // group must retire before issue_mmas loads new fragments; the other consumer
-                // warpgroup keeps the tensor cores busy meanwhile.
-                retire_mmas<0>(acc, kt > k_begin, empty_bar + 8 * ring_stage(i - 1));
                 issue_mmas(acc, a_tile(ring_stage(i)), b_tile(ring_stage(i)), a_rows, b_rows);
+                // Keep this tile's group running; once the previous one has completed, its
+                // stage can be refilled.
+                retire_mmas<1>(acc, kt > k_begin, empty_bar + 8 * ring_stage(i - 1));
             }
             retire_mmas<0>(acc, true, empty_bar + 8 * ring_stage(i - 1));
             // The producer is already filling the freed stages with the next tile.
