@@ -114,6 +114,31 @@ fn default_that_violates_a_constraint() {
     assert!(e.contains("default: the default point violates `threads <= 64`"), "{e}");
 }
 
+/// `[[start]]` points: each the default with some params changed, checked like the default.
+#[test]
+fn start_points() {
+    let t = templates();
+    let with = |start: &str| format!("{GOOD}\n[[start]]\n{start}\n");
+    let family = parse(&with("block_size = 256\nvector_width = 1"), t.path()).unwrap();
+    assert_eq!(family.starts.len(), 1);
+    assert_eq!(family.starts[0]["block_size"], 256);
+    assert_eq!(family.starts[0]["vector_width"], 1);
+    let family = parse(&with("block_size = 64"), t.path()).unwrap();
+    assert_eq!(family.starts[0]["vector_width"], 4, "the rest comes from the default");
+    let e = error_of(&with("block_size = 96"));
+    assert!(
+        e.contains("start[0].block_size") && e.contains("96 is not in params.block_size"),
+        "{e}"
+    );
+    let e = error_of(&with("warps = 2"));
+    assert!(e.contains("start[0].warps") && e.contains("not a param"), "{e}");
+    let e = error_of(&with("block_size = 256").replace(
+        "require = [\"threads <= max_threads\"]",
+        "require = [\"threads <= max_threads\", \"threads <= 128\"]",
+    ));
+    assert!(e.contains("start[0]") && e.contains("threads <= 128"), "{e}");
+}
+
 #[test]
 fn missing_template() {
     let e = error_of(&GOOD.replace("t/ok.cu.tera", "t/nope.cu.tera"));

@@ -93,6 +93,9 @@ pub struct Family {
     pub workspace: Option<Expr>,
     pub constants: Vec<ConstantSpec>,
     pub default: IndexMap<String, i64>,
+    /// Full points the tuner's first round takes besides the default (`[[start]]` in the spec:
+    /// each the default with some params changed), checked valid like the default.
+    pub starts: Vec<IndexMap<String, i64>>,
     /// Valid points under the default (H100) limits, counted when the spec was checked (the
     /// report shows it without enumerating the space again).
     pub valid_points: usize,
@@ -173,6 +176,12 @@ impl Family {
         let (default_params, default_derived) = self.evaluate_point(&self.default, limits)?;
         if let Some(failed) = self.failed_constraint(&default_params, &default_derived, limits)? {
             return Err(self.field_error("default", format!("the default point violates `{failed}`")));
+        }
+        for (i, start) in self.starts.iter().enumerate() {
+            let (params, derived) = self.evaluate_point(start, limits)?;
+            if let Some(failed) = self.failed_constraint(&params, &derived, limits)? {
+                return Err(self.field_error(format!("start[{i}]"), format!("the point violates `{failed}`")));
+            }
         }
         // Evaluate every shape-time expression once so that typos surface at load time.
         let vars = self.scope(&default_params, &default_derived, self.epilogues[0], shape, limits);

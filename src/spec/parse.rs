@@ -26,6 +26,10 @@ struct RawSpec {
     constants: Vec<RawConstant>,
     #[serde(default)]
     default: IndexMap<String, i64>,
+    /// More points the tuner starts from besides the default (each the default with these
+    /// params changed): the family's known-good shapes for other regimes.
+    #[serde(default)]
+    start: Vec<IndexMap<String, i64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -362,6 +366,26 @@ impl Family {
         if let Some(missing) = raw.params.keys().find(|p| !raw.default.contains_key(*p)) {
             return Err(field_err("default", format!("no value for param `{missing}`")));
         }
+        // The start points: the default with some params changed, each value from its list.
+        let mut starts = Vec::with_capacity(raw.start.len());
+        for (i, changes) in raw.start.iter().enumerate() {
+            let mut point = raw.default.clone();
+            for (name, value) in changes {
+                let field = format!("start[{i}].{name}");
+                let values = raw
+                    .params
+                    .get(name)
+                    .ok_or_else(|| field_err(&field, format!("`{name}` is not a param of this family")))?;
+                if !values.contains(value) {
+                    return Err(field_err(
+                        &field,
+                        format!("{value} is not in params.{name} = {values:?}"),
+                    ));
+                }
+                point.insert(name.clone(), *value);
+            }
+            starts.push(point);
+        }
 
         let mut family = Family {
             name: f.name.clone(),
@@ -387,6 +411,7 @@ impl Family {
             workspace,
             constants,
             default: raw.default,
+            starts,
             valid_points: 0,
         };
         family.valid_points = family.check_points(&DeviceLimits::default(), &test_shape)?;

@@ -136,8 +136,9 @@ pub fn seeds_from_db(db: &TuningDb, key: &TuneKey, pool: &[Variant]) -> Vec<Vari
     out
 }
 
-/// The first round: the seeds, every family's default (when valid for the shape), and a seeded
-/// sample of each family of [`sample_size`] variants. Each variant once, seeds first.
+/// The first round: the seeds, every family's default and start points (`[[start]]` in its
+/// spec; each when valid for the shape), and a seeded sample of each family of [`sample_size`]
+/// variants. Each variant once, seeds first.
 ///
 /// The sample is the variants with the smallest hash of (seed, kernel name), not a shuffle:
 /// workloads of one op, dtype and epilogue then sample the same kernels wherever they are
@@ -157,13 +158,9 @@ pub fn first_round(pool: &[Variant], seeds: &[Variant], seed: u64) -> Vec<Varian
     }
     for family in families {
         let members: Vec<&Variant> = pool.iter().filter(|v| v.family.name == family).collect();
-        chosen.extend(
-            members
-                .iter()
-                .filter(|v| v.params == v.family.default)
-                .map(|v| (*v).clone()),
-        );
-        let mut rest: Vec<&Variant> = members.into_iter().filter(|v| v.params != v.family.default).collect();
+        let starting = |v: &Variant| v.params == v.family.default || v.family.starts.contains(&v.params);
+        chosen.extend(members.iter().filter(|v| starting(v)).map(|v| (*v).clone()));
+        let mut rest: Vec<&Variant> = members.into_iter().filter(|v| !starting(v)).collect();
         rest.sort_by_cached_key(|v| rank(v));
         let n = sample_size(rest.len() + 1);
         chosen.extend(rest.into_iter().take(n).cloned());
@@ -337,6 +334,16 @@ mod tests {
         let names: HashSet<String> = round.iter().map(Variant::kernel_name).collect();
         assert_eq!(names.len(), round.len(), "no variant twice");
         assert!(round.len() < 60, "a small first round: {}", round.len());
+        // Every family's default and start points ([[start]] in its spec) are in it.
+        for v in &pool {
+            if v.params == v.family.default || v.family.starts.contains(&v.params) {
+                assert!(names.contains(&v.kernel_name()), "{} missing", v.key());
+            }
+        }
+        assert!(
+            pool.iter().any(|v| v.family.starts.contains(&v.params)),
+            "some family has start points"
+        );
         let again: Vec<String> = first_round(&pool, &[], 7).iter().map(Variant::kernel_name).collect();
         assert_eq!(again, round.iter().map(Variant::kernel_name).collect::<Vec<_>>());
         let other: Vec<String> = first_round(&pool, &[], 8).iter().map(Variant::kernel_name).collect();
