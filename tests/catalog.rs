@@ -515,17 +515,20 @@ fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
     narrow_heads.insert("n_head".into(), 8);
     let why = v.check_shape(&narrow_heads, &limits).unwrap_err();
     assert!(why.contains("epilogue_qkv"), "96-wide heads: {why}");
-    // tf32: f32 boxes of 32 elements; A through registers (ldmatrix, rounded, register-A
-    // wgmma), no rounding pass over shared memory.
+    // tf32: f32 boxes of 32 elements; both operands straight from shared memory (the tensor
+    // cores truncate them), no rounding in registers nor a pass over shared memory.
     let v = variant(Dtype::Tf32, &[]);
     assert_eq!(v.launches(&shape, &limits).unwrap()[0].tensor_maps[0].box_cols, 32);
     let code = renderer.render(&v).unwrap().code;
-    for want in [
-        "ldmatrix.sync.aligned.m8n8.x4",
-        "cvt.rna.tf32.f32",
-        "wgmma_m64_rs(acc[i]",
-    ] {
-        assert!(code.contains(want), "tf32: missing {want}");
+    assert!(
+        code.contains("wgmma.mma_async.sync.aligned.m64n192k8.f32.tf32.tf32"),
+        "tf32 wgmma"
+    );
+    assert!(
+        code.contains("wgmma_m64(acc[i], smem_desc_sw128(a_panel"),
+        "A from shared memory"
+    );
+    for unwanted in ["wgmma_m64_rs(acc[i]", "ldmatrix.sync", "round_tf32_in_place("] {
+        assert!(!code.contains(unwanted), "tf32: {unwanted}");
     }
-    assert!(!code.contains("round_tf32_in_place("));
 }

@@ -132,30 +132,6 @@ __device__ __forceinline__ unsigned round_to_tf32(float x) {
     return r;
 }
 
-// tf32 with A from registers (wgmma's "RS" form, used by matmul_wgmma_tma): the rounding costs
-// no shared-memory traffic at all. Loads this warp's 16 x 8 slice of A for K step `k_step` of
-// the panel at `panel` (rows `row0` .. row0 + 64 of the warpgroup; row0 a multiple of 8) and
-// rounds it to TF32. The fragment is mma.sync's m16n8k8 A layout, per warp of the warpgroup
-// (warp w: rows 16 w ..): with lane = 4 group + quad,
-//     a[0]: (group, quad)   a[1]: (group + 8, quad)   a[2]: (group, quad + 4)   a[3]: (group + 8, quad + 4)
-// ldmatrix.x4 delivers exactly that when each 4-float column chunk is read as an 8 x 8 matrix
-// of 16-bit halves: matrix j gives lane l the 32-bit word l % 4 of row l / 4, and lane
-// 8 j + r supplies the address of row r of matrix j: rows r (+ 8 for j = 1, 3) of 16-byte chunk
-// 2 k_step (+ 1 for j = 2, 3), found through the 128-byte swizzle (chunk ^ row % 8). The eight
-// rows of one matrix sit in eight different chunk positions: no bank conflicts.
-__device__ __forceinline__ void load_a_tf32(unsigned (&a)[4], unsigned panel, int row0, int k_step) {
-    const int lane = threadIdx.x % 32;
-    const int r = lane % 8, j = lane / 8;
-    const int row = row0 + 16 * ((threadIdx.x / 32) % 4) + r + 8 * (j & 1);
-    const int chunk = 2 * k_step + (j >> 1);
-    const unsigned at = panel + row * 128 + ((chunk ^ r) << 4);
-    unsigned raw[4];
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
-                 : "=r"(raw[0]), "=r"(raw[1]), "=r"(raw[2]), "=r"(raw[3]) : "r"(at));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = round_to_tf32(__uint_as_float(raw[i]));
-}
-
 __device__ __forceinline__ unsigned long long smem_desc_sw128(unsigned smem_addr) {
     const unsigned long long start = (smem_addr & 0x3FFFF) >> 4;       // bits 0-13
     const unsigned long long leading = 1;                               // bits 16-29 (unused)
@@ -203,23 +179,6 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[48], unsigned long long des
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
         : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-
-// The same with A from registers (load_a_tf32): d += A (64 x 8, rounded) * B (8 x 96,
-// shared memory, truncated by the tensor cores). The A registers, like the accumulators, must
-// not be written again until a wait_group has retired this instruction; ptxas does not enforce
-// that (it hands the same registers to the next fragments), the caller must.
-__device__ __forceinline__ void wgmma_m64_rs(float (&d)[48], const unsigned (&a)[4], unsigned long long desc_b) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %53, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 "
-        "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47 }, "
-        "{ %48, %49, %50, %51 }, %52, p, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 // Epilogue `bias_residual` for two adjacent columns n, n + 1 (n even) of row m, in the storage
 // type. Indices in 64 bits (M * N can approach 2^31).
