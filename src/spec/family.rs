@@ -303,15 +303,28 @@ impl Family {
         point: &IndexMap<String, i64>,
         limits: &DeviceLimits,
     ) -> Result<Point, SpecError> {
+        self.evaluate_in_scope(point, limits).map(|(point, _)| point)
+    }
+
+    /// The derived values of one point, and the point's scope (limits, params, derived). One
+    /// scope for the whole point, each derived value added as it is computed (a derived value
+    /// may use the ones before it): building it anew per value made loading the catalog, which
+    /// evaluates every point of every family, take seconds.
+    fn evaluate_in_scope(
+        &self,
+        point: &IndexMap<String, i64>,
+        limits: &DeviceLimits,
+    ) -> Result<(Point, Vars), SpecError> {
         let mut derived = IndexMap::new();
+        let mut vars = self.point_scope(point, &derived, limits);
         for (name, e) in &self.derived {
-            let vars = self.point_scope(point, &derived, limits);
             let value = e
                 .eval(&vars)
                 .map_err(|err| self.expr_error(format!("derived.{name}"), err))?;
+            vars.set(name, value);
             derived.insert(name.clone(), value);
         }
-        Ok((point.clone(), derived))
+        Ok(((point.clone(), derived), vars))
     }
 
     /// The first `require` constraint the point violates, if any.
@@ -321,10 +334,13 @@ impl Family {
         derived: &IndexMap<String, i64>,
         limits: &DeviceLimits,
     ) -> Result<Option<&Expr>, SpecError> {
-        let vars = self.point_scope(params, derived, limits);
+        self.failed_in_scope(&self.point_scope(params, derived, limits))
+    }
+
+    fn failed_in_scope(&self, vars: &Vars) -> Result<Option<&Expr>, SpecError> {
         for (i, c) in self.require.iter().enumerate() {
             if !c
-                .holds(&vars)
+                .holds(vars)
                 .map_err(|e| self.expr_error(format!("constraints.require[{i}]"), e))?
             {
                 return Ok(Some(c));
@@ -337,9 +353,9 @@ impl Family {
     pub(super) fn points(&self, limits: &DeviceLimits) -> Result<Vec<Point>, SpecError> {
         let mut out = Vec::new();
         for point in self.all_points() {
-            let (params, derived) = self.evaluate_point(&point, limits)?;
-            if self.failed_constraint(&params, &derived, limits)?.is_none() {
-                out.push((params, derived));
+            let (point, vars) = self.evaluate_in_scope(&point, limits)?;
+            if self.failed_in_scope(&vars)?.is_none() {
+                out.push(point);
             }
         }
         Ok(out)
