@@ -324,19 +324,21 @@ __device__ __forceinline__ void issue_mmas(float (&acc)[M_TILES][ACC_REGS], unsi
     // MMAs) must precede wgmma.fence, or ptxas serialises the pipeline (warning C7515).
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i) wgmma_acc_fence(acc[i]);
+    // Two descriptors are built; every other one is an offset from them. A descriptor's start
+    // field is the address / 16 (bits 0-13, shared memory is below 256 KB), so moving it by a
+    // multiple of 16 bytes is adding bytes / 16, a compile-time constant here: no carry leaves
+    // the field, and each wgmma costs an add instead of rebuilding its descriptors.
+    const unsigned long long desc_a = smem_desc_sw128(a_stage + a_rows * 128);
+    const unsigned long long desc_b = smem_desc_sw128(b_stage + b_rows * 128);
     wgmma_fence();
 #pragma unroll
-    for (int p = 0; p < PANELS; ++p) {
-        const unsigned a_panel = a_stage + p * A_PANEL_BYTES + a_rows * 128;
-        const unsigned b_panel = b_stage + p * B_PANEL_BYTES + b_rows * 128;
+    for (int p = 0; p < PANELS; ++p)
 #pragma unroll
-        for (int k = 0; k < K_STEPS; ++k) {
-            const unsigned long long desc_b = smem_desc_sw128(b_panel + k * 32);
+        for (int k = 0; k < K_STEPS; ++k)
 #pragma unroll
             for (int i = 0; i < M_TILES; ++i)
-                wgmma_m64(acc[i], smem_desc_sw128(a_panel + i * 64 * 128 + k * 32), desc_b);
-        }
-    }
+                wgmma_m64(acc[i], desc_a + (p * A_PANEL_BYTES + i * 64 * 128 + k * 32) / 16,
+                          desc_b + (p * B_PANEL_BYTES + k * 32) / 16);
     wgmma_commit();
 }
 
