@@ -547,23 +547,35 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
             const unsigned buffer = staging + (chunks % 2) * EPI_CHUNK_BYTES;
             if (leader) tma_store_wait_read<1>();
             consumer_sync(consumer);   // everyone knows the buffer is free (and, for a copied qkv chunk, read)
+            // Halves: two 8-column blocks at a time, each a pair of 8 x 8 matrices (this warp's 16
+            // rows), leave the registers in one stmatrix.x4: the accumulator layout is exactly
+            // its fragment layout (lane l holds row l / 4, columns 2 (l % 4) and + 1 of each
+            // matrix), and lane l gives the address of row l % 8 of matrix l / 8 (matrix
+            // 2 b + h: block b of the two, rows + 8 h). One instruction and one address instead
+            // of four of each.
+            const int matrix = lane / 8;
+            const int matrix_row = warp_in_group * 16 + 8 * (matrix & 1) + lane % 8;
 #pragma unroll
-            for (int jj = 0; jj < CHUNK_COLS / 8; ++jj) {
-                const int j = p * (CHUNK_COLS / 8) + jj;       // 8-column block of the accumulator
-                const int n = col0 + 8 * j + 2 * (lane % 4);    // this thread's first column
-                float b0, b1;   // bias[n], bias[n + 1] from shared memory (zeros past N)
-                asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];\n"
-                             : "=f"(b0), "=f"(b1) : "r"(bias_s + 4 * (n - col0)) : "memory");
+            for (int jp = 0; jp < CHUNK_COLS / 16; ++jp) {
+                const unsigned at = buffer + staged_offset(matrix_row, 16 * (2 * jp + (matrix >> 1)));
+                unsigned packed[4];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = warp_in_group * 16 + lane / 4 + 8 * h;   // row within the chunk
-                    float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
-                    finish_pair(v0, v1, b0, b1);
-                    const unsigned at = buffer + staged_offset(row, (8 * jj + 2 * (lane % 4)) * STORAGE_BYTES);
-                    const storage2_t packed = from_float2(v0, v1);
-                    asm volatile("st.shared.b32 [%0], %1;\n"
-                                 :: "r"(at), "r"(*reinterpret_cast<const unsigned*>(&packed)) : "memory");
+                for (int half_block = 0; half_block < 2; ++half_block) {
+                    const int j = p * (CHUNK_COLS / 8) + 2 * jp + half_block;   // 8-column block of the accumulator
+                    const int n = col0 + 8 * j + 2 * (lane % 4);                // this thread's first column
+                    float b0, b1;   // bias[n], bias[n + 1] from shared memory (zeros past N)
+                    asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];\n"
+                                 : "=f"(b0), "=f"(b1) : "r"(bias_s + 4 * (n - col0)) : "memory");
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float v0 = acc[i][4 * j + 2 * h], v1 = acc[i][4 * j + 2 * h + 1];
+                        finish_pair(v0, v1, b0, b1);
+                        const storage2_t pair = from_float2(v0, v1);
+                        packed[2 * half_block + h] = *reinterpret_cast<const unsigned*>(&pair);
+                    }
                 }
+                asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };\n"
+                             :: "r"(at), "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]) : "memory");
             }
             // The chunk was written through the generic proxy; the TMA unit reads through the
             // async proxy: fence, then make sure every thread's part is in before the store.
