@@ -496,8 +496,8 @@ __device__ __forceinline__ void consumer_sync(int consumer) {
 // must have finished reading it.
 __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_TILES][ACC_REGS], unsigned staging,
                                                           unsigned bias_s, int consumer, int& chunks, int row0, int col0,
-                                                          storage_t* out, const storage_t* residual,
-                                                          int M, int N, int T, int n_head, const TensorMap& out_map, int split) {
+                                                          storage_t* out, int M, int N, int T, int n_head,
+                                                          const TensorMap& out_map, int split) {
     const int lane = threadIdx.x % 32;
     const int warp_in_group = (threadIdx.x / 32) % 4;
     const bool leader = threadIdx.x % 128 == 0;
@@ -685,7 +685,7 @@ matmul_wgmma_tma_bias_16089929_main(storage_t* out, const storage_t* __restrict_
             }
             consumer_sync(consumer);
             store_accumulators_staged(acc, staging + consumer * 2 * EPI_CHUNK_BYTES, bias_s, consumer, chunks,
-                                      m0 + a_rows, n0 + b_rows, out, residual, M, N, T, n_head, out_map, split);
+                                      m0 + a_rows, n0 + b_rows, out, M, N, T, n_head, out_map, split);
         }
         // Shared memory must stay until the last stores have read it; wait until they are done.
         if (threadIdx.x % 128 == 0) tma_store_wait_all();
