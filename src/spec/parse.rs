@@ -348,20 +348,25 @@ impl Family {
             })
             .collect::<Result<Vec<_>, SpecError>>()?;
 
+        // A point's value for `name` (the default's, a start point's): a param, from its list.
+        let check_value = |prefix: &str, name: &str, value: i64| -> Result<(), SpecError> {
+            let field = format!("{prefix}.{name}");
+            let values = raw
+                .params
+                .get(name)
+                .ok_or_else(|| field_err(&field, format!("`{name}` is not a param of this family")))?;
+            if values.contains(&value) {
+                Ok(())
+            } else {
+                Err(field_err(
+                    &field,
+                    format!("{value} is not in params.{name} = {values:?}"),
+                ))
+            }
+        };
         // The default point: every param, nothing else, each value from its list.
         for (name, value) in &raw.default {
-            let values = raw.params.get(name).ok_or_else(|| {
-                field_err(
-                    &format!("default.{name}"),
-                    format!("`{name}` is not a param of this family"),
-                )
-            })?;
-            if !values.contains(value) {
-                return Err(field_err(
-                    &format!("default.{name}"),
-                    format!("{value} is not in params.{name} = {values:?}"),
-                ));
-            }
+            check_value("default", name, *value)?;
         }
         if let Some(missing) = raw.params.keys().find(|p| !raw.default.contains_key(*p)) {
             return Err(field_err("default", format!("no value for param `{missing}`")));
@@ -371,17 +376,7 @@ impl Family {
         for (i, changes) in raw.start.iter().enumerate() {
             let mut point = raw.default.clone();
             for (name, value) in changes {
-                let field = format!("start[{i}].{name}");
-                let values = raw
-                    .params
-                    .get(name)
-                    .ok_or_else(|| field_err(&field, format!("`{name}` is not a param of this family")))?;
-                if !values.contains(value) {
-                    return Err(field_err(
-                        &field,
-                        format!("{value} is not in params.{name} = {values:?}"),
-                    ));
-                }
+                check_value(&format!("start[{i}]"), name, *value)?;
                 point.insert(name.clone(), *value);
             }
             starts.push(point);

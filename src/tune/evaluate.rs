@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::records::Resources;
-use super::time::{time_in_turns, time_variant, Contestant, Timing, TimingPlan};
+use super::time::{time_in_turns, Contestant, Timing, TimingPlan};
 use super::verify::{error_text, run_and_compare, tolerance, RunFailure};
 use crate::codegen::{Renderer, Source};
 use crate::gpu::{Compiled, Compiler, DeviceProblem, Gpu, LoadedVariant};
@@ -331,15 +331,8 @@ impl<'a> Evaluator<'a> {
         copies: &mut [DeviceProblem],
         plan: &TimingPlan,
     ) -> Result<Timing, String> {
-        let gpu = self.gpu;
-        let elems = v
-            .workspace_elems(&problem.shape, &gpu.info.limits)
-            .map_err(|e| e.to_string())?;
-        for c in copies.iter_mut() {
-            c.ensure_workspace(gpu, elems).map_err(|e| e.to_string())?;
-        }
-        let loaded = self.load(v)?;
-        let launches = loaded.plan(gpu, &problem.shape).map_err(|e| e.to_string())?;
-        time_variant(gpu, loaded, problem, copies, &launches, plan).map_err(|e| e.to_string())
+        // One contestant, one round: exactly `plan`'s warm-up and runs.
+        let (mut times, _) = self.time_in_turns_now(std::slice::from_ref(v), problem, copies, plan, 1, None)?;
+        Ok(times.remove(0))
     }
 }
