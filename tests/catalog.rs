@@ -524,8 +524,91 @@ fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
         code.contains("wgmma.mma_async.sync.aligned.m64n192k8.f32.tf32.tf32"),
         "tf32 wgmma"
     );
-    assert!(code.contains("wgmma_m64(acc[i], desc_a + ("), "A from shared memory");
-    for unwanted in ["wgmma_m64_rs(acc[i]", "ldmatrix.sync", "round_tf32_in_place("] {
+    assert!(
+        code.contains("wgmma_m64(acc[i], desc_a + a_offset, desc_b + b_offset)"),
+        "A from shared memory"
+    );
+    for unwanted in [
+        "wgmma_m64_rs(acc[i]",
+        "ldmatrix.sync",
+        "round_tf32_in_place(",
+        "desc_a_low",
+    ] {
         assert!(!code.contains(unwanted), "tf32: {unwanted}");
     }
+}
+
+/// The 3xTF32 sibling of the TMA family: f32 only, the same template; each product is three
+/// TF32 MMAs (the low parts first) reading the stage and the low ring, which the producer
+/// warpgroup's idle warps fill; both rings and the staging fit in shared memory; a K longer
+/// than an accumulator can sum at f32 accuracy is refused with the constraint named, and
+/// split-K brings it back.
+#[test]
+fn tma_3xtf32_family_splits_every_operand() {
+    let c = catalog();
+    let f = c.family("matmul_wgmma_tma_3xtf32").unwrap();
+    assert_eq!(f.dtypes, vec![Dtype::F32]);
+    assert_eq!(f.arch.as_ref().expect("[family] arch").name, "sm_90a");
+    let limits = DeviceLimits::default();
+    let all = expand(f, Points::All, &limits).unwrap();
+    assert!(all.len() > 100, "{}", all.len());
+    for v in &all {
+        let d = &v.derived;
+        let rings = (v.params["stages"] + v.params["low_stages"]) * d["stage_bytes"];
+        assert!(
+            rings < d["smem_bytes"] && d["smem_bytes"] <= limits.max_smem_dynamic,
+            "{}",
+            v.key()
+        );
+    }
+    let renderer = Renderer::new(&c.templates_dir).unwrap();
+    let v = variant_with(
+        f,
+        &[],
+        Dtype::F32,
+        kernelforge::ops::Epilogue::BiasGelu,
+        kernelforge::ops::Mask::None,
+        &limits,
+    )
+    .unwrap();
+    let code = renderer.render(&v).unwrap().code;
+    let mmas = [
+        "wgmma_m64(acc[i], desc_a_low + a_offset, desc_b + b_offset)",
+        "wgmma_m64(acc[i], desc_a + a_offset, desc_b_low + b_offset)",
+        "wgmma_m64(acc[i], desc_a + a_offset, desc_b + b_offset)",
+    ];
+    let at: Vec<usize> = mmas
+        .iter()
+        .map(|m| code.find(m).unwrap_or_else(|| panic!("{m}")))
+        .collect();
+    assert!(at[0] < at[1] && at[1] < at[2], "the small terms first");
+    assert!(code.contains("m64n128k8.f32.tf32.tf32"), "TF32 instructions");
+    assert!(
+        code.contains("split_stages(smem_base, low_ring"),
+        "the producer's warps split"
+    );
+    assert!(code.contains("0xFFFFE000u"), "low(x) = x - trunc(x)");
+    let shape = |k: i64| -> kernelforge::ops::Shape {
+        [("M", 1024), ("N", 768), ("K", k), ("T", 1024), ("n_head", 12)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    };
+    v.check_shape(&shape(3072), &limits).unwrap();
+    let why = v.check_shape(&shape(6400), &limits).unwrap_err();
+    assert!(why.contains("ceil_div(K, split_k) <= 4096"), "{why}");
+    let split = variant_with(
+        f,
+        &[
+            ("split_k".to_string(), 2),
+            ("mma_n".to_string(), 96),
+            ("stages".to_string(), 4),
+        ],
+        Dtype::F32,
+        kernelforge::ops::Epilogue::BiasResidual,
+        kernelforge::ops::Mask::None,
+        &limits,
+    )
+    .unwrap();
+    split.check_shape(&shape(6400), &limits).unwrap();
 }

@@ -108,15 +108,15 @@ fn gpu_matmul_wgmma() {
     }
 }
 
-/// Verifies matmul_wgmma_tma at the given points (params over the default; the staged epilogue
-/// always), in every dtype and each of `epilogues`, on `shapes` (M, N, K, T, n_head): every
-/// variant must pass on every shape.
-fn verify_tma_points(points: &[&[(&str, i64)]], epilogues: &[Epilogue], shapes: &[[i64; 5]]) {
-    let catalog = catalog_of(&["matmul_wgmma_tma"]);
+/// Verifies `family` (matmul_wgmma_tma or its 3xTF32 sibling) at the given points (params over
+/// the default; the staged epilogue always), in every dtype and each of `epilogues`, on
+/// `shapes` (M, N, K, T, n_head): every variant must pass on every shape.
+fn verify_tma_points(family: &str, points: &[&[(&str, i64)]], epilogues: &[Epilogue], shapes: &[[i64; 5]]) {
+    let catalog = catalog_of(&[family]);
     let family = &catalog.families[0];
     let gpu = Gpu::new(0).expect("a CUDA GPU");
     if gpu.info.compute_capability != (9, 0) {
-        eprintln!("skipped: matmul_wgmma_tma needs sm_90a");
+        eprintln!("skipped: {} needs sm_90a", family.name);
         return;
     }
     let mut variants = Vec::new();
@@ -157,6 +157,7 @@ fn verify_tma_points(points: &[&[(&str, i64)]], epilogues: &[Epilogue], shapes: 
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wgmma_tma_residual_by_tma() {
     verify_tma_points(
+        "matmul_wgmma_tma",
         &[
             &[],
             &[("pingpong", 1)],
@@ -178,6 +179,7 @@ fn gpu_matmul_wgmma_tma_residual_by_tma() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wgmma_tma_split_k() {
     verify_tma_points(
+        "matmul_wgmma_tma",
         &[
             &[("split_k", 2)],
             &[("split_k", 4)],
@@ -207,6 +209,7 @@ fn gpu_matmul_wgmma_tma_split_k() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wgmma_tma_qkv_heads() {
     verify_tma_points(
+        "matmul_wgmma_tma",
         &[
             &[],
             &[("pingpong", 1)],
@@ -220,6 +223,61 @@ fn gpu_matmul_wgmma_tma_qkv_heads() {
             [300, 384, 136, 100, 2],
             [128, 1152, 64, 64, 6],
         ],
+    );
+}
+
+/// matmul_wgmma_tma_3xtf32: f32 at f32 accuracy (the f32 bar, relative L2 < 1e-5) from three
+/// TF32 MMAs per product, the low parts written by the producer warpgroup's idle warps into a
+/// ring of their own. Every epilogue, at the points that change how that ring is walked: the
+/// default; a deeper low ring; ping-pong (consumers take alternate tiles' low parts); two m64
+/// tiles with a 2-CTA multicast cluster (each CTA splits its own copy of B); split-K (the ring
+/// then holds the partial sums between tiles); one consumer; two 128-byte panels per stage.
+/// Shapes with many tiles per block, partial tiles both ways, and one tile.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_3xtf32() {
+    verify_tma_points(
+        "matmul_wgmma_tma_3xtf32",
+        &[
+            &[],
+            &[("low_stages", 3)],
+            &[("pingpong", 1), ("stages", 2)],
+            &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2), ("stages", 2)],
+            &[("split_k", 2), ("mma_n", 64), ("split_n", 1), ("stages", 4)],
+            &[("consumers", 1), ("mma_n", 64), ("stages", 4)],
+            &[("panels", 2), ("mma_n", 64), ("stages", 2)],
+        ],
+        &[
+            Epilogue::None,
+            Epilogue::Bias,
+            Epilogue::BiasGelu,
+            Epilogue::BiasResidual,
+            Epilogue::Qkv,
+        ],
+        &[
+            [4096, 1536, 264, 1024, 8],
+            [333, 384, 520, 111, 2],
+            [64, 384, 256, 64, 2],
+        ],
+    );
+}
+
+/// matmul_wgmma_tma_3xtf32, small enough for compute-sanitizer (memcheck, racecheck,
+/// synccheck): the default, ping-pong, a multicast cluster and split-K, with the two epilogues
+/// that read or write the most (bias+residual by TMA, qkv heads), on two small shapes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_3xtf32_small() {
+    verify_tma_points(
+        "matmul_wgmma_tma_3xtf32",
+        &[
+            &[],
+            &[("pingpong", 1), ("stages", 2)],
+            &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2), ("stages", 2)],
+            &[("split_k", 2), ("mma_n", 64), ("split_n", 1), ("stages", 4)],
+        ],
+        &[Epilogue::BiasResidual, Epilogue::Qkv],
+        &[[333, 384, 136, 111, 2], [256, 384, 256, 64, 2]],
     );
 }
 

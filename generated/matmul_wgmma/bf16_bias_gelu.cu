@@ -347,9 +347,11 @@ __device__ __forceinline__ void issue_mmas(float (&acc)[M_TILES][ACC_REGS], unsi
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k)
 #pragma unroll
-            for (int i = 0; i < M_TILES; ++i)
-                wgmma_m64(acc[i], desc_a + (p * A_PANEL_BYTES + i * 64 * 128 + k * 32) / 16,
-                          desc_b + (p * B_PANEL_BYTES + k * 32) / 16);
+            for (int i = 0; i < M_TILES; ++i) {
+                const unsigned a_offset = (p * A_PANEL_BYTES + i * 64 * 128 + k * 32) / 16;
+                const unsigned b_offset = (p * B_PANEL_BYTES + k * 32) / 16;
+                wgmma_m64(acc[i], desc_a + a_offset, desc_b + b_offset);
+            }
     wgmma_commit();
 }
 

@@ -66,6 +66,13 @@
 //    for the epilogue chunks it owns (chunk q belongs to CTA q % SPLIT_K), summing the slices in
 //    one fixed order, so the result does not depend on who finishes first. No workspace, no
 //    counters in global memory, no second kernel (add_peer_partials).
+// 7. f32 at f32 accuracy on TF32 tensor cores (dtype f32, family matmul_wgmma_tma_3xtf32).
+//    TF32 keeps 11 of f32's 24 significant bits; split x = trunc(x) + low(x), both TF32 (the
+//    tensor cores truncate what they read, so trunc(x) is the stage itself), and a product is
+//    three MMAs: a b ~= low(a) trunc(b) + trunc(a) low(b) + trunc(a) trunc(b). Three TF32 MMAs
+//    still outrun FP32 FMA (cuBLAS's SGEMM) more than twice over. The low parts are written by
+//    the producer warpgroup's three idle warps into a ring of their own, LOW_STAGES [0] stages
+//    of the same layout, with their own full / empty mbarriers (see split_stages).
 //
 // Tile: BLOCK_M x BLOCK_N [128 x 192]; each consumer holds WG_M x MMA_N [64 x 192] = M_TILES
 // [1] m64n192 accumulators of 96 floats per thread (SPLIT_N [0] = 1: the consumers
@@ -356,6 +363,7 @@ __device__ __forceinline__ void store_output_pair(storage_t* out, const storage_
 #define CLUSTER_SIZE 1
 #define STAGED_EPILOGUE 1
 #define EPI_BYTES 128
+#define LOW_STAGES 0
 
 constexpr int PANEL_ELEMS = 128 / STORAGE_BYTES;       // K elements in a 128-byte panel row
 constexpr int BLOCK_K = PANELS * PANEL_ELEMS;
@@ -403,9 +411,11 @@ __device__ __forceinline__ void issue_mmas(float (&acc)[M_TILES][ACC_REGS], unsi
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k)
 #pragma unroll
-            for (int i = 0; i < M_TILES; ++i)
-                wgmma_m64(acc[i], desc_a + (p * A_PANEL_BYTES + i * 64 * 128 + k * 32) / 16,
-                          desc_b + (p * B_PANEL_BYTES + k * 32) / 16);
+            for (int i = 0; i < M_TILES; ++i) {
+                const unsigned a_offset = (p * A_PANEL_BYTES + i * 64 * 128 + k * 32) / 16;
+                const unsigned b_offset = (p * B_PANEL_BYTES + k * 32) / 16;
+                wgmma_m64(acc[i], desc_a + a_offset, desc_b + b_offset);
+            }
     wgmma_commit();
 }
 
@@ -463,15 +473,20 @@ __device__ __forceinline__ void store_accumulators(const float (&acc)[M_TILES][A
 __device__ __forceinline__ int ring_stage(unsigned i) { return i % STAGES; }
 __device__ __forceinline__ unsigned ring_parity(unsigned i) { return (i / STAGES) & 1; }
 
-// A consumer warp is done reading a stage: lane 0 arrives on the stage's empty barrier in every
-// CTA of the cluster (a predicated arrival, not a branch: no divergence between wgmma groups).
-__device__ __forceinline__ void release_stage(unsigned empty) {
-    const unsigned lane0 = threadIdx.x % 32 == 0;
+// Lane 0 of the warp arrives on `bar` in this CTA: a predicated arrival, not a branch (no
+// divergence between wgmma groups).
+__device__ __forceinline__ void arrive_from_lane0(unsigned bar) {
     asm volatile("{\n"
                  ".reg .pred p;\n"
-                 "setp.ne.u32 p, %1, 0;\n"
+                 "setp.eq.u32 p, %1, 0;\n"
                  "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
-                 "}\n" :: "r"(empty), "r"(lane0) : "memory");
+                 "}\n" :: "r"(bar), "r"(threadIdx.x % 32) : "memory");
+}
+
+// A consumer warp is done reading a stage: lane 0 arrives on the stage's empty barrier in every
+// CTA of the cluster.
+__device__ __forceinline__ void release_stage(unsigned empty) {
+    arrive_from_lane0(empty);
 }
 
 // Waits until at most IN_FLIGHT of this consumer's wgmma groups still run, pins the
@@ -482,7 +497,9 @@ __device__ __forceinline__ void retire_mmas(float (&acc)[M_TILES][ACC_REGS], boo
     wgmma_wait<IN_FLIGHT>();
 #pragma unroll
     for (int t = 0; t < M_TILES; ++t) wgmma_acc_fence(acc[t]);
-    if (release) release_stage(empty);
+    if (release) {
+        release_stage(empty);
+    }
 }
 
 // ---- the staged epilogue ----------------------------------------------------------------
@@ -585,7 +602,8 @@ matmul_wgmma_tma_04c7d17b_main(storage_t* out, const storage_t* __restrict__ inp
     // Every CTA of a cluster computes the same offsets: multicast copies and remote arrivals
     // address the peers' stages and barriers by the local offsets.
     const unsigned smem_base = (smem_address(smem_raw) + 1023u) & ~1023u;
-    const unsigned staging = smem_base + STAGES * STAGE_BYTES;   // the staged epilogue's buffers
+    const unsigned low_ring = smem_base + STAGES * STAGE_BYTES;      // 3xTF32: the low parts
+    const unsigned staging = low_ring + LOW_STAGES * STAGE_BYTES;   // the staged epilogue's buffers
     const unsigned bias_smem = staging + STAGING_BYTES;   // the staged epilogue's bias: [consumer][MMA_N]
     const unsigned full_bar = bias_smem + BIAS_BYTES;
     const unsigned empty_bar = full_bar + STAGES * 8;
@@ -593,6 +611,8 @@ matmul_wgmma_tma_04c7d17b_main(storage_t* out, const storage_t* __restrict__ inp
     const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]
     const unsigned ready_bar = residual_bar + CONSUMERS * 16;   // split-K: the others' sums are in
     const unsigned consumed_bar = ready_bar + 8;                // split-K: the others have read ours
+    const unsigned low_full_bar = consumed_bar + 8;             // 3xTF32: [LOW_STAGES] each
+    const unsigned low_empty_bar = low_full_bar + 8 * LOW_STAGES;
     auto a_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES; };
     auto b_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
 

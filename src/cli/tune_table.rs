@@ -116,7 +116,7 @@ impl Peaks {
 
     pub fn legend(&self) -> String {
         let mut text = format!(
-            "% peak: f32 rows vs the FP32 FMA peak {:.1} TFLOP/s (clock x SMs)",
+            "% peak: f32 rows vs the FP32 FMA peak {:.1} TFLOP/s (clock x SMs; a 3xTF32 winner runs on the tensor cores and can pass it)",
             self.fp32 / 1e12
         );
         for (rows, cublas, peak) in [("tf32", "TF32", self.tf32), ("f16/bf16", "BF16", self.half)] {
