@@ -229,9 +229,9 @@ fn gpu_matmul_wgmma_tma_qkv_heads() {
 /// matmul_wgmma_tma_3xtf32: f32 at f32 accuracy (the f32 bar, relative L2 < 1e-5) from three
 /// TF32 MMAs per product, the low parts written by the producer warpgroup's idle warps into a
 /// ring of their own. Every epilogue, at the points that change how that ring is walked: the
-/// default; a deeper low ring; ping-pong (consumers take alternate tiles' low parts); two m64
-/// tiles with a 2-CTA multicast cluster (each CTA splits its own copy of B); split-K (the ring
-/// then holds the partial sums between tiles); one consumer; two 128-byte panels per stage.
+/// default; a shallower low ring; two m64 tiles with a 2-CTA multicast cluster (each CTA splits
+/// its own copy of B); split-K (the ring then holds the partial sums between tiles); consumers
+/// sharing a tile by columns; one consumer.
 /// Shapes with many tiles per block, partial tiles both ways, and one tile.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -240,12 +240,17 @@ fn gpu_matmul_wgmma_tma_3xtf32() {
         "matmul_wgmma_tma_3xtf32",
         &[
             &[],
-            &[("low_stages", 3)],
-            &[("pingpong", 1), ("stages", 2)],
-            &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2), ("stages", 2)],
+            &[("low_stages", 2)],
+            &[
+                ("mma_n", 96),
+                ("m_tiles", 2),
+                ("cluster_m", 2),
+                ("stages", 2),
+                ("low_stages", 2),
+            ],
             &[("split_k", 2), ("mma_n", 64), ("split_n", 1), ("stages", 4)],
+            &[("split_n", 1), ("mma_n", 96), ("stages", 2)],
             &[("consumers", 1), ("mma_n", 64), ("stages", 4)],
-            &[("panels", 2), ("mma_n", 64), ("stages", 2)],
         ],
         &[
             Epilogue::None,
@@ -263,8 +268,9 @@ fn gpu_matmul_wgmma_tma_3xtf32() {
 }
 
 /// matmul_wgmma_tma_3xtf32, small enough for compute-sanitizer (memcheck, racecheck,
-/// synccheck): the default, ping-pong, a multicast cluster and split-K, with the two epilogues
-/// that read or write the most (bias+residual by TMA, qkv heads), on two small shapes.
+/// synccheck): the default, consumers sharing columns, a multicast cluster and split-K, with
+/// the two epilogues that read or write the most (bias+residual by TMA, qkv heads), on two
+/// small shapes.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wgmma_tma_3xtf32_small() {
@@ -272,8 +278,14 @@ fn gpu_matmul_wgmma_tma_3xtf32_small() {
         "matmul_wgmma_tma_3xtf32",
         &[
             &[],
-            &[("pingpong", 1), ("stages", 2)],
-            &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2), ("stages", 2)],
+            &[("split_n", 1), ("mma_n", 96), ("stages", 2)],
+            &[
+                ("mma_n", 96),
+                ("m_tiles", 2),
+                ("cluster_m", 2),
+                ("stages", 2),
+                ("low_stages", 2),
+            ],
             &[("split_k", 2), ("mma_n", 64), ("split_n", 1), ("stages", 4)],
         ],
         &[Epilogue::BiasResidual, Epilogue::Qkv],
