@@ -171,6 +171,15 @@ fn gpu_matmul_wgmma_tma_residual_by_tma() {
     );
 }
 
+/// Shapes (M, N, K, T, n_head) with many output tiles per block (a split-K cluster hands its ring
+/// back and forth), a few, and one; K slices of unequal length; heads 64 wide: qkv stores by TMA
+/// (T % 64 == 0) on the first and the last, copies chunk by chunk on the second.
+const MANY_FEW_AND_ONE_TILE: [[i64; 5]; 3] = [
+    [4096, 1536, 264, 1024, 8],
+    [333, 384, 520, 111, 2],
+    [64, 384, 256, 64, 2],
+];
+
 /// matmul_wgmma_tma with split-K clusters: 2 and 4 CTAs per tile adding their partial sums
 /// through distributed shared memory, each storing the chunks it owns, for every epilogue kind
 /// (the residual's TMA loads follow the owned chunks), on shapes where a cluster walks many
@@ -192,13 +201,7 @@ fn gpu_matmul_wgmma_tma_split_k() {
             Epilogue::BiasResidual,
             Epilogue::Qkv,
         ],
-        // (M, N, K, T, n_head), heads 64 wide: qkv stores by TMA (T % 64 == 0) on the first and
-        // the last, copies chunk by chunk on the second
-        &[
-            [4096, 1536, 264, 1024, 8],
-            [333, 384, 520, 111, 2],
-            [64, 384, 256, 64, 2],
-        ],
+        &MANY_FEW_AND_ONE_TILE,
     );
 }
 
@@ -259,11 +262,7 @@ fn gpu_matmul_wgmma_tma_3xtf32() {
             Epilogue::BiasResidual,
             Epilogue::Qkv,
         ],
-        &[
-            [4096, 1536, 264, 1024, 8],
-            [333, 384, 520, 111, 2],
-            [64, 384, 256, 64, 2],
-        ],
+        &MANY_FEW_AND_ONE_TILE,
     );
 }
 
