@@ -686,13 +686,16 @@ matmul_wgmma_tma_bias_16089929_main(storage_t* out, const storage_t* __restrict_
             for (int t = 0; t < M_TILES; ++t)
 #pragma unroll
                 for (int j = 0; j < ACC_REGS; ++j) acc[t][j] = 0.0f;
-            for (int kt = k_begin; kt < k_end; ++kt, ++i) {
+            // One K tile: wait for it, issue its MMAs, keep them running; once the previous
+            // tile's group has completed, its stage can be refilled (`release`: there is one).
+            auto multiply_k_tile = [&](bool release) {
                 mbar_wait(full_bar + 8 * ring_stage(i), ring_parity(i));   // K tile i has landed
                 issue_mmas(acc, a_tile(ring_stage(i)), b_tile(ring_stage(i)), a_rows, b_rows);
-                // Keep this tile's group running; once the previous one has completed, its
-                // stage can be refilled.
-                retire_mmas<1>(acc, kt > k_begin, empty_bar + 8 * ring_stage(i - 1));
-            }
+                retire_mmas<1>(acc, release, empty_bar + 8 * ring_stage(i - 1));
+                ++i;
+            };
+            multiply_k_tile(false);
+            for (int kt = k_begin + 1; kt < k_end; ++kt) multiply_k_tile(true);
             retire_mmas<0>(acc, true, empty_bar + 8 * ring_stage(i - 1));
             // The producer is already filling the freed stages with the next tile.
             const unsigned bias_s = bias_smem + consumer * MMA_N * 4;
