@@ -151,8 +151,9 @@ fn verify_tma_points(family: &str, points: &[&[(&str, i64)]], epilogues: &[Epilo
 /// matmul_wgmma_tma's bias+residual with the staged epilogue, where the residual comes by TMA
 /// into the staging buffers ahead of the epilogue: the points that exercise each way the loads
 /// are scheduled (a tile of one chunk; of several, so the epilogue loads chunks 2..; ping-pong;
-/// two m64 tiles; column-split consumers; 64-byte chunks; a 2-CTA cluster), in every dtype, on
-/// shapes with several tiles per block and partial tiles both ways.
+/// two m64 tiles; column-split consumers; 64-byte chunks; a 2-CTA cluster; five chunks of a
+/// 160-wide tile), in every dtype, on shapes with several tiles per block and partial tiles both
+/// ways.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_matmul_wgmma_tma_residual_by_tma() {
@@ -165,6 +166,7 @@ fn gpu_matmul_wgmma_tma_residual_by_tma() {
             &[("split_n", 1), ("mma_n", 128)],
             &[("consumers", 1), ("mma_n", 64)],
             &[("mma_n", 256), ("pingpong", 1), ("raster_m", 1)],
+            &[("mma_n", 160), ("stages", 5)],
         ],
         &[Epilogue::BiasResidual],
         &[[4099, 1000, 264, 4099, 1], [333, 264, 136, 333, 1], [8, 72, 64, 8, 1]],
@@ -219,6 +221,7 @@ fn gpu_matmul_wgmma_tma_qkv_heads() {
             &[("mma_n", 96), ("m_tiles", 2), ("cluster_m", 2)],
             &[("consumers", 1), ("mma_n", 64)],
             &[("split_n", 1), ("mma_n", 128)],
+            &[("consumers", 1), ("mma_n", 160)],
         ],
         &[Epilogue::Qkv],
         &[
