@@ -15,8 +15,34 @@ pub struct TimingPlan {
     pub warmup: usize,
     pub min_runs: usize,
     pub max_runs: usize,
-    /// Stop once this much GPU time was measured (after `min_runs`).
+    /// Stop once this much GPU time was measured (after `min_runs`, or after [`FEW_RUNS`] when
+    /// those already took this long); 0: exactly `min_runs`.
     pub target_ms: f64,
+}
+
+/// Runs that are enough for a kernel whose runs fill `target_ms` by themselves: a 6 ms LM head
+/// in f32 is not timed any better by 10 runs than by 3, and each extra run of every candidate is
+/// tuning time (`tune --op` on that shape spent 15.6 of its 18.7 s timing).
+pub const FEW_RUNS: usize = 3;
+
+impl TimingPlan {
+    /// Whether `taken` runs that took `total_ms` call for more.
+    fn wants_more(&self, taken: usize, total_ms: f64) -> bool {
+        // (A plan without a target, `target_ms` 0, asks for exactly `min_runs`.)
+        let enough = self.target_ms > 0.0 && total_ms >= self.target_ms && taken >= self.min_runs.min(FEW_RUNS);
+        taken < self.max_runs && !(enough || (taken >= self.min_runs && total_ms >= self.target_ms))
+    }
+
+    /// How many runs to enqueue before the next look at the times: [`FEW_RUNS`] first (a long
+    /// kernel may need no more), then up to `min_runs`, then `min_runs` at a time.
+    fn next_batch(&self, taken: usize) -> usize {
+        let batch = match taken {
+            0 => self.min_runs.min(FEW_RUNS),
+            t if t < self.min_runs => self.min_runs - t,
+            _ => self.min_runs,
+        };
+        batch.min(self.max_runs - taken).max(1)
+    }
 }
 
 impl Default for TimingPlan {
@@ -143,8 +169,8 @@ fn sample(
     let (first, mut total) = (samples.len(), 0.0);
     let taken = |samples: &Vec<f64>| samples.len() - first;
     // Measure in batches so that the stopping rule sees real times without a sync per launch.
-    while taken(samples) < plan.max_runs && (taken(samples) < plan.min_runs || total < plan.target_ms) {
-        let batch = plan.min_runs.min(plan.max_runs - taken(samples)).max(1);
+    while plan.wants_more(taken(samples), total) {
+        let batch = plan.next_batch(taken(samples));
         let mut events = Vec::with_capacity(batch);
         for _ in 0..batch {
             let (start, end) = (event()?, event()?);
@@ -192,5 +218,38 @@ mod tests {
         assert_eq!(t.p90_ms, 10.0);
         assert_eq!(t.runs, 11);
         assert_eq!(t.spread_ms(), 8.0);
+    }
+
+    /// The runs `plan` takes of a kernel that always takes `ms`.
+    fn runs_of(plan: &TimingPlan, ms: f64) -> usize {
+        let (mut taken, mut total) = (0, 0.0);
+        while plan.wants_more(taken, total) {
+            let batch = plan.next_batch(taken);
+            taken += batch;
+            total += batch as f64 * ms;
+        }
+        taken
+    }
+
+    #[test]
+    fn long_kernels_stop_after_a_few_runs_short_ones_fill_the_target() {
+        let plan = TimingPlan {
+            warmup: 1,
+            min_runs: 10,
+            max_runs: 50,
+            target_ms: 10.0,
+        };
+        assert_eq!(runs_of(&plan, 6.0), FEW_RUNS, "18 ms in 3 runs is enough");
+        assert_eq!(
+            runs_of(&plan, 2.0),
+            10,
+            "3 runs fall short of 10 ms: then up to min_runs"
+        );
+        assert_eq!(runs_of(&plan, 0.5), 20, "then min_runs at a time until 10 ms");
+        assert_eq!(runs_of(&plan, 0.01), 50, "max_runs caps a tiny kernel");
+        let few = TimingPlan { min_runs: 2, ..plan };
+        assert_eq!(runs_of(&few, 20.0), 2, "min_runs below FEW_RUNS still counts");
+        let exact = TimingPlan { target_ms: 0.0, ..plan };
+        assert_eq!(runs_of(&exact, 6.0), 10, "no target: exactly min_runs");
     }
 }
