@@ -115,6 +115,70 @@ fn default_that_violates_a_constraint() {
 }
 
 /// `[[start]]` points: each the default with some params changed, checked like the default.
+/// `extends`: a spec laid over another of its folder, table by table; and the ways that fails.
+#[test]
+fn a_spec_extends_another() {
+    let t = templates();
+    let specs = t.path().join("specs");
+    std::fs::create_dir_all(&specs).unwrap();
+    std::fs::write(specs.join("gelu_base.toml"), GOOD.replace("gelu_test", "gelu_base")).unwrap();
+    let child = |extra: &str| {
+        format!(
+            "[family]\nextends = \"gelu_base\"\nname = \"gelu_test\"\ndescription = \"child\"\n{extra}\n\
+             [params]\nvector_width = [4]\nunroll = [1, 2]\n\n\
+             [derived]\nthreads = \"block_size * unroll\"\n\n\
+             [constraints]\nrequire = [\"threads <= 256\"]\n\n\
+             [default]\nunroll = 2\n"
+        )
+    };
+    let file = specs.join("gelu_test.toml");
+    let family = Family::parse(&child(""), &file, t.path()).unwrap();
+    assert_eq!(
+        (family.name.as_str(), family.description.as_str()),
+        ("gelu_test", "child")
+    );
+    let params: Vec<_> = family.params.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    assert_eq!(
+        params,
+        [
+            ("block_size", vec![64, 128, 256]),
+            ("vector_width", vec![4]),
+            ("unroll", vec![1, 2])
+        ],
+        "a param of both takes the child's values in the base's place; new ones go last"
+    );
+    assert_eq!(family.derived["threads"].to_string(), "block_size * unroll");
+    let require: Vec<_> = family.require.iter().map(|e| e.to_string()).collect();
+    assert_eq!(
+        require,
+        ["threads <= max_threads", "threads <= 256"],
+        "the base's, then the child's"
+    );
+    assert_eq!(family.kernels.len(), 1, "inherited");
+    let default: Vec<_> = family.default.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    assert_eq!(default, [("block_size", 128), ("vector_width", 4), ("unroll", 2)]);
+    // 3 block sizes x 1 width x 2 unrolls, less block_size 256 with unroll 2 (512 threads)
+    assert_eq!(family.point_count(&DeviceLimits::default()).unwrap(), 5);
+
+    let error = |text: &str| Family::parse(text, &file, t.path()).unwrap_err().to_string();
+    let e = error(&child("").replace("gelu_base", "gelu_nowhere"));
+    assert!(e.contains("family.extends") && e.contains("gelu_nowhere.toml"), "{e}");
+    let e = error(&child("").replace("extends = \"gelu_base\"", "extends = 3"));
+    assert!(e.contains("family.extends") && e.contains("integer"), "{e}");
+    std::fs::write(
+        specs.join("gelu_middle.toml"),
+        child("").replace("gelu_test", "gelu_middle"),
+    )
+    .unwrap();
+    let e = error(&child("").replace("gelu_base", "gelu_middle"));
+    assert!(
+        e.contains("family.extends") && e.contains("extends another spec itself"),
+        "{e}"
+    );
+    let e = error(&child("colour = \"red\""));
+    assert!(e.contains("colour"), "unknown keys are still refused: {e}");
+}
+
 #[test]
 fn start_points() {
     let t = templates();

@@ -54,6 +54,8 @@ struct RawFamily {
     masks: Vec<Mask>,
     /// An exact compile target such as `sm_90a` (see [`ArchTarget`]).
     arch: Option<String>,
+    // (`extends = "base"`, another spec of the same folder this one is laid over, is read and
+    // removed before this layout: see `lay_over_base`.)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -90,6 +92,39 @@ struct RawTensorMap {
     when: Option<String>,
 }
 
+/// A spec with `[family] extends = "base"` is `base.toml` (same folder) with its own tables laid
+/// over it: `[family]`, `[params]`, `[derived]` and `[default]` key by key (a key of both takes
+/// this spec's value in the base's place, new keys go last); `[constraints]` `require` and
+/// `shape` are the base's lists, then this spec's; `[[start]]`, `[[kernels]]`, `[workspace]` and
+/// `[[constants]]` are this spec's where it has them, else the base's. `extends` itself is not
+/// inherited, and a base may not extend another.
+fn lay_over_base(mut base: toml::Table, spec: toml::Table) -> toml::Table {
+    for (section, value) in spec {
+        match (section.as_str(), base.get_mut(&section), value) {
+            ("family" | "params" | "derived" | "default", Some(toml::Value::Table(into)), toml::Value::Table(over)) => {
+                into.extend(
+                    over.into_iter()
+                        .filter(|(key, _)| !(section == "family" && key == "extends")),
+                );
+            }
+            ("constraints", Some(toml::Value::Table(into)), toml::Value::Table(over)) => {
+                for (list, items) in over {
+                    match (into.get_mut(&list), items) {
+                        (Some(toml::Value::Array(into)), toml::Value::Array(items)) => into.extend(items),
+                        (_, items) => {
+                            into.insert(list, items);
+                        }
+                    }
+                }
+            }
+            (_, _, value) => {
+                base.insert(section, value);
+            }
+        }
+    }
+    base
+}
+
 fn default_rank() -> i64 {
     100
 }
@@ -123,16 +158,50 @@ impl Family {
         Family::parse(&text, file, templates)
     }
 
-    /// Validates spec `text` as if read from `file`.
+    /// Validates spec `text` as if read from `file` (a spec that `extends` another reads it
+    /// from `file`'s folder).
     pub fn parse(text: &str, file: &Path, templates: &Path) -> Result<Family, SpecError> {
-        let raw: RawSpec = toml::from_str(text).map_err(|e| SpecError::Toml {
+        let toml_err = |file: &Path, e: &dyn std::fmt::Display| SpecError::Toml {
             file: file.to_path_buf(),
             message: e.to_string().trim_end().replace('\n', " | "),
-        })?;
+        };
         let field_err = |field: &str, message: String| SpecError::Field {
             file: file.to_path_buf(),
             field: field.to_string(),
             message,
+        };
+        let table: toml::Table = toml::from_str(text).map_err(|e| toml_err(file, &e))?;
+        let base = table
+            .get("family")
+            .and_then(|f| f.get("extends"))
+            .map(|b| b.as_str().map(str::to_string).ok_or(b.type_str()));
+        let raw: RawSpec = match base {
+            // Straight from the text: its errors carry line numbers.
+            None => toml::from_str(text).map_err(|e| toml_err(file, &e))?,
+            Some(Err(kind)) => {
+                return Err(field_err(
+                    "family.extends",
+                    format!("a {kind}: name a spec, e.g. \"matmul_wgmma_tma\""),
+                ))
+            }
+            Some(Ok(base)) => {
+                let base_file = file.with_file_name(format!("{base}.toml"));
+                let base_text = std::fs::read_to_string(&base_file)
+                    .map_err(|e| field_err("family.extends", format!("cannot read {} ({e})", base_file.display())))?;
+                let base_table: toml::Table = toml::from_str(&base_text).map_err(|e| toml_err(&base_file, &e))?;
+                if base_table.get("family").and_then(|f| f.get("extends")).is_some() {
+                    return Err(field_err(
+                        "family.extends",
+                        format!(
+                            "{} extends another spec itself: extend the one it extends",
+                            base_file.display()
+                        ),
+                    ));
+                }
+                toml::Value::Table(lay_over_base(base_table, table))
+                    .try_into()
+                    .map_err(|e| toml_err(file, &e))?
+            }
         };
         let parse = |field: String, text: &str| {
             Expr::parse(text).map_err(|source| SpecError::Expr {
