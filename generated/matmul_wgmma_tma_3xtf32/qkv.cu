@@ -355,8 +355,10 @@ constexpr unsigned STAGE_BYTES = PANELS * (A_PANEL_BYTES + B_PANEL_BYTES);
 constexpr int K_STEPS = PANEL_ELEMS / WGMMA_K_STEP;    // wgmma instructions per panel per m64 tile
 // Rows of B each CTA of a cluster loads (and multicasts to the others).
 constexpr int B_SLICE_ROWS = BLOCK_N / CLUSTER_M;
-// Arrivals that free a stage: one per consumer warp that reads it, from every CTA of the cluster.
-constexpr unsigned STAGE_RELEASES = (PINGPONG ? 4 : CONSUMERS * 4) * CLUSTER_M;
+// Consumer warps of a CTA that read each stage (with ping-pong, one consumer's four).
+constexpr unsigned STAGE_READERS = PINGPONG ? 4 : CONSUMERS * 4;
+// Arrivals that free a stage: one per reader, from every CTA of the cluster.
+constexpr unsigned STAGE_RELEASES = STAGE_READERS * CLUSTER_M;
 
 static_assert(MMA_N * (SPLIT_N ? CONSUMERS : 1) == BLOCK_N, "the consumers' instructions cover the tile's columns");
 static_assert(A_PANEL_BYTES % 1024 == 0 && B_PANEL_BYTES % 1024 == 0, "panels stay 1024-byte aligned");
@@ -687,7 +689,7 @@ matmul_wgmma_tma_3xtf32_qkv_50eab811_main(storage_t* out, const storage_t* __res
         mbar_init(turn_bar + 8, 128);
         for (int s = 0; s < LOW_STAGES; ++s) {
             mbar_init(low_full_bar + 8 * s, SPLITTERS / 32);              // one arrival per splitting warp
-            mbar_init(low_empty_bar + 8 * s, PINGPONG ? 4 : CONSUMERS * 4);   // this CTA's consumer warps
+            mbar_init(low_empty_bar + 8 * s, STAGE_READERS);   // this CTA's readers only
         }
         // Make the initialised barriers visible to the other threads, to the async proxy (the
         // TMA unit signals them) and to the cluster's other CTAs.

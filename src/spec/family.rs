@@ -173,15 +173,17 @@ impl Family {
                 format!("no point of the {total}-point space satisfies every constraint{worst}"),
             ));
         }
-        let (default_params, default_derived) = self.evaluate_point(&self.default, limits)?;
-        if let Some(failed) = self.failed_constraint(&default_params, &default_derived, limits)? {
-            return Err(self.field_error("default", format!("the default point violates `{failed}`")));
-        }
-        for (i, start) in self.starts.iter().enumerate() {
-            let (params, derived) = self.evaluate_point(start, limits)?;
-            if let Some(failed) = self.failed_constraint(&params, &derived, limits)? {
-                return Err(self.field_error(format!("start[{i}]"), format!("the point violates `{failed}`")));
+        // The default and the start points must be valid points of the space.
+        let valid = |field: String, what: &str, point: &IndexMap<String, i64>| -> Result<Point, SpecError> {
+            let (params, derived) = self.evaluate_point(point, limits)?;
+            match self.failed_constraint(&params, &derived, limits)? {
+                Some(failed) => Err(self.field_error(field, format!("{what} violates `{failed}`"))),
+                None => Ok((params, derived)),
             }
+        };
+        let (default_params, default_derived) = valid("default".into(), "the default point", &self.default)?;
+        for (i, start) in self.starts.iter().enumerate() {
+            valid(format!("start[{i}]"), "the point", start)?;
         }
         // Evaluate every shape-time expression once so that typos surface at load time.
         let vars = self.scope(&default_params, &default_derived, self.epilogues[0], shape, limits);

@@ -171,10 +171,8 @@ impl Family {
             message,
         };
         let table: toml::Table = toml::from_str(text).map_err(|e| toml_err(file, &e))?;
-        let base = table
-            .get("family")
-            .and_then(|f| f.get("extends"))
-            .map(|b| b.as_str().map(str::to_string).ok_or(b.type_str()));
+        let extends = |t: &toml::Table| t.get("family").and_then(|f| f.get("extends")).cloned();
+        let base = extends(&table).map(|b| b.as_str().map(str::to_string).ok_or(b.type_str()));
         let raw: RawSpec = match base {
             // Straight from the text: its errors carry line numbers.
             None => toml::from_str(text).map_err(|e| toml_err(file, &e))?,
@@ -189,7 +187,7 @@ impl Family {
                 let base_text = std::fs::read_to_string(&base_file)
                     .map_err(|e| field_err("family.extends", format!("cannot read {} ({e})", base_file.display())))?;
                 let base_table: toml::Table = toml::from_str(&base_text).map_err(|e| toml_err(&base_file, &e))?;
-                if base_table.get("family").and_then(|f| f.get("extends")).is_some() {
+                if extends(&base_table).is_some() {
                     return Err(field_err(
                         "family.extends",
                         format!(

@@ -29,8 +29,12 @@ impl TimingPlan {
     /// Whether `taken` runs that took `total_ms` call for more.
     fn wants_more(&self, taken: usize, total_ms: f64) -> bool {
         // (A plan without a target, `target_ms` 0, asks for exactly `min_runs`.)
-        let enough = self.target_ms > 0.0 && total_ms >= self.target_ms && taken >= self.min_runs.min(FEW_RUNS);
-        taken < self.max_runs && !(enough || (taken >= self.min_runs && total_ms >= self.target_ms))
+        let fewest = if self.target_ms > 0.0 {
+            self.min_runs.min(FEW_RUNS)
+        } else {
+            self.min_runs
+        };
+        taken < self.max_runs && !(taken >= fewest && total_ms >= self.target_ms)
     }
 
     /// How many runs to enqueue before the next look at the times: [`FEW_RUNS`] first (a long

@@ -82,7 +82,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
     let mm = |role: &str, epilogue: Epilogue, n: i64, k: i64, calls: i64| Workload {
         role: role.to_string(),
         op: "matmul",
-        dtype: matmul_dtype(m, requested),
+        dtype: kernel_dtype("matmul", Some(m), requested),
         epilogue,
         mask: Mask::None,
         shape: shape(&[("M", m), ("N", n), ("K", k), ("T", seq), ("n_head", nh)]),
@@ -92,7 +92,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
         Workload {
             role: "embedding".into(),
             op: "encoder",
-            dtype: op_dtype(requested),
+            dtype: kernel_dtype("encoder", None, requested),
             epilogue: Epilogue::None,
             mask: Mask::None,
             shape: shape(&[
@@ -108,7 +108,7 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
         Workload {
             role: "layernorm".into(),
             op: "layernorm",
-            dtype: op_dtype(requested),
+            dtype: kernel_dtype("layernorm", None, requested),
             epilogue: Epilogue::None,
             mask: Mask::None,
             shape: shape(&[("N", m), ("C", c)]),
