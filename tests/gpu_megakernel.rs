@@ -176,6 +176,7 @@ fn megakernel_small_for_the_sanitizer() {
     let _lock = gpu_lock();
     let tiny = model(2, 2, 128, 512, 300, 77);
     compare("sanitizer f32 B=2", &tiny, 2, Dtype::F32, 140, 3);
+    compare("sanitizer bf16 B=2 (tensor cores)", &tiny, 2, Dtype::Bf16, 140, 3);
     let mut g = backend(&tiny, 1, Dtype::Bf16, DecodeEngine::Megakernel);
     g.set_megakernel_point(vec![("bulk_copy".to_string(), 0), ("max_rows".to_string(), 1)]);
     let first = g
@@ -264,7 +265,7 @@ fn greedy_steps_run_ahead_equal_steps_run_one_at_a_time() {
 /// Points beyond the fitted ones: every columns-per-warp value (how many weight rows each
 /// input load serves, and how the lanes' sums are dealt out to finish the outputs) at both block
 /// sizes, in f32 and bf16, on a model whose tasks are narrower than a block's warps and on GPT-2
-/// small's shapes.
+/// small's shapes; and the tensor cores at batches the fitted point leaves to the FMAs.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn megakernel_points_of_every_column_count_and_block_size_match() {
@@ -289,6 +290,16 @@ fn megakernel_points_of_every_column_count_and_block_size_match() {
             &point,
         );
     }
+    // The tensor cores' matrix-vector tasks (the fitted choice from two rows up) at one row and
+    // at a batch that fills part of the MMA's n = 8, at both block sizes, in both 16-bit types.
+    for threads in [256, 512] {
+        let point = [("tensor_cores", 1), ("cols_per_warp", 1), ("threads", threads)];
+        let what = |m: &str| format!("{m} tensor cores threads={threads}");
+        compare_at(&what("L6 C384 bf16 B=1"), &wide, 1, Dtype::Bf16, 40, 48, &point);
+        compare_at(&what("L6 C384 f16 B=3"), &wide, 3, Dtype::F16, 40, 48, &point);
+    }
+    let point = [("tensor_cores", 1), ("cols_per_warp", 1)];
+    compare_at("124M bf16 B=1 tensor cores", &gpt2, 1, Dtype::Bf16, 16, 32, &point);
 }
 
 /// The timeline records every task once, each on the block that ran it, in a sensible order.

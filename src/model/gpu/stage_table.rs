@@ -20,7 +20,7 @@ use crate::ops::Epilogue;
 
 /// The widest matrix-vector task (columns), the longest cache chunk of one attention task and
 /// the most stages a table may have: `MAX_TASK_COLS`, `MAX_CHUNK` and `MAX_STAGES` of the template.
-const MAX_TASK_COLS: usize = 128;
+pub const MAX_TASK_COLS: usize = 128;
 const MAX_CHUNK: usize = 1024;
 const MAX_STAGES: usize = 512;
 
@@ -147,6 +147,8 @@ pub struct Geometry {
     pub grid: usize,
     /// One weight slot of the ring.
     pub slot_bytes: usize,
+    /// Bytes after each weight row in a slot (the spec's derived `row_pad`).
+    pub row_pad: usize,
     /// Bytes of the storage type.
     pub elem_bytes: usize,
     /// Rows the kernel is compiled for, and the staged input row capacity (elements per row).
@@ -209,7 +211,8 @@ fn stage_op(role: &str) -> i32 {
 /// over its columns plus a fixed cost (its wait, its input, its signal). Of equal costs the
 /// narrowest task wins (more blocks share the weight stream).
 fn cut_columns(role: &str, n: usize, k: usize, geo: &Geometry) -> Result<usize, MegakernelError> {
-    let row_bytes = k * geo.elem_bytes;
+    // each row lands `row_pad` bytes after the previous one (the template's ROW_PAD)
+    let row_bytes = k * geo.elem_bytes + geo.row_pad;
     if row_bytes > geo.slot_bytes {
         return Err(MegakernelError::SlotTooSmall {
             role: role.to_string(),
