@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // the whole decode step as one persistent kernel: the step's plan cut into tasks, resident blocks pulling them in order, waits on counters in global memory, every block streaming its next tasks' weights into a shared-memory ring while it waits
 // Variant: dtype=bf16 threads=512 blocks_per_sm=1 slot_kib=32 slots=3 cols_per_warp=2 max_rows=8 head_dim=64 min_chunk_keys=64 bulk_copy=1 tensor_cores=0
-// Derived: slot_bytes=32768 row_pad=0 smem_bytes=98304
+// Derived: slot_bytes=32768 smem_bytes=98304
 
 // ---------------------------------------------------------------------------------------------
 // decode_megakernel / decode_megakernel_2c127403
@@ -307,12 +307,11 @@ __device__ __forceinline__ void mbar_init_fence() {
 #define MAX_CHUNK 1024                    // cache positions one attention task scores at most
 #define MAX_STAGES 512                    // stages a table may have (the host checks)
 #define MIN_CHUNK_KEYS 64  // cache positions below which a chunk is not split off
-// Bytes after every weight row in a slot and after every staged input row: 16 with tensor cores,
-// else 0. Rows of GPT-2's widths are a multiple of 128 bytes long, so without the pad the same
-// element of every row sits in the same shared-memory bank, and the tensor cores' ldmatrix,
-// which reads eight rows at once, would take eight trips; 16 bytes more puts eight rows in
-// eight bank groups. The pad costs a copy per weight row instead of one per task.
-#define ROW_PAD 0
+// Bytes after every staged input row in shared memory. Rows of GPT-2's widths are a multiple of
+// 128 bytes long: without the pad, the same element of every row would sit in the same bank,
+// and the tensor cores' fragment loads, which read eight rows at once, would take twice the
+// trips (see matvec_task_mma).
+#define ROW_PAD 16
 // The last warp issues no weight copies; its lane 0 does all the waiting and signalling. A
 // release makes the issuing warp wait for its own outstanding memory operations, and if those
 // included the prefetch of the next tasks' weights (cp.async), every signal would wait for the
@@ -464,21 +463,17 @@ __device__ __forceinline__ Chunk attention_chunk(const Stage& s, int local, int 
 }
 
 // The contiguous ranges task `task` of stage `s` prefetches: up to two (source, bytes) pairs,
-// the second landing at slot + SLOT_BYTES / 2. A matrix-vector task's one range is its weight
-// rows (`row_bytes` each), and each row lands ROW_PAD bytes after the previous one; attention's
-// ranges land as they are (`row_bytes` 0).
-struct Ranges { const char* src[2]; unsigned bytes[2]; unsigned row_bytes; };
+// the second landing at slot + SLOT_BYTES / 2.
+struct Ranges { const char* src[2]; unsigned bytes[2]; };
 __device__ __forceinline__ Ranges prefetch_ranges(const Stage& s, int task, int pos, int max_T) {
     Ranges r;
     r.src[0] = r.src[1] = nullptr;
     r.bytes[0] = r.bytes[1] = 0u;
-    r.row_bytes = 0u;
     if (s.kind == STAGE_MATVEC) {
         const int n0 = task * s.cols;
         const int cols = min(s.cols, s.n - n0);
         r.src[0] = reinterpret_cast<const char*>(s.weight + (long long)n0 * s.k);
         r.bytes[0] = (unsigned)cols * s.k * STORAGE_BYTES;
-        r.row_bytes = (unsigned)s.k * STORAGE_BYTES;
     } else if (s.kind == STAGE_ATTENTION) {
         const Chunk c = attention_chunk(s, task, pos);
         const int rows = max(0, min(min(c.t1, pos), c.t0 + SLOT_KEYS) - c.t0);  // pos is not written yet
@@ -489,31 +484,20 @@ __device__ __forceinline__ Ranges prefetch_ranges(const Stage& s, int task, int 
     }
     return r;
 }
-// The copy engine moves each range (bulk_load_1d): one instruction from one thread per range
-// (per weight row when rows are padded, issued by the lanes of warp 0 side by side),
-// completion counted in bytes on the slot's mbarrier. The load/store units stay free for the
-// computing warps -- with per-thread cp.async, 2,048 16-byte requests per 32 KB slot queue in
-// front of every shared-memory read of the task being computed, and the arithmetic waits
-// behind the stream.
-// Every matrix-vector and attention task arrives on its slot's barrier, with zero bytes when it
-// has nothing to copy, so that its wait is the same either way.
+// The copy engine moves each range (bulk_load_1d): one instruction from one thread, completion
+// counted in bytes on the slot's mbarrier. The load/store units stay free for the computing
+// warps -- with per-thread cp.async, 2,048 16-byte requests per 32 KB slot queue in front of
+// every shared-memory read of the task being computed, and the arithmetic waits behind the
+// stream. Every matrix-vector and attention task arrives on its slot's barrier, with zero bytes
+// when it has nothing to copy, so that its wait is the same either way.
 __device__ __forceinline__ void prefetch_slot(const Stage& s, int task, int pos, int max_T, storage_t* slot,
                                               unsigned long long* bar) {
-    if (threadIdx.x >= (ROW_PAD > 0 ? 32 : 1) || (s.kind != STAGE_MATVEC && s.kind != STAGE_ATTENTION)) return;
+    if (threadIdx.x != 0 || (s.kind != STAGE_MATVEC && s.kind != STAGE_ATTENTION)) return;
     const Ranges r = prefetch_ranges(s, task, pos, max_T);
-    if (ROW_PAD > 0 && r.row_bytes > 0) {  // padded weight rows: a copy per row from warp 0's lanes
-        if (threadIdx.x == 0) mbar_arrive_expect_tx(smem_address(bar), r.bytes[0]);
-        __syncwarp();  // the bytes are expected before any copy can count them
-        const unsigned rows = r.bytes[0] / r.row_bytes;
-        for (unsigned row = threadIdx.x; row < rows; row += 32)
-            bulk_load_1d(smem_address(slot) + row * (r.row_bytes + ROW_PAD), r.src[0] + row * r.row_bytes,
-                         r.row_bytes, smem_address(bar));
-    } else if (threadIdx.x == 0) {
-        mbar_arrive_expect_tx(smem_address(bar), r.bytes[0] + r.bytes[1]);
-        for (int j = 0; j < 2; ++j)
-            if (r.bytes[j] > 0)
-                bulk_load_1d(smem_address(slot) + j * (SLOT_BYTES / 2), r.src[j], r.bytes[j], smem_address(bar));
-    }
+    mbar_arrive_expect_tx(smem_address(bar), r.bytes[0] + r.bytes[1]);
+    for (int j = 0; j < 2; ++j)
+        if (r.bytes[j] > 0)
+            bulk_load_1d(smem_address(slot) + j * (SLOT_BYTES / 2), r.src[j], r.bytes[j], smem_address(bar));
 }
 
 // ---- matrix-vector tasks ----------------------------------------------------------------------
@@ -627,17 +611,17 @@ __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, flo
 // stored): no branch per row in the hot loop.
 __device__ __forceinline__ void dot_columns(unsigned slot_addr, unsigned xs_addr, int c0, int cols, int k,
                                             int first, int step, float (&acc)[COLS_PER_WARP][MAX_ROWS]) {
-    const unsigned stride = k * STORAGE_BYTES + ROW_PAD;  // of the weight rows and the input rows
+    const unsigned x_stride = k * STORAGE_BYTES + ROW_PAD;  // bytes from one staged input row to the next
     #pragma unroll 2
     for (int i = first; i < k; i += step) {
         float x[MAX_ROWS][VEC];
         #pragma unroll
-        for (int b = 0; b < MAX_ROWS; ++b) load_shared_vec(xs_addr + b * stride + i * STORAGE_BYTES, x[b]);
+        for (int b = 0; b < MAX_ROWS; ++b) load_shared_vec(xs_addr + b * x_stride + i * STORAGE_BYTES, x[b]);
         #pragma unroll
         for (int c = 0; c < COLS_PER_WARP; ++c) {
             if (c0 + c >= cols) break;
             float w[VEC];
-            load_shared_vec(slot_addr + (c0 + c) * stride + i * STORAGE_BYTES, w);
+            load_shared_vec(slot_addr + ((c0 + c) * k + i) * STORAGE_BYTES, w);
             #pragma unroll
             for (int b = 0; b < MAX_ROWS; ++b) {
                 // two chains of VEC/2 fused multiply-adds instead of one of VEC

@@ -65,7 +65,7 @@ pub fn fitted_default(
     let slots = family.default.get("slots").copied().unwrap_or(3);
     // what the kernel keeps in static shared memory besides the ring, with room to spare
     let static_bytes = 24 * 1024;
-    // (+ 16: the pad after each staged row with tensor cores)
+    // (+ 16: the pad after each staged row)
     let input = rows.unwrap_or(batch as i64) * (4 * c * elem_bytes + 16) as i64;
     let mut slot_kibs = values("slot_kib");
     slot_kibs.sort_unstable();
@@ -210,7 +210,6 @@ impl GpuBackend {
         let geo = Geometry {
             grid: launch.grid[0] as usize,
             slot_bytes: param("slot_bytes"),
-            row_pad: param("row_pad"),
             elem_bytes: self.dtype.storage().bytes(),
             max_rows: param("max_rows"),
             input_row_elems: 4 * cfg.n_embd,

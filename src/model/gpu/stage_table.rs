@@ -147,8 +147,6 @@ pub struct Geometry {
     pub grid: usize,
     /// One weight slot of the ring.
     pub slot_bytes: usize,
-    /// Bytes after each weight row in a slot (the spec's derived `row_pad`).
-    pub row_pad: usize,
     /// Bytes of the storage type.
     pub elem_bytes: usize,
     /// Rows the kernel is compiled for, and the staged input row capacity (elements per row).
@@ -211,8 +209,7 @@ fn stage_op(role: &str) -> i32 {
 /// over its columns plus a fixed cost (its wait, its input, its signal). Of equal costs the
 /// narrowest task wins (more blocks share the weight stream).
 fn cut_columns(role: &str, n: usize, k: usize, geo: &Geometry) -> Result<usize, MegakernelError> {
-    // each row lands `row_pad` bytes after the previous one (the template's ROW_PAD)
-    let row_bytes = k * geo.elem_bytes + geo.row_pad;
+    let row_bytes = k * geo.elem_bytes;
     if row_bytes > geo.slot_bytes {
         return Err(MegakernelError::SlotTooSmall {
             role: role.to_string(),

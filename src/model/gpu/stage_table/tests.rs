@@ -171,7 +171,6 @@ fn geometry(elem_bytes: usize) -> Geometry {
     Geometry {
         grid: 132,
         slot_bytes: 48 * 1024,
-        row_pad: 0,
         elem_bytes,
         max_rows: 8,
         input_row_elems: 4 * 768,
