@@ -47,9 +47,10 @@ pub fn fitted_default(
             point.push(("threads".to_string(), 256));
         }
     }
-    // Tensor cores for several rows in 16-bit storage. Measured on an H200, GPT-2 small bf16:
-    // batch 8 0.519 -> 0.430 ms a step; at batch 1 the step does not gain from them and the pad
-    // they need (a copy per weight row) costs 11%.
+    // Tensor cores for several rows in 16-bit storage. Measured on an H200, GPT-2 small: bf16
+    // batch 8 0.517 -> 0.413 ms a step, f16 0.508 -> 0.413; at batch 1 the FMAs are faster
+    // (bf16 0.294 against 0.308 ms: one row's arithmetic is not where a step's time goes, and
+    // the tensor cores' shares meet at one more barrier).
     let tensor_cores = elem_bytes == 2 && rows.is_some_and(|r| r > 1);
     if values("tensor_cores").contains(&1) {
         point.push(("tensor_cores".to_string(), i64::from(tensor_cores)));
