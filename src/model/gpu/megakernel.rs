@@ -49,8 +49,7 @@ pub fn fitted_default(
     }
     // Tensor cores for several rows in 16-bit storage. Measured on an H200, GPT-2 small: bf16
     // batch 8 0.517 -> 0.413 ms a step, f16 0.508 -> 0.413; at batch 1 the FMAs are faster
-    // (bf16 0.294 against 0.308 ms: one row's arithmetic is not where a step's time goes, and
-    // the tensor cores' shares meet at one more barrier).
+    // (bf16 0.294 against 0.308 ms a step).
     let tensor_cores = elem_bytes == 2 && rows.is_some_and(|r| r > 1);
     if values("tensor_cores").contains(&1) {
         point.push(("tensor_cores".to_string(), i64::from(tensor_cores)));
@@ -58,7 +57,7 @@ pub fn fitted_default(
     // Measured on the H100, GPT-2 small after a 1,000-token prompt, batch 1: bf16 0.334 ms a step
     // with two columns per warp against 0.353 with one; f32 0.460 with one against 0.492 with
     // two (16-byte loads carry half as many f32 values: one column keeps more warps busy). With
-    // tensor cores a warp takes a 16-column tile: the spec keeps this parameter at 1.
+    // tensor cores a warp takes an 8-column tile: the spec keeps this parameter at 1.
     let cols_per_warp = if elem_bytes == 2 && !tensor_cores { 2 } else { 1 };
     if values("cols_per_warp").contains(&cols_per_warp) {
         point.push(("cols_per_warp".to_string(), cols_per_warp));
@@ -216,7 +215,8 @@ impl GpuBackend {
             input_row_elems: 4 * cfg.n_embd,
             norm_row_elems: launch.block[0] as usize * 16 / self.dtype.storage().bytes(),
             head_dim: param("head_dim"),
-            // with tensor cores every task is one pass of the block's warps, whatever its width
+            // with tensor cores a task's width barely moves its time (warps take 8-column tiles
+            // and split K between them): one pass, whatever the width
             col_unit: if param("tensor_cores") == 1 {
                 MAX_TASK_COLS
             } else {
