@@ -442,4 +442,39 @@ mod tests {
         assert_eq!(batch["slot_kib"], 48);
         assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
     }
+
+    /// Tensor cores are a 16-bit choice with one warp share per 8-column tile: the spec refuses
+    /// them for f32 storage (naming the constraint) and with more columns per warp, so the
+    /// decode tuner never times a point that would only repeat another.
+    #[test]
+    fn tensor_core_points_are_16_bit_and_one_column_per_warp() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
+        let limits = DeviceLimits::default();
+        let point = |pairs: &[(&str, i64)], dtype| {
+            let pairs: Vec<(String, i64)> = pairs.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+            crate::spec::variant_with(family, &pairs, dtype, Epilogue::None, Mask::None, &limits)
+        };
+        let tensor_cores = [("tensor_cores", 1), ("cols_per_warp", 1)];
+        let shape_with = |elem_bytes: i64| {
+            shape(&[
+                ("B", 8),
+                ("C", 768),
+                ("NH", 12),
+                ("L", 12),
+                ("HS", 64),
+                ("Vp", 50304),
+                ("max_T", 1024),
+                ("elem_bytes", elem_bytes),
+            ])
+        };
+        let bf16 = point(&tensor_cores, crate::spec::Dtype::Bf16).unwrap();
+        bf16.check_shape(&shape_with(2), &limits).unwrap();
+        let f32 = point(&tensor_cores, crate::spec::Dtype::F32).unwrap();
+        let e = f32.check_shape(&shape_with(4), &limits).unwrap_err();
+        assert!(e.contains("tensor_cores * elem_bytes <= 2"), "{e}");
+        let e = point(&[("tensor_cores", 1), ("cols_per_warp", 2)], crate::spec::Dtype::Bf16).unwrap_err();
+        assert!(e.to_string().contains("cols_per_warp"), "{e}");
+    }
 }
