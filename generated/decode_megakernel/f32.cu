@@ -368,6 +368,11 @@ __device__ __forceinline__ void unpack_vec(const uint4& raw, float (&v)[VEC]) {
     v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
 }
 
+// VEC floats rounded to storage_t and stored as 16 bytes.
+__device__ __forceinline__ void store_vec(storage_t* p, const float (&v)[VEC]) {
+    store4(p, make_float4(v[0], v[1], v[2], v[3]));
+}
+
 // VEC consecutive elements (16 bytes) as f32, through L2.
 __device__ __forceinline__ void load_coherent_vec(const storage_t* p, float (&v)[VEC]) {
     unpack_vec(__ldcg(reinterpret_cast<const uint4*>(p)), v);
@@ -514,7 +519,7 @@ __device__ void stage_input(const Stage& s, int B, storage_t* xs, float* scratch
                 const float mean = sum[b] / k, rstd = rsqrtf(var[b] / k + 1e-5f);
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j) v[b][j] = (v[b][j] - mean) * rstd * g[j] + be[j];
-                store4(xs + b * stride + i, make_float4(v[b][0], v[b][1], v[b][2], v[b][3]));
+                store_vec(xs + b * stride + i, v[b]);
             }
         }
     } else {
@@ -892,7 +897,7 @@ __device__ void embed_task(const Stage& s, int B, int pos, const int* tokens) {
         unpack_vec(__ldg(reinterpret_cast<const uint4*>(s.aux + (long long)pos * C + c)), p);
         #pragma unroll
         for (int j = 0; j < VEC; ++j) v[j] += p[j];
-        store4(s.out + i, make_float4(v[0], v[1], v[2], v[3]));
+        store_vec(s.out + i, v);
     }
 }
 
