@@ -408,15 +408,19 @@ __device__ __forceinline__ void load_coherent_vec(const storage_t* p, float (&v)
     unpack_vec(__ldcg(reinterpret_cast<const uint4*>(p)), v);
 }
 
-// VEC consecutive elements (16 bytes) from shared memory as f32, by shared-window address
-// (smem_address). An explicit ld.shared: from a generic pointer, the compiler converts the
-// address in every iteration of the hot loops (a special-register read each time) once
-// registers run short.
-__device__ __forceinline__ void load_shared_vec(unsigned addr, float (&v)[VEC]) {
+// 16 raw bytes from shared memory, by shared-window address (smem_address). An explicit
+// ld.shared: from a generic pointer, the compiler converts the address in every iteration of
+// the hot loops (a special-register read each time) once registers run short.
+__device__ __forceinline__ uint4 load_shared_raw(unsigned addr) {
     uint4 raw;
     asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];"
                  : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "r"(addr));
-    unpack_vec(raw, v);
+    return raw;
+}
+
+// VEC consecutive elements (16 bytes) from shared memory as f32.
+__device__ __forceinline__ void load_shared_vec(unsigned addr, float (&v)[VEC]) {
+    unpack_vec(load_shared_raw(addr), v);
 }
 
 // Sums MAX_ROWS values across the block at once (one pair of barriers for every row).
