@@ -65,7 +65,7 @@ pub fn fitted_default(
     let slots = family.default.get("slots").copied().unwrap_or(3);
     // what the kernel keeps in static shared memory besides the ring, with room to spare
     let static_bytes = 24 * 1024;
-    // (+ 16: the pad after each staged row)
+    // (+ 16: the spec's row_pad after each staged row)
     let input = rows.unwrap_or(batch as i64) * (4 * c * elem_bytes + 16) as i64;
     let mut slot_kibs = values("slot_kib");
     slot_kibs.sort_unstable();
