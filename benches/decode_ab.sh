@@ -6,9 +6,10 @@
 # only the folders (the binary renders the templates it finds there), a Rust change a second
 # binary.
 #   A_ROOT=.device/before B_ROOT=. [A_BIN=...] [B_BIN=...] [ROUNDS=2] [WORKLOADS="..."] \
-#     benches/decode_ab.sh
+#     [MODEL=DIR] benches/decode_ab.sh
 # A workload is dtype:batch:prompt:steps (default: bf16 and f32 at batch 1 after 16 and 1,000
-# tokens, bf16 at batch 8). Prepare A's folder here with
+# tokens, bf16 at batch 8); MODEL is a checkpoint folder (default: a random GPT-2 124M written to
+# /tmp/models/gpt2). Prepare A's folder here with
 #   mkdir -p .device/before && git archive REV specs templates | tar -x -C .device/before
 # Results in $OUT/r (one text file per run).
 set -uo pipefail
@@ -20,7 +21,8 @@ a_bin=${A_BIN:-.device/kernelforge}
 b_bin=${B_BIN:-.device/kernelforge}
 rounds=${ROUNDS:-2}
 workloads=${WORKLOADS:-bf16:1:16:256 bf16:1:1000:48 f32:1:1000:48 bf16:8:16:128}
-dir=/tmp/models/gpt2
+dir=${MODEL:-/tmp/models/gpt2}
+[ -z "${MODEL:-}" ] || [ -d "$dir" ] || { echo "MODEL=$dir: no such folder" >&2; exit 2; }
 [ -d "$dir" ] || python3 - "$dir" <<'PY'
 import sys, torch
 from transformers import GPT2Config, GPT2LMHeadModel

@@ -5,15 +5,17 @@
 # answers what the timeline cannot: whether a task's time goes to instruction fetch ("No
 # Instruction": the kernel's code runs cold), to memory ("Long Scoreboard"), to barriers or to
 # the handoff's fences ("Membar"). Run on the GPU machine after ../shared/tools/device-pack:
-#   [BIN=.device/kernelforge] [PROMPT=16] benches/megakernel_stalls.sh [ROOT...]
-# (default ROOT: .). Results in $OUT/r: per root, the ncu report (open it with ncu-ui or
+#   [BIN=.device/kernelforge] [PROMPT=16] [BATCH=1] [MODEL=DIR] benches/megakernel_stalls.sh [ROOT...]
+# (default ROOT: .; default MODEL: a random GPT-2 124M written to /tmp/models/gpt2). Results in $OUT/r: per root, the ncu report (open it with ncu-ui or
 # `ncu --import FILE --page source`) and the printed sections.
 set -uo pipefail
 out=${OUT:-/tmp}/r
 mkdir -p "$out"
 bin=$(realpath "${BIN:-.device/kernelforge}")   # ncu wants a path it can find
 prompt=${PROMPT:-16}
-dir=/tmp/models/gpt2
+dir=${MODEL:-/tmp/models/gpt2}
+batch=${BATCH:-1}
+[ -z "${MODEL:-}" ] || [ -d "$dir" ] || { echo "MODEL=$dir: no such folder" >&2; exit 2; }
 [ -d "$dir" ] || python3 - "$dir" <<'PY'
 import sys, torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -30,7 +32,7 @@ for root in "$@"; do
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
     --import-source yes --export "$out/stalls-$name" --force-overwrite \
     "$bin" bench --root "$root" --model "$dir" --device cuda --decode-engine megakernel \
-    --dtype bf16 --batch 1 --seq "$prompt" --generate 16 --repeats 1 > "$out/stalls-$name.txt" 2>&1
+    --dtype bf16 --batch "$batch" --seq "$prompt" --generate 16 --repeats 1 > "$out/stalls-$name.txt" 2>&1
   echo "== $root (exit $?): warps stalled per issued instruction, by reason (largest first)"
   # With --export ncu prints no sections: read them back from the report.
   ncu --import "$out/stalls-$name.ncu-rep" --page details --print-details all > "$out/details-$name.txt" 2>&1
