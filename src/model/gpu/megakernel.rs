@@ -42,8 +42,10 @@ pub fn fitted_default(
     let rows = values("max_rows").into_iter().filter(|&r| r >= batch as i64).min();
     if let Some(rows) = rows {
         point.push(("max_rows".to_string(), rows));
-        // several rows of input and sums per thread need more registers than 512 threads leave
-        if rows > 1 && values("threads").contains(&256) {
+        // several rows of input and sums per thread need more registers than 512 threads leave;
+        // but the staging of a layernorm's row takes 16 bytes of it per thread (the spec's
+        // `C * elem_bytes <= threads * 16`): wider rows (GPT-2 large and 1.5B in f32) keep 512
+        if rows > 1 && values("threads").contains(&256) && c * elem_bytes <= 256 * 16 {
             point.push(("threads".to_string(), 256));
         }
     }
@@ -452,6 +454,73 @@ mod tests {
         // 2 slots of 96 KiB, 8 rows of 4 * 768 bf16 and the static 16 KiB exceed 227 KiB
         assert_eq!((batch["slots"], batch["slot_kib"]), (2, 64));
         assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
+    }
+
+    /// Every fitted point of every GPT-2 size, batch and storage width passes the spec's checks
+    /// and fits an H100's shared memory beside the kernel's static shared memory (at most 16,144
+    /// bytes over the spec's points), with two slots as large as fit: one size up would not.
+    #[test]
+    fn fitted_points_of_every_gpt2_size_fit_shared_memory() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
+        let limits = DeviceLimits::default();
+        let static_bytes = 16_144;
+        let mut slot_kibs = family.params["slot_kib"].clone();
+        slot_kibs.sort_unstable();
+        for (c, heads, layers) in [(768, 12, 12), (1024, 16, 24), (1280, 20, 36), (1600, 25, 48)] {
+            for (elem_bytes, dtype) in [(2, crate::spec::Dtype::Bf16), (4, crate::spec::Dtype::F32)] {
+                for batch in 1..=8 {
+                    let what = format!("C={c} elem_bytes={elem_bytes} B={batch}");
+                    let point = fitted_default(family, batch, c, elem_bytes, &limits);
+                    let variant = crate::spec::variant_with(family, &point, dtype, Epilogue::None, Mask::None, &limits)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let at = |b: usize| {
+                        shape(&[
+                            ("B", b as i64),
+                            ("C", c as i64),
+                            ("NH", heads),
+                            ("L", layers),
+                            ("HS", 64),
+                            ("Vp", 50304),
+                            ("max_T", 1024),
+                            ("elem_bytes", elem_bytes as i64),
+                        ])
+                    };
+                    variant
+                        .check_shape(&at(batch), &limits)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let smem = variant.launches(&at(batch), &limits).unwrap()[0].smem_bytes as i64;
+                    let slot = variant.params["slot_kib"];
+                    if !point.iter().any(|(name, _)| name == "slot_kib") {
+                        // 1.5B in f32 from 5 rows: 8 staged rows of 4C floats leave no room for
+                        // two of the smallest slots (the launch refuses the point by name)
+                        let smallest = smem - 2 * (slot - slot_kibs[0]) * 1024;
+                        assert!(
+                            smallest + 16 * 1024 > limits.max_smem_dynamic,
+                            "{what}: a slot would fit"
+                        );
+                        continue;
+                    }
+                    assert!(
+                        smem + static_bytes <= limits.max_smem_dynamic,
+                        "{what}: {smem} bytes of dynamic shared memory"
+                    );
+                    assert_eq!(variant.params["slots"], 2, "{what}");
+                    if batch <= 4 {
+                        // the longest weight row (the fc projection's 4C) fits one slot
+                        assert!(slot * 1024 >= (4 * c * elem_bytes) as i64, "{what}: slot_kib {slot}");
+                    }
+                    if let Some(&bigger) = slot_kibs.iter().find(|&&kib| kib > slot) {
+                        let grown = smem + 2 * (bigger - slot) * 1024;
+                        assert!(
+                            grown + 16 * 1024 > limits.max_smem_dynamic,
+                            "{what}: slot_kib {bigger} would fit too"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// Tensor cores are a 16-bit choice with one warp share per 8-column tile: the spec refuses
