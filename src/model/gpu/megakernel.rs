@@ -423,9 +423,27 @@ mod tests {
     use super::*;
     use crate::spec::{Catalog, DeviceLimits};
 
-    fn fitted(batch: usize, elem_bytes: usize) -> std::collections::BTreeMap<String, i64> {
+    fn catalog() -> Catalog {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        Catalog::load(&root.join("specs"), &root.join("templates")).unwrap()
+    }
+
+    /// The decode step's shape for a GPT-2 of width `c` (1,024 positions, the padded vocabulary).
+    fn gpt2_shape(batch: usize, c: usize, heads: i64, layers: i64, elem_bytes: usize) -> crate::ops::Shape {
+        shape(&[
+            ("B", batch as i64),
+            ("C", c as i64),
+            ("NH", heads),
+            ("L", layers),
+            ("HS", 64),
+            ("Vp", 50304),
+            ("max_T", 1024),
+            ("elem_bytes", elem_bytes as i64),
+        ])
+    }
+
+    fn fitted(batch: usize, elem_bytes: usize) -> std::collections::BTreeMap<String, i64> {
+        let catalog = catalog();
         let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
         fitted_default(family, batch, 768, elem_bytes, &DeviceLimits::default())
             .into_iter()
@@ -461,8 +479,7 @@ mod tests {
     /// bytes over the spec's points), with two slots as large as fit: one size up would not.
     #[test]
     fn fitted_points_of_every_gpt2_size_fit_shared_memory() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let catalog = catalog();
         let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
         let limits = DeviceLimits::default();
         let static_bytes = 16_144;
@@ -475,22 +492,11 @@ mod tests {
                     let point = fitted_default(family, batch, c, elem_bytes, &limits);
                     let variant = crate::spec::variant_with(family, &point, dtype, Epilogue::None, Mask::None, &limits)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    let at = |b: usize| {
-                        shape(&[
-                            ("B", b as i64),
-                            ("C", c as i64),
-                            ("NH", heads),
-                            ("L", layers),
-                            ("HS", 64),
-                            ("Vp", 50304),
-                            ("max_T", 1024),
-                            ("elem_bytes", elem_bytes as i64),
-                        ])
-                    };
+                    let at = gpt2_shape(batch, c, heads, layers, elem_bytes);
                     variant
-                        .check_shape(&at(batch), &limits)
+                        .check_shape(&at, &limits)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    let smem = variant.launches(&at(batch), &limits).unwrap()[0].smem_bytes as i64;
+                    let smem = variant.launches(&at, &limits).unwrap()[0].smem_bytes as i64;
                     let slot = variant.params["slot_kib"];
                     if !point.iter().any(|(name, _)| name == "slot_kib") {
                         // 1.5B in f32 from 5 rows: 8 staged rows of 4C floats leave no room for
@@ -528,8 +534,7 @@ mod tests {
     /// decode tuner never times a point that would only repeat another.
     #[test]
     fn tensor_core_points_are_16_bit_and_one_column_per_warp() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        let catalog = catalog();
         let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
         let limits = DeviceLimits::default();
         let point = |pairs: &[(&str, i64)], dtype| {
@@ -537,18 +542,7 @@ mod tests {
             crate::spec::variant_with(family, &pairs, dtype, Epilogue::None, Mask::None, &limits)
         };
         let tensor_cores = [("tensor_cores", 1), ("cols_per_warp", 1)];
-        let shape_with = |elem_bytes: i64| {
-            shape(&[
-                ("B", 8),
-                ("C", 768),
-                ("NH", 12),
-                ("L", 12),
-                ("HS", 64),
-                ("Vp", 50304),
-                ("max_T", 1024),
-                ("elem_bytes", elem_bytes),
-            ])
-        };
+        let shape_with = |elem_bytes| gpt2_shape(8, 768, 12, 12, elem_bytes);
         let bf16 = point(&tensor_cores, crate::spec::Dtype::Bf16).unwrap();
         bf16.check_shape(&shape_with(2), &limits).unwrap();
         let f32 = point(&tensor_cores, crate::spec::Dtype::F32).unwrap();
