@@ -7,6 +7,12 @@
 //! where it stopped). A point is measured at most once; points that cannot run (a constraint, no
 //! room on the SM) are kept with the reason.
 //!
+//! A move that cannot run is repaired before it is given up: some parameters only make sense
+//! together (tensor cores need one column per warp; a third slot of the ring needs smaller
+//! slots), and one step at a time would never reach such a pair from a point where neither
+//! moved alone. So the walk tries the move with one other parameter changed too, nearest values
+//! first, and times the first of those that runs (at most [`MAX_REPAIRS`] tries a move).
+//!
 //! Pure policy over a `measure` callback, so it is tested without a GPU; the callback decides
 //! what a point's time is.
 
@@ -28,6 +34,8 @@ pub struct Trial {
 pub const MIN_GAIN: f64 = 0.01;
 /// At most this many passes over the parameters.
 pub const MAX_PASSES: usize = 3;
+/// At most this many points tried to repair one move that cannot run.
+pub const MAX_REPAIRS: usize = 8;
 
 /// The result of a search: the fastest point and every trial.
 #[derive(Clone, Debug)]
@@ -67,7 +75,20 @@ pub fn coordinate_descent(
                 let base = current.as_ref().map_or(start, |(p, _)| p);
                 let mut point = base.clone();
                 point.insert(name.clone(), value);
-                if let Ok(ms) = run(&point, &mut trials) {
+                let mut outcome = run(&point, &mut trials);
+                if let Err(reason) = &outcome {
+                    for repaired in repairs(space, fixed, &point, name, reason)
+                        .into_iter()
+                        .take(MAX_REPAIRS)
+                    {
+                        outcome = run(&repaired, &mut trials);
+                        if outcome.is_ok() {
+                            point = repaired;
+                            break;
+                        }
+                    }
+                }
+                if let Ok(ms) = outcome {
                     let better = match &current {
                         Some((_, at)) => ms < at * (1.0 - MIN_GAIN),
                         None => true,
@@ -88,6 +109,30 @@ pub fn coordinate_descent(
         .filter_map(|t| t.outcome.as_ref().ok().map(|&ms| (t.point.clone(), ms)))
         .min_by(|a, b| a.1.total_cmp(&b.1));
     Descent { best, trials }
+}
+
+/// The points that repair `point` (a move of `moved` that cannot run, for `reason`): `point`
+/// with one other free parameter changed. First the parameters the reason names (a constraint
+/// names what it couples), then every parameter's nearest other value before any second-nearest
+/// (so that a few tries reach each parameter once), in the order of `space` within a rank.
+fn repairs(space: &IndexMap<String, Vec<i64>>, fixed: &[&str], point: &Point, moved: &str, reason: &str) -> Vec<Point> {
+    let mut ranked = Vec::new();
+    for (order, (name, values)) in space.iter().enumerate() {
+        if name == moved || fixed.contains(&name.as_str()) {
+            continue;
+        }
+        let here = point[name];
+        let mut others: Vec<i64> = values.iter().copied().filter(|&v| v != here).collect();
+        others.sort_by_key(|&v| ((v - here).abs(), v));
+        let unnamed = !reason.contains(name.as_str());
+        for (rank, v) in others.into_iter().enumerate() {
+            let mut repaired = point.clone();
+            repaired.insert(name.clone(), v);
+            ranked.push(((unnamed, rank, order), repaired));
+        }
+    }
+    ranked.sort_by_key(|(key, _)| *key);
+    ranked.into_iter().map(|(_, p)| p).collect()
 }
 
 #[cfg(test)]
@@ -140,8 +185,48 @@ mod tests {
         let (best, _) = d.best.unwrap();
         assert_eq!(best["a"], 2);
         let refused: Vec<&Trial> = d.trials.iter().filter(|t| t.outcome.is_err()).collect();
-        assert_eq!(refused.len(), 2, "a = 3 and a = 4, once each");
+        // a = 3 and a = 4, then each with b = 20, c = 1 and b = 30 (the repairs, all refused
+        // too), once each
+        assert_eq!(refused.len(), 2 * 4, "{refused:?}");
         assert!(refused[0].outcome.as_ref().unwrap_err().contains("does not fit"));
+        assert_eq!(
+            refused[1].point,
+            point(3, 20, 0),
+            "the nearest value of the first other parameter"
+        );
+    }
+
+    /// A move that only runs together with another (here a = 4 needs c = 1, and c = 1 alone is
+    /// slower) is reached through its repair, with the parameter the refusal names tried first.
+    #[test]
+    fn a_refused_move_is_repaired_by_the_parameter_its_reason_names() {
+        let cost = |p: &Point| -> Result<f64, String> {
+            match (p["a"], p["c"]) {
+                (4, 0) => Err("a = 4 needs c = 1".into()),
+                (4, 1) => Ok(1.0),
+                (a, c) => Ok(10.0 + c as f64 - a as f64 / 10.0),
+            }
+        };
+        let d = coordinate_descent(&space(), &point(1, 10, 0), &[], cost);
+        assert_eq!(d.best.unwrap(), (point(4, 10, 1), 1.0));
+        let after: Vec<&Point> = d
+            .trials
+            .iter()
+            .skip_while(|t| t.point != point(4, 10, 0))
+            .map(|t| &t.point)
+            .collect();
+        assert_eq!(after[1], &point(4, 10, 1), "c is named by the refusal: tried before b");
+        // A parameter held fixed is never changed to repair a move: with b and c fixed, a = 4
+        // is given up at once.
+        let d = coordinate_descent(&space(), &point(1, 10, 0), &["b", "c"], |p| {
+            if p["a"] == 4 {
+                Err("no".into())
+            } else {
+                cost(p)
+            }
+        });
+        assert_eq!(d.best.unwrap().0, point(3, 10, 0));
+        assert_eq!(d.trials.len(), 4, "a fixed parameter is never changed to repair a move");
     }
 
     #[test]
@@ -162,10 +247,12 @@ mod tests {
         assert_eq!(d.best.unwrap(), (point(2, 10, 0), 100.0 * (1.0 - MIN_GAIN / 2.0)));
         let d = coordinate_descent(&space(), &point(1, 10, 0), &[], |_| Err("no".into()));
         assert!(d.best.is_none());
-        assert_eq!(
-            d.trials.len(),
-            1 + 3 + 2 + 1,
-            "one pass over every other value, then stop"
-        );
+        // one pass, then stop: the start; a = 2, 3, 4, each with its three repairs (b = 20,
+        // c = 1, b = 30); b = 20 and 30, each with the one repair not tried yet (c = 1); c = 1
+        assert_eq!(d.trials.len(), 1 + 3 * 4 + 2 * 2 + 1);
+        let mut points: Vec<&Point> = d.trials.iter().map(|t| &t.point).collect();
+        points.sort_by_key(|p| (p["a"], p["b"], p["c"]));
+        points.dedup();
+        assert_eq!(points.len(), d.trials.len(), "no point tried twice");
     }
 }
