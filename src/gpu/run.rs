@@ -251,6 +251,9 @@ impl LoadedVariant {
                 .max_threads_per_block()
                 .map(i64::from)
                 .unwrap_or(limits.max_threads);
+            // The opt-in limit is for a block's whole shared memory: the compiled static part
+            // counts against it too (the driver would refuse the dynamic size without a reason).
+            let static_smem = function.shared_size_bytes().map(i64::from).unwrap_or(0);
             let bad = if threads > limits.max_threads.min(compiled_max) {
                 Some(format!(
                     "{threads} threads per block, but the compiled kernel (registers) or the device allows {}",
@@ -258,9 +261,9 @@ impl LoadedVariant {
                 ))
             } else if l.grid[1] > 65535 || l.grid[2] > 65535 {
                 Some(format!("grid {:?} exceeds 65535 in y or z", l.grid))
-            } else if l.smem_bytes as i64 > limits.max_smem_dynamic {
+            } else if l.smem_bytes as i64 + static_smem > limits.max_smem_dynamic {
                 Some(format!(
-                    "{} bytes of dynamic shared memory, the device allows {}",
+                    "{} bytes of dynamic shared memory beside {static_smem} of static, the device allows {} in all",
                     l.smem_bytes, limits.max_smem_dynamic
                 ))
             } else {
