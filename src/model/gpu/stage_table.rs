@@ -29,7 +29,7 @@ const MAX_STAGES: usize = 512;
 pub enum MegakernelError {
     #[error("the megakernel cannot run {role} ({op}): it runs the fused decode plan (embedding, layernorm + matmul, attention_decode, argmax); {fix}")]
     Unsupported { role: String, op: String, fix: String },
-    #[error("{role}: one weight row is {row_bytes} bytes but a weight slot of the decode_megakernel point holds {slot_bytes}; choose a point with a larger slot_kib (a smaller max_rows leaves shared memory for larger slots) or run --decode-engine graph")]
+    #[error("{role}: one weight row is {row_bytes} bytes but a weight slot of the decode_megakernel point holds {slot_bytes}; choose a point with a larger slot_kib (a smaller batch, and with it max_rows, leaves shared memory for larger slots) or run --decode-engine graph")]
     SlotTooSmall {
         role: String,
         row_bytes: usize,
