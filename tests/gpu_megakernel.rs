@@ -313,9 +313,9 @@ fn megakernel_timeline_stamps_every_task() {
     g.set_timeline(true);
     g.decode_argmax(&[4]).unwrap();
     let t = g.take_timeline().expect("a timeline after a stamped step");
-    let (_, stages, tasks) = g.megakernel_summary().unwrap();
-    assert_eq!(stages, 1 + 2 * 5 + 1);
-    assert_eq!(t.tasks.len(), tasks);
+    let summary = g.megakernel_summary().unwrap();
+    assert_eq!(summary.stages, 1 + 2 * 5 + 1);
+    assert_eq!(t.tasks.len(), summary.tasks);
     assert!(t.blocks > 0);
     for s in &t.tasks {
         assert!(s.block < t.blocks);

@@ -297,6 +297,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
 
     let decode_graphs = gpu.as_ref().is_some_and(|g| g.primary().decode_graphs());
     let engine = gpu.as_ref().map(|g| g.primary().decode_engine());
+    // The point the megakernel ran (after the timed steps it is the one set up last).
+    let megakernel = gpu
+        .as_ref()
+        .filter(|_| steps > 0 && engine == Some(DecodeEngine::Megakernel))
+        .and_then(|g| g.primary().megakernel_summary());
     let dtype = args.target.dtype;
     let timeline_svg = match &timeline {
         Some((path, tl)) => {
@@ -348,6 +353,14 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         });
         if let Some(d) = decode.as_object_mut() {
             d.extend(FloorReport::json_fields(floor.as_ref()));
+            if let Some(m) = &megakernel {
+                let point: serde_json::Map<String, serde_json::Value> =
+                    m.point.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+                d.insert(
+                    "megakernel".to_string(),
+                    json!({"point": point, "choice": m.choice, "stages": m.stages, "tasks": m.tasks}),
+                );
+            }
         }
         let j = json!({
             "device": device.as_str(),
@@ -415,6 +428,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({ms_per_step:.3} ms/step{}, {decode_tps:.1} tokens/s{how})",
             decode_gpu_ms_per_step.map_or(String::new(), |g| format!(" of which {g:.3} ms on the GPU")),
         )?;
+    }
+    if let Some(m) = &megakernel {
+        writeln!(out, "megakernel: {}", m.line())?;
     }
     if let (Some(f), true) = (&floor, gpu.is_some()) {
         writeln!(out, "{}", f.line())?;

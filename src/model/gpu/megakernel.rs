@@ -15,8 +15,43 @@ use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
 use crate::model::engine::{TaskStamp, Timeline};
 use crate::ops::{Epilogue, Mask};
-use crate::tune::registry::variant_kind;
+use crate::tune::registry::{variant_kind, Choice};
 use crate::tune::workloads::op_dtype;
+
+/// What `bench` reports of the megakernel that ran decode steps.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MegakernelSummary {
+    /// Every parameter of its `decode_megakernel` point, in the spec's order.
+    pub point: Vec<(String, i64)>,
+    /// Tuned: the tuning database's winner; default: fitted to the batch (or set for tuning).
+    pub choice: Choice,
+    /// The stage table's stages and tasks.
+    pub stages: usize,
+    pub tasks: usize,
+}
+
+impl MegakernelSummary {
+    /// `threads=512 slot_kib=96 ... (fitted to the batch; 62 stages, 1020 tasks)`; the head
+    /// size (the model's) left out.
+    pub fn line(&self) -> String {
+        let point: Vec<String> = self
+            .point
+            .iter()
+            .filter(|(name, _)| name != "head_dim")
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect();
+        let from = match self.choice {
+            Choice::Tuned | Choice::Nearest => "tuned",
+            Choice::Default => "fitted to the batch",
+        };
+        format!(
+            "{} ({from}; {} stages, {} tasks)",
+            point.join(" "),
+            self.stages,
+            self.tasks
+        )
+    }
+}
 
 /// The op (and kernel family op) of the megakernel.
 pub const DECODE_STEP_OP: &str = crate::ops::decode_step::NAME;
@@ -410,11 +445,22 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// The selected megakernel and its table size, when one is set up: (label, stages, tasks).
-    pub fn megakernel_summary(&self) -> Option<(String, usize, usize)> {
-        self.megakernel
-            .as_ref()
-            .map(|m| (m.kernel.label.clone(), m.lowered.stages.len(), m.lowered.total_tasks()))
+    /// The megakernel set up last (its point, where the point came from, its table's size),
+    /// when one is.
+    pub fn megakernel_summary(&self) -> Option<MegakernelSummary> {
+        self.megakernel.as_ref().map(|m| MegakernelSummary {
+            point: m
+                .kernel
+                .loaded
+                .variant
+                .params
+                .iter()
+                .map(|(k, v)| (k.clone(), *v))
+                .collect(),
+            choice: m.kernel.choice,
+            stages: m.lowered.stages.len(),
+            tasks: m.lowered.total_tasks(),
+        })
     }
 }
 
@@ -472,6 +518,32 @@ mod tests {
         // 2 slots of 96 KiB, 8 rows of 4 * 768 bf16 and the static 16 KiB exceed 227 KiB
         assert_eq!((batch["slots"], batch["slot_kib"]), (2, 64));
         assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
+    }
+
+    /// The line `bench` prints: the point without the model's head size, then where it came from.
+    #[test]
+    fn the_summary_line_names_the_point_and_where_it_came_from() {
+        let mut summary = MegakernelSummary {
+            point: vec![
+                ("threads".into(), 512),
+                ("slot_kib".into(), 96),
+                ("head_dim".into(), 64),
+                ("slots".into(), 2),
+            ],
+            choice: Choice::Default,
+            stages: 62,
+            tasks: 1020,
+        };
+        assert_eq!(
+            summary.line(),
+            "threads=512 slot_kib=96 slots=2 (fitted to the batch; 62 stages, 1020 tasks)"
+        );
+        summary.choice = Choice::Tuned;
+        assert!(
+            summary.line().ends_with("(tuned; 62 stages, 1020 tasks)"),
+            "{}",
+            summary.line()
+        );
     }
 
     /// Every fitted point of every GPT-2 size, batch and storage width passes the spec's checks
