@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::model::gpu::{fitted_default, most_rows, GpuBackend, MEGAKERNEL_FAMILY};
+use crate::model::gpu::{fitted_default, most_rows, point_text, GpuBackend, MEGAKERNEL_FAMILY};
 use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
 use crate::spec::{Catalog, Dtype};
 use crate::tune::db::{default_path, Entry, TuningDb};
@@ -175,16 +175,6 @@ impl DecodeTuned {
             "seconds": self.seconds,
         })
     }
-}
-
-/// A point as `name=value` pairs, without the head size (the model's).
-fn point_text(point: &Point) -> String {
-    point
-        .iter()
-        .filter(|(name, _)| name.as_str() != "head_dim")
-        .map(|(name, value)| format!("{name}={value}"))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// The table `tune --decode-step` prints: per batch, both engines' ms per step and the winner.

@@ -354,11 +354,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         if let Some(d) = decode.as_object_mut() {
             d.extend(FloorReport::json_fields(floor.as_ref()));
             if let Some(m) = &megakernel {
-                let point: serde_json::Map<String, serde_json::Value> =
-                    m.point.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
                 d.insert(
                     "megakernel".to_string(),
-                    json!({"point": point, "choice": m.choice, "stages": m.stages, "tasks": m.tasks}),
+                    json!({"point": m.point, "choice": m.choice, "stages": m.stages, "tasks": m.tasks}),
                 );
             }
         }

@@ -15,6 +15,7 @@ use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
 use crate::model::engine::{TaskStamp, Timeline};
 use crate::ops::{Epilogue, Mask};
+use crate::tune::decode_search::Point;
 use crate::tune::registry::{variant_kind, Choice};
 use crate::tune::workloads::op_dtype;
 
@@ -22,7 +23,7 @@ use crate::tune::workloads::op_dtype;
 #[derive(Clone, Debug, PartialEq)]
 pub struct MegakernelSummary {
     /// Every parameter of its `decode_megakernel` point, in the spec's order.
-    pub point: Vec<(String, i64)>,
+    pub point: Point,
     /// Tuned: the tuning database's winner; default: fitted to the batch (or set for tuning).
     pub choice: Choice,
     /// The stage table's stages and tasks.
@@ -34,23 +35,27 @@ impl MegakernelSummary {
     /// `threads=512 slot_kib=96 ... (fitted to the batch; 62 stages, 1020 tasks)`; the head
     /// size (the model's) left out.
     pub fn line(&self) -> String {
-        let point: Vec<String> = self
-            .point
-            .iter()
-            .filter(|(name, _)| name != "head_dim")
-            .map(|(name, value)| format!("{name}={value}"))
-            .collect();
         let from = match self.choice {
             Choice::Tuned | Choice::Nearest => "tuned",
             Choice::Default => "fitted to the batch",
         };
         format!(
             "{} ({from}; {} stages, {} tasks)",
-            point.join(" "),
+            point_text(&self.point),
             self.stages,
             self.tasks
         )
     }
+}
+
+/// A point of the megakernel family as `name=value` pairs, without the head size (the model's).
+pub fn point_text(point: &Point) -> String {
+    point
+        .iter()
+        .filter(|(name, _)| name.as_str() != "head_dim")
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The op (and kernel family op) of the megakernel.
@@ -449,14 +454,7 @@ impl GpuBackend {
     /// when one is.
     pub fn megakernel_summary(&self) -> Option<MegakernelSummary> {
         self.megakernel.as_ref().map(|m| MegakernelSummary {
-            point: m
-                .kernel
-                .loaded
-                .variant
-                .params
-                .iter()
-                .map(|(k, v)| (k.clone(), *v))
-                .collect(),
+            point: m.kernel.loaded.variant.params.clone(),
             choice: m.kernel.choice,
             stages: m.lowered.stages.len(),
             tasks: m.lowered.total_tasks(),
@@ -524,12 +522,10 @@ mod tests {
     #[test]
     fn the_summary_line_names_the_point_and_where_it_came_from() {
         let mut summary = MegakernelSummary {
-            point: vec![
-                ("threads".into(), 512),
-                ("slot_kib".into(), 96),
-                ("head_dim".into(), 64),
-                ("slots".into(), 2),
-            ],
+            point: [("threads", 512), ("slot_kib", 96), ("head_dim", 64), ("slots", 2)]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
             choice: Choice::Default,
             stages: 62,
             tasks: 1020,

@@ -65,7 +65,7 @@ mod stage_table;
 pub use buffers::ReplicaMemory;
 use buffers::{Activations, DeviceTensor};
 use exec::{record_event, LaunchMode};
-pub use megakernel::{fitted_default, most_rows, MegakernelSummary, MEGAKERNEL_FAMILY};
+pub use megakernel::{fitted_default, most_rows, point_text, MegakernelSummary, MEGAKERNEL_FAMILY};
 use plan::{HeadRows, Plan};
 pub use profile::ProfileRow;
 use profile::Profiler;
