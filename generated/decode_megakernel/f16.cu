@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // the whole decode step as one persistent kernel: the step's plan cut into tasks, resident blocks pulling them in order, waits on counters in global memory, every block streaming its next tasks' weights into a shared-memory ring while it waits
 // Variant: dtype=f16 threads=512 blocks_per_sm=1 slot_kib=32 slots=3 cols_per_warp=2 max_rows=8 head_dim=64 min_chunk_keys=64 bulk_copy=1 tensor_cores=0
-// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304
+// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=16384
 
 // ---------------------------------------------------------------------------------------------
 // decode_megakernel / decode_megakernel_9223c7df

@@ -17,6 +17,7 @@ use crate::spec::{Catalog, Dtype};
 use crate::tune::db::{default_path, Entry, TuningDb};
 use crate::tune::decode_search::{coordinate_descent, Point};
 use crate::tune::records::Candidate;
+use crate::tune::workloads::op_dtype;
 
 /// Timed steps per run and runs per context (median).
 const STEPS: usize = 64;
@@ -91,9 +92,9 @@ pub(super) fn tune_decode_steps(
             .with_context(|| format!("batch {b}: timing the graph engine"))?;
 
         gpu.set_decode_engine(DecodeEngine::Megakernel)?;
-        let elem_bytes = dtype.storage().bytes();
         let mut start: Point = family.default.clone();
-        for (name, value) in fitted_default(&family, b, cfg.n_embd, elem_bytes, &gpu.gpu().info.limits) {
+        let shape = gpu.decode_step_key(b).shape;
+        for (name, value) in fitted_default(&family, &shape, op_dtype(dtype), &gpu.gpu().info.limits) {
             start.insert(name, value);
         }
         let (mut timed, mut best_so_far) = (0, f64::INFINITY);

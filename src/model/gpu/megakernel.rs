@@ -65,18 +65,20 @@ pub const MEGAKERNEL_FAMILY: &str = "decode_megakernel";
 /// Timeline stamps per task: start, inputs ready, weights landed, end.
 const STAMPS: usize = 4;
 
-/// The default point of the megakernel family fitted to a batch of `batch` rows of width `c`:
-/// the fewest `max_rows` that hold the batch (registers grow with it), two output columns per
-/// warp in 16-bit storage and one in f32, and a ring of two slots, each the largest with which
-/// the ring and the staged input still fit in shared memory (bigger tasks spread each task's
-/// fixed cost over more bytes).
+/// The default point of the megakernel family fitted to the decode step `shape` (its batch `B`,
+/// width `C` and `elem_bytes`; see [`GpuBackend::decode_step_key`]) in `dtype`: the fewest
+/// `max_rows` that hold the batch (registers grow with it), two output columns per warp in
+/// 16-bit storage and one in f32, and a ring of two slots, each the largest the spec accepts for
+/// the shape (its shape constraint: the ring, the staged input rows and the kernel's static
+/// shared memory fit the SM's; bigger tasks spread each task's fixed cost over more bytes).
 pub fn fitted_default(
-    family: &crate::spec::Family,
-    batch: usize,
-    c: usize,
-    elem_bytes: usize,
+    family: &std::sync::Arc<crate::spec::Family>,
+    shape: &crate::ops::Shape,
+    dtype: crate::spec::Dtype,
     limits: &crate::spec::DeviceLimits,
 ) -> Vec<(String, i64)> {
+    let dim = |name: &str| shape.get(name).copied().unwrap_or(0).max(0) as usize;
+    let (batch, c, elem_bytes) = (dim("B"), dim("C"), dim("elem_bytes"));
     let mut point = Vec::new();
     let values = |name: &str| family.params.get(name).cloned().unwrap_or_default();
     let rows = values("max_rows").into_iter().filter(|&r| r >= batch as i64).min();
@@ -108,24 +110,20 @@ pub fn fitted_default(
     // epilogue) weighs more than a third slot's head start. Measured on an H200 at batch 1:
     // GPT-2 1.5B bf16 2.59 ms a step with 3 slots of 48 KiB, 2.15 with 3 of 64, 1.99 with 2 of
     // 96; GPT-2 small f32 0.407 -> 0.322 ms (3 x 48 -> 2 x 96 KiB), bf16 0.286 -> 0.278.
-    let slots = if values("slots").contains(&2) {
+    if values("slots").contains(&2) {
         point.push(("slots".to_string(), 2));
-        2
-    } else {
-        family.default.get("slots").copied().unwrap_or(3)
+    }
+    let accepts = |kib: i64| {
+        let mut with = point.clone();
+        with.push(("slot_kib".to_string(), kib));
+        crate::spec::variant_with(family, &with, dtype, Epilogue::None, Mask::None, limits)
+            .is_ok_and(|variant| variant.check_shape(shape, limits).is_ok())
     };
-    // what the kernel keeps in static shared memory besides the ring: at most 16,144 bytes
-    // over the spec's points (8 rows, 512 threads)
-    let static_bytes = 16 * 1024;
-    // (+ 16: the spec's row_pad after each staged row)
-    let input = rows.unwrap_or(batch as i64) * (4 * c * elem_bytes + 16) as i64;
     let mut slot_kibs = values("slot_kib");
     slot_kibs.sort_unstable();
-    if let Some(kib) = slot_kibs
-        .into_iter()
-        .rev()
-        .find(|kib| slots * kib * 1024 + input + static_bytes <= limits.max_smem_dynamic)
-    {
+    // None fits (GPT-2 1.5B in f32 from 5 rows): the default's slots stay, and the spec's refusal
+    // names the shared memory when the kernel is asked for
+    if let Some(kib) = slot_kibs.into_iter().rev().find(|&kib| accepts(kib)) {
         point.push(("slot_kib".to_string(), kib));
     }
     point
@@ -185,7 +183,6 @@ impl GpuBackend {
     /// point for more rows runs fewer, and every point of the whole batch's keeps its
     /// arithmetic, such as the layernorm's block reduction, for every sequence).
     fn megakernel_kernel(&mut self, b: usize) -> AnyResult<Kernel> {
-        let cfg = self.model.config.clone();
         let b = self.megakernel_rows(b);
         let key = self.decode_step_key(b);
         let s = key.shape.clone();
@@ -197,9 +194,8 @@ impl GpuBackend {
             if self.registry.db.as_ref().is_some_and(|db| db.get(&key).is_some()) {
                 return self.kernel(DECODE_STEP_OP, DECODE_STEP_OP, Epilogue::None, Mask::None, s, None);
             }
-            let family = self.registry.catalog.family(MEGAKERNEL_FAMILY)?.clone();
-            let elem_bytes = self.dtype.storage().bytes();
-            fitted_default(&family, b, cfg.n_embd, elem_bytes, &self.gpu.info.limits)
+            let family = self.registry.catalog.family(MEGAKERNEL_FAMILY)?;
+            fitted_default(family, &s, op_dtype(self.dtype), &self.gpu.info.limits)
         };
         let family = Some(MEGAKERNEL_FAMILY);
         self.kernel_at(
@@ -489,9 +485,19 @@ mod tests {
     fn fitted(batch: usize, elem_bytes: usize) -> std::collections::BTreeMap<String, i64> {
         let catalog = catalog();
         let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
-        fitted_default(family, batch, 768, elem_bytes, &DeviceLimits::default())
-            .into_iter()
-            .collect()
+        let dtype = if elem_bytes == 2 {
+            crate::spec::Dtype::Bf16
+        } else {
+            crate::spec::Dtype::F32
+        };
+        fitted_default(
+            family,
+            &gpt2_shape(batch, 768, 12, 12, elem_bytes),
+            dtype,
+            &DeviceLimits::default(),
+        )
+        .into_iter()
+        .collect()
     }
 
     /// The fitted point of GPT-2 small on an H100: the rows the batch needs, the columns per
@@ -543,24 +549,29 @@ mod tests {
     }
 
     /// Every fitted point of every GPT-2 size, batch and storage width passes the spec's checks
-    /// and fits an H100's shared memory beside the kernel's static shared memory (at most 16,144
-    /// bytes over the spec's points), with two slots as large as fit: one size up would not.
+    /// and fits an H100's shared memory beside the kernel's static shared memory (the spec's
+    /// allowance, which covers the 16,144 bytes ptxas reports for the largest of the spec's
+    /// points), with two slots as large as fit: one size up would not.
     #[test]
     fn fitted_points_of_every_gpt2_size_fit_shared_memory() {
         let catalog = catalog();
         let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
         let limits = DeviceLimits::default();
-        let static_bytes = 16_144;
         let mut slot_kibs = family.params["slot_kib"].clone();
         slot_kibs.sort_unstable();
         for (c, heads, layers) in [(768, 12, 12), (1024, 16, 24), (1280, 20, 36), (1600, 25, 48)] {
             for (elem_bytes, dtype) in [(2, crate::spec::Dtype::Bf16), (4, crate::spec::Dtype::F32)] {
                 for batch in 1..=8 {
                     let what = format!("C={c} elem_bytes={elem_bytes} B={batch}");
-                    let point = fitted_default(family, batch, c, elem_bytes, &limits);
+                    let at = gpt2_shape(batch, c, heads, layers, elem_bytes);
+                    let point = fitted_default(family, &at, dtype, &limits);
                     let variant = crate::spec::variant_with(family, &point, dtype, Epilogue::None, Mask::None, &limits)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    let at = gpt2_shape(batch, c, heads, layers, elem_bytes);
+                    let static_bytes = variant.derived["static_smem"];
+                    assert!(
+                        static_bytes >= 16_144,
+                        "{what}: the static allowance is below ptxas's figure"
+                    );
                     let smem = variant.launches(&at, &limits).unwrap()[0].smem_bytes as i64;
                     let slot = variant.params["slot_kib"];
                     if !point.iter().any(|(name, _)| name == "slot_kib") {
@@ -569,7 +580,7 @@ mod tests {
                         // compiled, naming the shared memory
                         let smallest = smem - 2 * (slot - slot_kibs[0]) * 1024;
                         assert!(
-                            smallest + 16 * 1024 > limits.max_smem_dynamic,
+                            smallest + static_bytes > limits.max_smem_dynamic,
                             "{what}: a slot would fit"
                         );
                         let e = variant.check_shape(&at, &limits).unwrap_err();
@@ -591,7 +602,7 @@ mod tests {
                     if let Some(&bigger) = slot_kibs.iter().find(|&&kib| kib > slot) {
                         let grown = smem + 2 * (bigger - slot) * 1024;
                         assert!(
-                            grown + 16 * 1024 > limits.max_smem_dynamic,
+                            grown + static_bytes > limits.max_smem_dynamic,
                             "{what}: slot_kib {bigger} would fit too"
                         );
                     }
