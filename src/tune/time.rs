@@ -25,6 +25,13 @@ pub struct TimingPlan {
 /// tuning time (`tune --op` on that shape spent 15.6 of its 18.7 s timing).
 pub const FEW_RUNS: usize = 3;
 
+/// A kernel whose first warm-up run alone takes this many times a plan's target is measured by
+/// that run: its warm-up and further runs would only add seconds (`tune --op` on the f32 LM head
+/// spent 5.5 of its 11 s of timing on two `matmul_naive` points of 0.69 s a run, four runs each)
+/// for a time that decides nothing but that it loses. Launch cost and clock ramp-up are lost in
+/// a run that long.
+pub const LONG_RUN_FACTOR: f64 = 10.0;
+
 impl TimingPlan {
     /// Whether `taken` runs that took `total_ms` call for more.
     fn wants_more(&self, taken: usize, total_ms: f64) -> bool {
@@ -35,6 +42,12 @@ impl TimingPlan {
             self.min_runs
         };
         taken < self.max_runs && !(taken >= fewest && total_ms >= self.target_ms)
+    }
+
+    /// Whether a first run of `ms` is the whole measurement (see [`LONG_RUN_FACTOR`]); never
+    /// for a plan without a target, which asks for exactly `min_runs`.
+    fn settled_by_one_run(&self, ms: f64) -> bool {
+        self.target_ms > 0.0 && ms >= LONG_RUN_FACTOR * self.target_ms
     }
 
     /// How many runs to enqueue before the next look at the times: [`FEW_RUNS`] first (a long
@@ -152,7 +165,8 @@ pub fn time_in_turns(
     Ok(samples.into_iter().map(Timing::from_samples).collect())
 }
 
-/// Appends to `samples` the times of `plan`'s warm-up then its runs of `body`.
+/// Appends to `samples` the times of `plan`'s runs of `body` after its warm-up; or, when the
+/// first warm-up run alone settles it (a very long kernel, see [`LONG_RUN_FACTOR`]), that run's.
 fn sample(
     gpu: &Gpu,
     copies: usize,
@@ -166,8 +180,33 @@ fn sample(
             .map_err(GpuError::cuda("creating an event"))
     };
     let copies = copies.max(1);
+    // Enqueues one call behind a hold, between two events (see `time_with`).
+    let timed = |i: usize, body: &mut dyn FnMut(usize) -> Result<(), RunError>| {
+        let (start, end) = (event()?, event()?);
+        gpu.hold(HOLD_NS)?;
+        start
+            .record(&gpu.stream)
+            .map_err(GpuError::cuda("recording an event"))?;
+        body(i)?;
+        end.record(&gpu.stream).map_err(GpuError::cuda("recording an event"))?;
+        Ok::<_, RunError>((start, end))
+    };
+    let elapsed = |(start, end): (cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)| {
+        start
+            .elapsed_ms(&end)
+            .map(f64::from)
+            .map_err(GpuError::cuda("reading an event"))
+    };
     for i in 0..plan.warmup {
-        body(i % copies)?;
+        if i == 0 && plan.target_ms > 0.0 {
+            let ms = elapsed(timed(0, body)?)?;
+            if plan.settled_by_one_run(ms) {
+                samples.push(ms);
+                return Ok(());
+            }
+        } else {
+            body(i % copies)?;
+        }
     }
     gpu.synchronize()?;
     let (first, mut total) = (samples.len(), 0.0);
@@ -177,17 +216,10 @@ fn sample(
         let batch = plan.next_batch(taken(samples));
         let mut events = Vec::with_capacity(batch);
         for _ in 0..batch {
-            let (start, end) = (event()?, event()?);
-            gpu.hold(HOLD_NS)?;
-            start
-                .record(&gpu.stream)
-                .map_err(GpuError::cuda("recording an event"))?;
-            body((taken(samples) + events.len()) % copies)?;
-            end.record(&gpu.stream).map_err(GpuError::cuda("recording an event"))?;
-            events.push((start, end));
+            events.push(timed((taken(samples) + events.len()) % copies, body)?);
         }
-        for (start, end) in events {
-            let ms = start.elapsed_ms(&end).map_err(GpuError::cuda("reading an event"))? as f64;
+        for pair in events {
+            let ms = elapsed(pair)?;
             samples.push(ms);
             total += ms;
         }
@@ -255,5 +287,23 @@ mod tests {
         assert_eq!(runs_of(&few, 20.0), 2, "min_runs below FEW_RUNS still counts");
         let exact = TimingPlan { target_ms: 0.0, ..plan };
         assert_eq!(runs_of(&exact, 6.0), 10, "no target: exactly min_runs");
+    }
+
+    /// A first run of ten times the target is the whole measurement; a shorter one, or any run
+    /// under a plan without a target, is not.
+    #[test]
+    fn a_very_long_first_run_settles_the_timing() {
+        let plan = TimingPlan {
+            warmup: 1,
+            min_runs: 5,
+            max_runs: 20,
+            target_ms: 2.0,
+        };
+        assert!(plan.settled_by_one_run(690.0), "matmul_naive on the LM head");
+        assert!(plan.settled_by_one_run(20.0));
+        assert!(!plan.settled_by_one_run(19.9));
+        assert!(!plan.settled_by_one_run(6.2), "the LM head's winner gets its runs");
+        let exact = TimingPlan { target_ms: 0.0, ..plan };
+        assert!(!exact.settled_by_one_run(690.0), "no target: exactly min_runs");
     }
 }
