@@ -1,10 +1,10 @@
 //! The megakernel executor: a decode step's plan lowered to a stage table
 //! (`stage_table.rs`) that one persistent kernel (the `decode_step` op;
 //! `specs/decode_megakernel.toml`, `templates/decode/megakernel.cu.tera`) runs as one
-//! cooperative launch per step: the point of the family chosen for the batch (tuned, or fitted by
-//! `megakernel_point.rs`), the table and the
-//! counters uploaded once per batch size and buffer generation, the occupancy checked before
-//! the first launch, and the timeline stamps read back when asked for.
+//! cooperative launch per step: the point of the family chosen for the batch (tuned, or fitted
+//! by `megakernel_point.rs`), the table and the counters uploaded once per batch size and
+//! buffer generation, the occupancy checked before the first launch, and the timeline stamps
+//! read back when asked for.
 
 use anyhow::{Context, Result as AnyResult};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
