@@ -6,10 +6,12 @@
 # only the folders (the binary renders the templates it finds there), a Rust change a second
 # binary.
 #   A_ROOT=.device/before B_ROOT=. [A_BIN=...] [B_BIN=...] [ROUNDS=2] [WORKLOADS="..."] \
-#     [MODEL=DIR] benches/decode_ab.sh
+#     [MODEL=DIR] [TIMELINE=1] benches/decode_ab.sh
 # A workload is dtype:batch:prompt:steps (default: bf16 and f32 at batch 1 after 16 and 1,000
 # tokens, bf16 at batch 8); MODEL is a checkpoint folder (default: a random GPT-2 124M written to
-# /tmp/models/gpt2). Prepare A's folder here with
+# /tmp/models/gpt2). TIMELINE=1 then runs the first workload once more per side with
+# `bench --timeline` and prints both sides' per-op tables (signal, inputs, work a stage: what a
+# change moved, not only by how much). Prepare A's folder here with
 #   mkdir -p .device/before && git archive REV specs templates | tar -x -C .device/before
 # Results in $OUT/r (one text file per run).
 set -uo pipefail
@@ -47,3 +49,14 @@ for round in $(seq "$rounds"); do
     done
   done
 done
+if [ "${TIMELINE:-0}" = 1 ]; then
+  IFS=: read -r dtype batch prompt steps <<< "${workloads%% *}"
+  for side in A B; do
+    if [ "$side" = A ]; then bin=$a_bin root=$a_root; else bin=$b_bin root=$b_root; fi
+    log="$out/$side-timeline.txt"
+    timeout 150 "$bin" bench --root "$root" --model "$dir" --device cuda --decode-engine megakernel --repeats 1 \
+      --dtype "$dtype" --batch "$batch" --seq "$prompt" --generate 32 --timeline "$out/$side-timeline.svg" > "$log" 2>&1
+    echo "== $side: per-op timeline of ${workloads%% *} ($log)"
+    grep -A8 '^op ' "$log" || echo "(no timeline: see $log)"
+  done
+fi
