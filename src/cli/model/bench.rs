@@ -354,10 +354,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         if let Some(d) = decode.as_object_mut() {
             d.extend(FloorReport::json_fields(floor.as_ref()));
             if let Some(m) = &megakernel {
-                d.insert(
-                    "megakernel".to_string(),
-                    json!({"point": m.point, "choice": m.choice, "stages": m.stages, "tasks": m.tasks}),
-                );
+                d.insert("megakernel".to_string(), json!(m));
             }
         }
         let j = json!({

@@ -11,7 +11,7 @@ use crate::tune::decode_search::Point;
 use crate::tune::registry::Choice;
 
 /// What `bench` reports of the megakernel that ran decode steps.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct MegakernelSummary {
     /// Every parameter of its `decode_megakernel` point, in the spec's order.
     pub point: Point,
@@ -189,7 +189,8 @@ mod tests {
         assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
     }
 
-    /// The line `bench` prints: the point without the model's head size, then where it came from.
+    /// The line `bench` prints (the point without the model's head size, then where it came
+    /// from) and its `--json` object.
     #[test]
     fn the_summary_line_names_the_point_and_where_it_came_from() {
         let mut summary = MegakernelSummary {
@@ -210,6 +211,16 @@ mod tests {
             summary.line().ends_with("(tuned; 62 stages, 1020 tasks)"),
             "{}",
             summary.line()
+        );
+        // bench --json's decode.megakernel: the point by name, the choice, the table's size
+        assert_eq!(
+            serde_json::to_value(&summary).unwrap(),
+            serde_json::json!({
+                "point": {"threads": 512, "slot_kib": 96, "head_dim": 64, "slots": 2},
+                "choice": "tuned",
+                "stages": 62,
+                "tasks": 1020
+            })
         );
     }
 
