@@ -550,28 +550,33 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Stage& s, int b,
 
 // One finished output element: the epilogue, then the store (kernel-by-kernel order of the
 // additions: (acc + bias) + residual).
+// Tests, not a switch: ptxas makes a switch over the epilogues an indirect branch through a
+// jump table in constant memory, which cost a task ~360 cycles (benches/megakernel_matvec.cu,
+// H100: the epilogue and store alone of a task, 779 cycles with the switch, 416 without).
 __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, float acc, EpilogueInputs in,
                                                int pos, int NH, int max_T) {
-    switch (s.epilogue) {
-    case EPI_BIAS: acc += in.bias; break;
-    case EPI_BIAS_GELU: acc = gelu_precise(acc + in.bias); break;
-    case EPI_BIAS_RESIDUAL: acc = acc + in.bias + in.residual; break;
-    case EPI_QKV: {
+    const int epilogue = s.epilogue;
+    if (epilogue == EPI_BIAS_GELU) {
+        acc = gelu_precise(acc + in.bias);
+    } else if (epilogue == EPI_BIAS_RESIDUAL) {
+        acc = acc + in.bias + in.residual;
+    } else if (epilogue != EPI_NONE) {
+        acc += in.bias;  // EPI_BIAS and EPI_QKV
+    }
+    if (epilogue == EPI_QKV) {
         // Column n = which*C + h*HS + d. q goes to the q buffer [B, NH, HS]; k and v go straight
         // into the cache at position `pos` (the kv_append of the kernel-by-kernel path, fused).
-        acc += in.bias;
-        const int C = s.n / 3, which = n / C, c = n - which * C, h = c / HEAD_DIM, d = c - h * HEAD_DIM;
+        const int C = s.n / 3, which = (n >= C) + (n >= 2 * C), c = n - which * C, h = c / HEAD_DIM,
+                  d = c - h * HEAD_DIM;
         if (which == 0) {
             s.out[(long long)b * C + c] = from_float(acc);
         } else {
             storage_t* cache = which == 1 ? s.k_cache : s.v_cache;
             cache[(((long long)b * NH + h) * max_T + pos) * HEAD_DIM + d] = from_float(acc);
         }
-        return acc;
+    } else {
+        s.out[(long long)b * s.n + n] = from_float(acc);
     }
-    default: break;
-    }
-    s.out[(long long)b * s.n + n] = from_float(acc);
     return acc;
 }
 
@@ -587,20 +592,40 @@ __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, flo
 // consecutive 16 bytes: conflict-free), and every input vector loaded once serves COLS_PER_WARP
 // weight rows.
 // Every one of the MAX_ROWS staged rows is multiplied, also those beyond B (their sums are never
-// stored): no branch per row in the hot loop.
+// stored): no branch per row in the hot loop. Likewise a column beyond `cols` reads the last
+// one (its sums are dropped), so that all of a step's loads go out together, and the next step's
+// loads go out before this step's arithmetic: a warp has few steps of K to walk (3 for GPT-2
+// small), and with each step's loads waiting behind the previous step's FMAs, a task costs the
+// sum of its shared-memory latencies. Measured alone (benches/megakernel_matvec.cu, H100, bf16,
+// one row): see the README.
 __device__ __forceinline__ void dot_columns(unsigned slot_addr, unsigned xs_addr, int c0, int cols, int k,
                                             int first, int step, float (&acc)[COLS_PER_WARP][MAX_ROWS]) {
     const unsigned x_stride = k * STORAGE_BYTES + ROW_PAD;  // bytes from one staged input row to the next
-    #pragma unroll 2
+    unsigned w_addr[COLS_PER_WARP];
+    #pragma unroll
+    for (int c = 0; c < COLS_PER_WARP; ++c) w_addr[c] = slot_addr + min(c0 + c, cols - 1) * k * STORAGE_BYTES;
+    uint4 x_raw[MAX_ROWS], w_raw[COLS_PER_WARP];  // the step about to be multiplied
+    auto load_step = [&](int i, uint4 (&x)[MAX_ROWS], uint4 (&w)[COLS_PER_WARP]) {
+        #pragma unroll
+        for (int b = 0; b < MAX_ROWS; ++b) x[b] = load_shared_raw(xs_addr + b * x_stride + i * STORAGE_BYTES);
+        #pragma unroll
+        for (int c = 0; c < COLS_PER_WARP; ++c) w[c] = load_shared_raw(w_addr[c] + i * STORAGE_BYTES);
+    };
+    if (first < k) load_step(first, x_raw, w_raw);
     for (int i = first; i < k; i += step) {
+        uint4 x_next[MAX_ROWS], w_next[COLS_PER_WARP];
+        #pragma unroll
+        for (int b = 0; b < MAX_ROWS; ++b) x_next[b] = x_raw[b];
+        #pragma unroll
+        for (int c = 0; c < COLS_PER_WARP; ++c) w_next[c] = w_raw[c];
+        if (i + step < k) load_step(i + step, x_next, w_next);
         float x[MAX_ROWS][VEC];
         #pragma unroll
-        for (int b = 0; b < MAX_ROWS; ++b) load_shared_vec(xs_addr + b * x_stride + i * STORAGE_BYTES, x[b]);
+        for (int b = 0; b < MAX_ROWS; ++b) unpack_vec(x_raw[b], x[b]);
         #pragma unroll
         for (int c = 0; c < COLS_PER_WARP; ++c) {
-            if (c0 + c >= cols) break;
             float w[VEC];
-            load_shared_vec(slot_addr + ((c0 + c) * k + i) * STORAGE_BYTES, w);
+            unpack_vec(w_raw[c], w);
             #pragma unroll
             for (int b = 0; b < MAX_ROWS; ++b) {
                 // two chains of VEC/2 fused multiply-adds instead of one of VEC
@@ -613,6 +638,10 @@ __device__ __forceinline__ void dot_columns(unsigned slot_addr, unsigned xs_addr
                 acc[c][b] += even + odd;
             }
         }
+        #pragma unroll
+        for (int b = 0; b < MAX_ROWS; ++b) x_raw[b] = x_next[b];
+        #pragma unroll
+        for (int c = 0; c < COLS_PER_WARP; ++c) w_raw[c] = w_next[c];
     }
 }
 

@@ -93,12 +93,17 @@ typedef __nv_bfloat16 storage_t;
 typedef __nv_bfloat162 storage2_t;
 __device__ __forceinline__ float to_float(storage_t x) { return __bfloat162float(x); }
 __device__ __forceinline__ storage_t from_float(float x) { return __float2bfloat16_rn(x); }
-__device__ __forceinline__ float2 to_float2(storage2_t x) { return __bfloat1622float2(x); }
+// A bf16 is the top half of the f32 with the same value: widening a pair is a shift and a mask
+// (two integer instructions; __bfloat1622float2 spends three: a byte permute and two shifts).
+__device__ __forceinline__ float2 to_float2(storage2_t x) {
+    const unsigned word = *reinterpret_cast<const unsigned*>(&x);
+    return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
+}
 __device__ __forceinline__ storage2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
 constexpr int STORAGE_BYTES = sizeof(storage_t);
 
 // Halves travel as raw 32-bit words of two (uint2 = 4 halves, uint4 = 8) and are widened a pair
-// at a time (to_float2: one conversion instruction per pair).
+// at a time (to_float2).
 __device__ __forceinline__ float4 unpack4(uint2 raw) {
     const float2 lo = to_float2(*reinterpret_cast<const storage2_t*>(&raw.x));
     const float2 hi = to_float2(*reinterpret_cast<const storage2_t*>(&raw.y));

@@ -98,7 +98,7 @@ __device__ __forceinline__ storage2_t from_float2(float a, float b) { return __f
 constexpr int STORAGE_BYTES = sizeof(storage_t);
 
 // Halves travel as raw 32-bit words of two (uint2 = 4 halves, uint4 = 8) and are widened a pair
-// at a time (to_float2: one conversion instruction per pair).
+// at a time (to_float2).
 __device__ __forceinline__ float4 unpack4(uint2 raw) {
     const float2 lo = to_float2(*reinterpret_cast<const storage2_t*>(&raw.x));
     const float2 hi = to_float2(*reinterpret_cast<const storage2_t*>(&raw.y));
