@@ -1,7 +1,8 @@
 // What one matrix-vector task of the decode megakernel costs, measured alone.
 //
 // Appended to a rendered megakernel source (it uses that source's matvec_task, prefetch_slot and
-// mbarrier helpers unchanged), built by hand with nvcc on the GPU machine:
+// mbarrier helpers unchanged) and built with nvcc; benches/megakernel_matvec.sh does all of it
+// for GPT-2's task shapes, or by hand:
 //
 //   kernelforge inspect decode_megakernel --dtype bf16 --param max_rows=1 ... > mk.cu
 //   cat mk.cu benches/megakernel_matvec.cu > bench.cu
@@ -143,12 +144,21 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(dw, w.data(), w.size() * STORAGE_BYTES, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(db, b.data(), n * STORAGE_BYTES, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(dx, x.data(), k * STORAGE_BYTES, cudaMemcpyHostToDevice));
-    const int smem = SLOTS * SLOT_BYTES + k * STORAGE_BYTES + ROW_PAD;
-    CHECK(cudaFuncSetAttribute(bench_matvec, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (cols * k * STORAGE_BYTES > SLOT_BYTES) {
         fprintf(stderr, "a task of %d x %d does not fit a slot of %d bytes\n", cols, k, SLOT_BYTES);
         return 1;
     }
+    const int smem = SLOTS * SLOT_BYTES + k * STORAGE_BYTES + ROW_PAD;
+    int smem_max = 0;
+    cudaFuncAttributes kernel;
+    CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    CHECK(cudaFuncGetAttributes(&kernel, bench_matvec));
+    if (smem + (int)kernel.sharedSizeBytes > smem_max) {
+        fprintf(stderr, "the ring, a staged row of %d and the kernel's own %d bytes need more shared memory than the %d a block may have\n",
+                k, (int)kernel.sharedSizeBytes, smem_max);
+        return 1;
+    }
+    CHECK(cudaFuncSetAttribute(bench_matvec, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaEvent_t e0, e1;
     CHECK(cudaEventCreate(&e0));
     CHECK(cudaEventCreate(&e1));
