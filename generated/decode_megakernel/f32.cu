@@ -551,8 +551,8 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Stage& s, int b,
 // One finished output element: the epilogue, then the store (kernel-by-kernel order of the
 // additions: (acc + bias) + residual).
 // Tests, not a switch: ptxas makes a switch over the epilogues an indirect branch through a
-// jump table in constant memory, which cost a task ~360 cycles (benches/megakernel_matvec.cu,
-// H100: the epilogue and store alone of a task, 779 cycles with the switch, 416 without).
+// jump table in constant memory (benches/megakernel_matvec.cu, H100: a GPT-2 small qkv task
+// 2,070 cycles with the switch, 2,031 with the tests).
 __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, float acc, EpilogueInputs in,
                                                int pos, int NH, int max_T) {
     const int epilogue = s.epilogue;
@@ -711,8 +711,14 @@ __device__ __forceinline__ void column_sums(unsigned slot_addr, unsigned xs_addr
 // long K) would leave warps idle, so it splits K instead: `splits` warps share a group, each
 // walking every splits-th 16 bytes of K, and the group's first warp adds up the others' sums
 // from `partials` (shared, WARPS * OUTPUTS floats) and finishes the outputs.
-__device__ void matvec_task(const Stage& s, int task, int B, unsigned slot_addr, unsigned xs_addr,
+__device__ void matvec_task(const Stage& stage, int task, int B, unsigned slot_addr, unsigned xs_addr,
                             const float* bias_s, float* tile, float* partials, int pos, int NH, int max_T) {
+    // The fields this task reads, copied into registers once. Read through the reference, every
+    // field after an output's store is loaded from shared memory again (the store goes through a
+    // generic pointer that ptxas cannot tell from the stage record), on the way to the next
+    // store: ~200 cycles a task (benches/megakernel_matvec.cu, H100, bf16, one row: GPT-2
+    // small's qkv task 2,031 -> 1,843 cycles).
+    const Stage s = stage;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = task * s.cols;
     const int cols = min(s.cols, s.n - n0);
