@@ -13,7 +13,7 @@
 # `bench --timeline` and prints both sides' per-op tables (signal, inputs, work a stage: what a
 # change moved, not only by how much). Prepare A's folder here with
 #   mkdir -p .device/before && git archive REV specs templates | tar -x -C .device/before
-# Results in $OUT/r (one text file per run).
+# Results in $OUT/r, one text file per run, named by side, model folder, workload and round.
 set -uo pipefail
 out=${OUT:-/tmp}/r
 mkdir -p "$out"
@@ -25,6 +25,7 @@ rounds=${ROUNDS:-2}
 workloads=${WORKLOADS:-bf16:1:16:256 bf16:1:1000:48 f32:1:1000:48 bf16:8:16:128}
 dir=${MODEL:-/tmp/models/gpt2}
 [ -z "${MODEL:-}" ] || [ -d "$dir" ] || { echo "MODEL=$dir: no such folder" >&2; exit 2; }
+model=$(basename "$dir")  # in the log names, so that runs of two models into one $OUT/r both stay
 [ -d "$dir" ] || python3 - "$dir" <<'PY'
 import sys, torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -37,7 +38,7 @@ for round in $(seq "$rounds"); do
     IFS=: read -r dtype batch prompt steps <<< "$w"
     for side in A B; do
       if [ "$side" = A ]; then bin=$a_bin root=$a_root; else bin=$b_bin root=$b_root; fi
-      log="$out/$side-$dtype-b$batch-p$prompt-r$round.txt"
+      log="$out/$side-$model-$dtype-b$batch-p$prompt-r$round.txt"
       timeout 150 "$bin" bench --root "$root" --model "$dir" --device cuda --decode-engine megakernel --repeats 1 \
         --dtype "$dtype" --batch "$batch" --seq "$prompt" --generate "$steps" > "$log" 2>&1
       line=$(grep -E '^decode:' "$log")
@@ -53,9 +54,9 @@ if [ "${TIMELINE:-0}" = 1 ]; then
   IFS=: read -r dtype batch prompt steps <<< "${workloads%% *}"
   for side in A B; do
     if [ "$side" = A ]; then bin=$a_bin root=$a_root; else bin=$b_bin root=$b_root; fi
-    log="$out/$side-timeline.txt"
+    log="$out/$side-$model-timeline.txt"
     timeout 150 "$bin" bench --root "$root" --model "$dir" --device cuda --decode-engine megakernel --repeats 1 \
-      --dtype "$dtype" --batch "$batch" --seq "$prompt" --generate 32 --timeline "$out/$side-timeline.svg" > "$log" 2>&1
+      --dtype "$dtype" --batch "$batch" --seq "$prompt" --generate 32 --timeline "$out/$side-$model-timeline.svg" > "$log" 2>&1
     echo "== $side: per-op timeline of ${workloads%% *} ($log)"
     grep -A8 '^op ' "$log" || echo "(no timeline: see $log)"
   done
