@@ -93,15 +93,7 @@ impl OpContract for Argmax {
             Arg::I32(v as i32),
             Arg::I32(stride as i32),
         ];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let (v, stride) = (problem.shape["V"] as usize, problem.shape["stride"] as usize);

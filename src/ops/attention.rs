@@ -120,15 +120,7 @@ impl OpContract for Attention {
             Arg::I32(shape["window"] as i32),
             Arg::F32(1.0 / (hs as f32).sqrt()),
         ];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let (b, nh, t_len, hs) = (problem.dim("B"), problem.dim("NH"), problem.dim("T"), problem.dim("HS"));

@@ -89,15 +89,7 @@ impl OpContract for AttentionDecode {
             Arg::I32(hs as i32),
             Arg::F32(1.0 / (hs as f32).sqrt()),
         ];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let (nh, t, hs, max_t) = (

@@ -40,13 +40,5 @@ pub(crate) fn problem(
     tensors.extend(inputs(n as usize));
     let mut args: Vec<Arg> = (0..tensors.len()).map(Arg::Tensor).collect();
     args.push(Arg::I32(n as i32));
-    Ok(Problem {
-        op: op.name(),
-        shape,
-        epilogue,
-        mask,
-        tensors,
-        args,
-        storage: Storage::F32,
-    })
+    Ok(Problem::new(op.name(), shape, epilogue, mask, tensors, args))
 }

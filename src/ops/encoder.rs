@@ -115,15 +115,7 @@ impl OpContract for Encoder {
             Arg::I32(c as i32),
             Arg::I32(pos as i32),
         ];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let (t_len, c, pos) = (problem.dim("T"), problem.dim("C"), problem.dim("pos_offset"));

@@ -103,15 +103,7 @@ impl OpContract for KvAppend {
             Arg::I32(hs as i32),
             Arg::I32(pos as i32),
         ];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let (t, hs, pos, max_t) = (

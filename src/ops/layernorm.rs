@@ -79,15 +79,7 @@ impl OpContract for LayerNorm {
             Arg::I32(n as i32),
             Arg::I32(c as i32),
         ];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let c = problem.dim("C");

@@ -192,15 +192,7 @@ impl OpContract for Matmul {
             Arg::I32(shape["T"] as i32),
             Arg::I32(shape["n_head"] as i32),
         ];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let (m, n, k) = (problem.dim("M"), problem.dim("N"), problem.dim("K"));

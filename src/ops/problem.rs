@@ -197,6 +197,26 @@ impl TensorArg {
 }
 
 impl Problem {
+    /// A problem whose floating-point tensors are stored as f32 on the device (see
+    /// [`Problem::stored_as`] for 16-bit storage).
+    pub fn new(
+        op: &'static str,
+        shape: Shape,
+        epilogue: Epilogue,
+        mask: Mask,
+        tensors: Vec<TensorArg>,
+        args: Vec<Arg>,
+    ) -> Problem {
+        Problem {
+            op,
+            shape,
+            epilogue,
+            mask,
+            tensors,
+            args,
+            storage: Storage::F32,
+        }
+    }
     /// The same problem with every floating-point tensor stored as `storage` on the device: the
     /// host values are rounded to that precision so the reference computes from exactly what
     /// the kernel reads. Integer tensors (token ids, argmax outputs) are unchanged.

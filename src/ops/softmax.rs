@@ -58,15 +58,7 @@ impl OpContract for Softmax {
         }
         let tensors = vec![TensorArg::output_f32("out", n * c), TensorArg::input_f32("inp", inp)];
         let args = vec![Arg::Tensor(0), Arg::Tensor(1), Arg::I32(n as i32), Arg::I32(c as i32)];
-        Ok(Problem {
-            op: self.name(),
-            shape,
-            epilogue,
-            mask,
-            tensors,
-            args,
-            storage: Storage::F32,
-        })
+        Ok(Problem::new(self.name(), shape, epilogue, mask, tensors, args))
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let c = problem.dim("C");
