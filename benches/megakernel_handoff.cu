@@ -8,12 +8,21 @@
 //   2 a flag per producer block (st.release), polled in parallel by P threads with acquire loads
 //   3 a flag inside every 8-byte word of the data (no counter; the consumer polls the data)
 //   4 no synchronisation at all (wrong results; the floor of the stage's own work)
+//   5 counter, polled by POLLERS threads (lane 0 of the last POLLERS warps, which do nothing
+//     else) with acquire loads, staggered in time so that a poll lands every RTT / POLLERS; the
+//     first to see the count releases the other warps through an mbarrier (variant 1 waits a
+//     whole round trip when the count lands just after its poll left)
+//   6 as 5 with one poller (the dedicated warps alone)
 // Optionally each block also copies a 27 KB weight tile per stage (cp.async, issued before the
 // wait, waited on after it), so that the handoff runs on a busy memory system.
 // Not a Rust bench (the kernel is fixed, no spec): build and run by hand with the CUDA toolkit:
 //   nvcc -O3 -arch=sm_90 -o megakernel_handoff benches/megakernel_handoff.cu && ./megakernel_handoff
 // H100 SXM (driver 580, CUDA 13.0), µs a stage, N = 768, no weight tiles: 2.28 (0), 1.89 (1),
-// 3.14 (2), 1.52 (3), 0.87 (4); with the weight tiles: 2.90, 2.56, 4.03, 2.31, 1.98.
+// 3.14 (2), 1.52 (3), 0.87 (4); with the weight tiles: 2.90, 2.56, 4.03, 2.31, 1.98. A later run
+// with 5 and 6 (same kind of H100), no weight tiles: 2.01 (0), 1.73 (1), 3.14 (2), 1.48 (3),
+// 0.86 (4), 1.91 (5), 1.74 (6); with them: 2.77, 2.53, 3.99, 2.33, 2.00, 2.77, 2.65. Staggered
+// pollers lose: a poll's round trip is not what the wait is made of (nor is a warp that does
+// nothing but wait faster), and four threads polling one counter load the memory system more.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -32,6 +41,30 @@ __device__ __forceinline__ void st_release(unsigned* p, unsigned v) { asm volati
 __device__ __forceinline__ void st_ll(uint4* p, uint4 v) { asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory"); }
 __device__ __forceinline__ uint4 ld_ll(const uint4* p) { uint4 v; asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory"); return v; }
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) { asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src)); }
+
+constexpr int POLLERS = 4;
+constexpr int COMPUTE = THREADS - 32 * POLLERS;  // threads of variants 5 and 6 that read and write
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;" :: "n"(COMPUTE) : "memory"); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) { asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { asm volatile("{ .reg .b64 st; mbarrier.arrive.shared.b64 st, [%0]; }" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done = 0;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// The block's sum over the COMPUTE threads (variants 5 and 6).
+__device__ float compute_sum(float v, float* sh) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
+    compute_sync();
+    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
+    compute_sync();
+    v = threadIdx.x % 32 < COMPUTE / 32 ? sh[threadIdx.x % 32] : 0.f;
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
+    return v;
+}
 
 __device__ float block_sum(float v, float* sh) {
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
@@ -58,63 +91,115 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
             st_ll(ll + i, make_uint4(__float_as_uint(1.0f + 2 * i * 1e-4f), tag + 1, __float_as_uint(1.0f + (2 * i + 1) * 1e-4f), tag + 1));
         __syncthreads();
         if (threadIdx.x == 0) {
-            if (VARIANT <= 1) red_release(&counters[0], P);
+            if (VARIANT <= 1 || VARIANT >= 5) red_release(&counters[0], P);
             if (VARIANT == 2) for (int p = 0; p < P; ++p) st_release(&flags[p], epoch + 1);
         }
     }
     const unsigned wdst = (unsigned)__cvta_generic_to_shared(wsmem);
-    for (int s = 0; s < STAGES; ++s) {
-        // this block's weight tile for the stage, copied before the wait (as the real kernel does)
-        if (wbytes) {
-            const long long off = (((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes);
-            for (int b = threadIdx.x * 16; b < wbytes; b += THREADS * 16) cp_async16(wdst + b, weights + (off & ~15ll) + b);
-            asm volatile("cp.async.commit_group;");
-        }
-        const float* in = bufs + (long long)s * N;
-        float acc = 0.f;
-        if (VARIANT == 0 || VARIANT == 1 || VARIANT == 2 || VARIANT == 4) {
-            if (VARIANT == 0 && threadIdx.x == THREADS - 32) {
-                while (ld_relaxed(&counters[s]) < P * (epoch + 1)) {}
-                asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    if constexpr (VARIANT >= 5) {
+        __shared__ unsigned long long ready;  // completes a phase per stage: its input is there
+        __shared__ int seen;                  // the newest stage a poller saw complete
+        __shared__ int consumed;              // stages whose phase every compute thread has waited for
+        if (threadIdx.x == 0) { mbar_init(&ready); seen = -1; consumed = 0; }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        __syncthreads();
+        const int pollers = VARIANT == 5 ? POLLERS : 1;
+        if (threadIdx.x >= COMPUTE) {  // the polling warps
+            const int j = (threadIdx.x - COMPUTE) / 32;
+            if (threadIdx.x % 32 != 0 || j >= pollers) return;
+            for (int s = 0; s < STAGES; ++s) {
+                // Not before every compute thread has waited for the previous phase: a phase
+                // that completes twice under a waiter's feet reads as not completed at all.
+                while (*(volatile int*)&consumed < s) {}
+                __nanosleep(j * 150);  // staggered: a poll lands every ~150 ns
+                while (*(volatile int*)&seen < s) {
+                    if (ld_acquire(&counters[s]) >= P * (epoch + 1)) {
+                        if (atomicMax(&seen, s) < s) mbar_arrive(&ready);
+                        break;
+                    }
+                }
             }
-            if (VARIANT == 1 && threadIdx.x == THREADS - 32) { while (ld_acquire(&counters[s]) < P * (epoch + 1)) {} }
-            if (VARIANT == 2 && threadIdx.x < P) { while (ld_acquire(&flags[s * P + threadIdx.x]) != epoch + 1) {} }
-            __syncthreads();
-            for (int i = threadIdx.x * 4; i < N; i += THREADS * 4) {
+            return;
+        }
+        for (int s = 0; s < STAGES; ++s) {
+            if (wbytes) {
+                const long long off = (((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes);
+                for (int b = threadIdx.x * 16; b < wbytes; b += COMPUTE * 16) cp_async16(wdst + b, weights + (off & ~15ll) + b);
+                asm volatile("cp.async.commit_group;");
+            }
+            mbar_wait(&ready, s & 1);
+            const float* in = bufs + (long long)s * N;
+            float acc = 0.f;
+            for (int i = threadIdx.x * 4; i < N; i += COMPUTE * 4) {
                 float4 v = __ldcg(reinterpret_cast<const float4*>(in + i));
                 acc += v.x + v.y + v.z + v.w;
             }
-        } else {  // LL
-            const uint4* lin = ll + (long long)s * (N / 2);
-            const unsigned want = tag + s + 1;
-            for (int i = threadIdx.x; i < N / 2; i += THREADS) {
-                uint4 v;
-                do { v = ld_ll(lin + i); } while (v.y != want || v.w != want);
-                acc += __uint_as_float(v.x) + __uint_as_float(v.z);
+            if (wbytes) { asm volatile("cp.async.wait_group 0;" ::: "memory"); acc += reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f; }
+            const float total = compute_sum(acc, sh);  // its barriers: every compute thread is past the wait
+            if (threadIdx.x == 0) *(volatile int*)&consumed = s + 1;
+            if (blockIdx.x < P) {
+                const int per = N / P;
+                float* o = bufs + (long long)(s + 1) * N;
+                for (int j = threadIdx.x; j < per; j += COMPUTE) o[blockIdx.x * per + j] = total / N + (blockIdx.x * per + j) * 1e-4f;
+                compute_sync();
+                if (threadIdx.x == 0) red_release(&counters[s + 1], 1);
             }
+            if (s == STAGES - 1 && threadIdx.x == 0) out[blockIdx.x] = total;
         }
-        if (wbytes) { asm volatile("cp.async.wait_group 0;" ::: "memory"); acc += reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f; }
-        const float total = block_sum(acc, sh);
-        if (blockIdx.x < P) {
-            const int per = N / P;  // slice of the next vector
-            float* o = bufs + (long long)(s + 1) * N;
-            if (VARIANT == 3) {
-                uint4* lo = ll + (long long)(s + 1) * (N / 2);
-                const unsigned tg = tag + s + 2;
-                for (int j = threadIdx.x; j < per / 2; j += THREADS) {
-                    const int n = blockIdx.x * per + 2 * j;
-                    st_ll(lo + n / 2, make_uint4(__float_as_uint(total / N + n * 1e-4f), tg, __float_as_uint(total / N + (n + 1) * 1e-4f), tg));
+    } else {
+        for (int s = 0; s < STAGES; ++s) {
+            // this block's weight tile for the stage, copied before the wait (as the real kernel does)
+            if (wbytes) {
+                const long long off = (((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes);
+                for (int b = threadIdx.x * 16; b < wbytes; b += THREADS * 16) cp_async16(wdst + b, weights + (off & ~15ll) + b);
+                asm volatile("cp.async.commit_group;");
+            }
+            const float* in = bufs + (long long)s * N;
+            float acc = 0.f;
+            if (VARIANT == 0 || VARIANT == 1 || VARIANT == 2 || VARIANT == 4) {
+                if (VARIANT == 0 && threadIdx.x == THREADS - 32) {
+                    while (ld_relaxed(&counters[s]) < P * (epoch + 1)) {}
+                    asm volatile("fence.acq_rel.gpu;" ::: "memory");
                 }
-            } else {
-                for (int j = threadIdx.x; j < per; j += THREADS) o[blockIdx.x * per + j] = total / N + (blockIdx.x * per + j) * 1e-4f;
+                if (VARIANT == 1 && threadIdx.x == THREADS - 32) { while (ld_acquire(&counters[s]) < P * (epoch + 1)) {} }
+                if (VARIANT == 2 && threadIdx.x < P) { while (ld_acquire(&flags[s * P + threadIdx.x]) != epoch + 1) {} }
                 __syncthreads();
-                if (threadIdx.x == THREADS - 32) {
-                    if (VARIANT <= 1) red_release(&counters[s + 1], 1);
-                    if (VARIANT == 2) st_release(&flags[(s + 1) * P + blockIdx.x], epoch + 1);
+                for (int i = threadIdx.x * 4; i < N; i += THREADS * 4) {
+                    float4 v = __ldcg(reinterpret_cast<const float4*>(in + i));
+                    acc += v.x + v.y + v.z + v.w;
+                }
+            } else {  // LL
+                const uint4* lin = ll + (long long)s * (N / 2);
+                const unsigned want = tag + s + 1;
+                for (int i = threadIdx.x; i < N / 2; i += THREADS) {
+                    uint4 v;
+                    do { v = ld_ll(lin + i); } while (v.y != want || v.w != want);
+                    acc += __uint_as_float(v.x) + __uint_as_float(v.z);
                 }
             }
+            if (wbytes) { asm volatile("cp.async.wait_group 0;" ::: "memory"); acc += reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f; }
+            const float total = block_sum(acc, sh);
+            if (blockIdx.x < P) {
+                const int per = N / P;  // slice of the next vector
+                float* o = bufs + (long long)(s + 1) * N;
+                if (VARIANT == 3) {
+                    uint4* lo = ll + (long long)(s + 1) * (N / 2);
+                    const unsigned tg = tag + s + 2;
+                    for (int j = threadIdx.x; j < per / 2; j += THREADS) {
+                        const int n = blockIdx.x * per + 2 * j;
+                        st_ll(lo + n / 2, make_uint4(__float_as_uint(total / N + n * 1e-4f), tg, __float_as_uint(total / N + (n + 1) * 1e-4f), tg));
+                    }
+                } else {
+                    for (int j = threadIdx.x; j < per; j += THREADS) o[blockIdx.x * per + j] = total / N + (blockIdx.x * per + j) * 1e-4f;
+                    __syncthreads();
+                    if (threadIdx.x == THREADS - 32) {
+                        if (VARIANT <= 1) red_release(&counters[s + 1], 1);
+                        if (VARIANT == 2) st_release(&flags[(s + 1) * P + blockIdx.x], epoch + 1);
+                    }
+                }
+            }
+            if (s == STAGES - 1 && threadIdx.x == 0) out[blockIdx.x] = total;
         }
-        if (s == STAGES - 1 && threadIdx.x == 0) out[blockIdx.x] = total;
     }
 }
 
@@ -147,16 +232,19 @@ int main() {
     CK(cudaMalloc(&bufs, (STAGES + 1) * 4096 * 4)); CK(cudaMalloc(&ll, (size_t)(STAGES + 1) * 4096 * 8));
     CK(cudaMalloc(&counters, (STAGES + 2) * 4)); CK(cudaMalloc(&flags, (STAGES + 2) * P * 4));
     CK(cudaMalloc(&w, wsize)); CK(cudaMemset(w, 0, wsize)); CK(cudaMalloc(&out, grid * 4));
-    const char* names[] = {"counter+fence", "counter acquire", "flags/producer", "LL in data", "no sync"};
+    const char* names[] = {"counter+fence", "counter acquire", "flags/producer", "LL in data", "no sync",
+                           "staggered pollers", "one dedicated poller"};
     for (int wbytes : {0, 27648}) for (int N : {768, 3072}) {
         printf("N=%4d weights/task=%5d B:", N, wbytes);
-        float t[5];
+        float t[7];
         t[0] = run<0>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
         t[1] = run<1>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
         t[2] = run<2>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
         t[3] = run<3>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
         t[4] = run<4>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
-        for (int v = 0; v < 5; ++v) printf("  %s %.2f", names[v], t[v]);
+        t[5] = run<5>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
+        t[6] = run<6>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
+        for (int v = 0; v < 7; ++v) printf("  %s %.2f", names[v], t[v]);
         printf("  (us/stage)\n");
     }
     return 0;

@@ -169,7 +169,9 @@ fn megakernel_matches_kernel_by_kernel_decode_on_the_tiny_model() {
 
 /// Small enough for compute-sanitizer (memcheck, racecheck, synccheck): a few steps on a 2-layer
 /// model, with a cache long enough that attention splits into chunks and combines them, in f32
-/// with the copy engine and in bf16 with cp.async.
+/// with the copy engine and in bf16 with cp.async; and with slots of 16 KiB, which hold 64 cache
+/// positions in bf16, so that an attention chunk (~70 positions) reads its last keys and values
+/// from memory rather than from its slot.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn megakernel_small_for_the_sanitizer() {
@@ -177,6 +179,15 @@ fn megakernel_small_for_the_sanitizer() {
     let tiny = model(2, 2, 128, 512, 300, 77);
     compare("sanitizer f32 B=2", &tiny, 2, Dtype::F32, 140, 3);
     compare("sanitizer bf16 B=2 (tensor cores)", &tiny, 2, Dtype::Bf16, 140, 3);
+    compare_at(
+        "sanitizer bf16 B=1, keys past the slot",
+        &tiny,
+        1,
+        Dtype::Bf16,
+        140,
+        3,
+        &[("slot_kib", 16)],
+    );
     let mut g = backend(&tiny, 1, Dtype::Bf16, DecodeEngine::Megakernel);
     g.set_megakernel_point(vec![("bulk_copy".to_string(), 0), ("max_rows".to_string(), 1)]);
     let first = g

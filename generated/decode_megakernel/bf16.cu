@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // the whole decode step as one persistent kernel: the step's plan cut into tasks, resident blocks pulling them in order, waits on counters in global memory, every block streaming its next tasks' weights into a shared-memory ring while it waits
 // Variant: dtype=bf16 threads=512 blocks_per_sm=1 slot_kib=32 slots=3 cols_per_warp=2 max_rows=8 head_dim=64 min_chunk_keys=64 bulk_copy=1 tensor_cores=0
-// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=16384
+// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=12288
 
 // ---------------------------------------------------------------------------------------------
 // decode_megakernel / decode_megakernel_2c127403
@@ -112,35 +112,6 @@ __device__ __forceinline__ float warp_reduce_max(float value) {
     for (int offset = 16; offset > 0; offset >>= 1)
         value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
     return value;
-}
-// Block-wide reductions: each warp reduces its own lanes, lane 0 of every warp parks the warp's
-// partial in shared memory, then every warp reduces the (at most 32) partials again, so every
-// thread returns the block's result. blockDim.x must be a multiple of 32 and every thread of
-// the block must call it (it contains barriers).
-__device__ __forceinline__ float block_reduce_sum(float value) {
-    __shared__ float partials[32];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int num_warps = blockDim.x / 32;
-    value = warp_reduce_sum(value);
-    __syncthreads();  // a previous call may still be reading `partials`
-    if (lane == 0) partials[warp] = value;
-    __syncthreads();  // every partial is written before anyone reads them
-    value = lane < num_warps ? partials[lane] : 0.0f;
-    return warp_reduce_sum(value);
-}
-
-__device__ __forceinline__ float block_reduce_max(float value) {
-    __shared__ float partials[32];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int num_warps = blockDim.x / 32;
-    value = warp_reduce_max(value);
-    __syncthreads();  // a previous call may still be reading `partials`
-    if (lane == 0) partials[warp] = value;
-    __syncthreads();  // every partial is written before anyone reads them
-    value = lane < num_warps ? partials[lane] : __int_as_float(0xff800000);  // -inf: NVRTC has no <math.h> INFINITY
-    return warp_reduce_max(value);
 }
 // (value, index) a beats (value, index) b: larger value, or the same value at a smaller index.
 // The rule is commutative and associative, so any reduction order finds the FIRST maximum.
@@ -309,7 +280,6 @@ __device__ __forceinline__ void mbar_init_fence() {
 #define HEAD_DIM 64
 #define VEC (16 / STORAGE_BYTES)          // elements in one 16-byte access
 #define MAX_TASK_COLS 128                 // the host never cuts a matrix-vector task wider
-#define MAX_CHUNK 1024                    // cache positions one attention task scores at most
 #define MAX_STAGES 512                    // stages a table may have (the host checks)
 #define MIN_CHUNK_KEYS 64  // cache positions below which a chunk is not split off
 // Bytes after every staged input row in shared memory. Rows of GPT-2's widths are a multiple of
@@ -461,7 +431,7 @@ __device__ __forceinline__ void block_reduce_rows(float (&v)[MAX_ROWS], float* s
 
 // Which cache positions attention task `local` of a stage covers at this step: the head's
 // positions 0..pos cut into `chunks` chunks, as few as give each chunk MIN_CHUNK_KEYS
-// positions (the host gives the stage enough tasks per head that no chunk outgrows MAX_CHUNK).
+// positions (the host gives the stage enough tasks per head that no chunk outgrows 1,024).
 // Tasks beyond `chunks` have nothing to do (t0 == t1).
 struct Chunk { int bh, chunk, chunks, t0, t1; };
 __device__ __forceinline__ Chunk attention_chunk(const Stage& s, int local, int pos) {
@@ -519,19 +489,33 @@ __device__ __forceinline__ void prefetch_slot(const Stage& s, int task, int pos,
 // layernorm(x) (each block recomputes the row statistics: B rows of C values, far cheaper than
 // a separate layernorm op and the wait for it). The row is read once: each thread keeps its 16
 // bytes of every row in registers (the host checks C <= THREADS * VEC) for the mean, the
-// variance (two-pass, from the registers) and the normalisation; gamma and beta are loaded
-// with the rows. Rounded to storage_t: exactly the values the kernel-by-kernel path's
-// layernorm writes and its matmul reads. Row b lands at xs + b * (k + ROW_PAD / STORAGE_BYTES).
-__device__ void stage_input(const Stage& s, int B, storage_t* xs, float* scratch) {
+// variance (two-pass, from the registers) and the normalisation; gamma and beta (this thread's
+// 16 bytes of each, `ln_params`) were loaded before the wait for the rows. Rounded to storage_t:
+// exactly the values the kernel-by-kernel path's layernorm writes and its matmul reads. Row b
+// lands at xs + b * (k + ROW_PAD / STORAGE_BYTES).
+struct LayernormParams { uint4 gamma, beta; };  // raw: VEC elements of each
+
+// This thread's share of a layernorm stage's gamma and beta. They depend on nothing, so the
+// main loop issues these loads before it waits for the stage's input: they land during the wait
+// instead of adding a trip to memory (often DRAM: the weight stream evicts them from L2 between
+// steps) after it.
+__device__ __forceinline__ LayernormParams load_layernorm_params(const Stage& s) {
+    LayernormParams p = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    if ((s.flags & FLAG_LAYERNORM) && threadIdx.x * VEC < s.k) {
+        p.gamma = __ldg(reinterpret_cast<const uint4*>(s.gamma) + threadIdx.x);
+        p.beta = __ldg(reinterpret_cast<const uint4*>(s.beta) + threadIdx.x);
+    }
+    return p;
+}
+
+__device__ void stage_input(const Stage& s, int B, storage_t* xs, float* scratch, const LayernormParams& ln_params) {
     const int k = s.k, stride = k + ROW_PAD / STORAGE_BYTES;
     if (s.flags & FLAG_LAYERNORM) {
         const int i = threadIdx.x * VEC;
         const bool mine = i < k;
         float v[MAX_ROWS][VEC], sum[MAX_ROWS], var[MAX_ROWS], g[VEC], be[VEC];
-        if (mine) {  // in the same trip to memory as the rows
-            load_coherent_vec(s.gamma + i, g);
-            load_coherent_vec(s.beta + i, be);
-        }
+        unpack_vec(ln_params.gamma, g);
+        unpack_vec(ln_params.beta, be);
         #pragma unroll
         for (int b = 0; b < MAX_ROWS; ++b) {
             sum[b] = 0.0f;
@@ -813,110 +797,132 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
 
 // ---- attention tasks --------------------------------------------------------------------------
 // Task = (sequence b, head h, chunk) of the cache positions 0..pos. The chunk's first SLOT_KEYS
-// keys and values are in the task's slot (those of earlier steps prefetched before the wait,
-// see above; the row at `pos`, which the qkv stage has just written, copied in after it), so
-// after its wait a short chunk costs one trip to memory (q and that row); positions beyond the
-// slot are read from memory as they are scored. Scores in the log2 domain (scale * log2(e)
-// folded into q), one key per thread; then the probabilities times V with HEAD_DIM/VEC lanes
-// per cache row. The chunk's (max, sum, unnormalised output) go to the workspace; the task that
-// finishes a head's last chunk (an arrival counter per head) combines them into att[b, h*HS..]
-// and only then counts the head as done, so the next stage waits for B*NH arrivals, not for
-// every chunk. A cache in one chunk skips the partials and the combine: att is written directly.
+// keys and values that earlier steps wrote are in the task's slot (prefetched before the wait,
+// see above); the row at `pos`, which the qkv stage has just written, and any positions beyond
+// the slot are read from memory.
+//
+// The block is cut into GROUPS groups of PIECES lanes (8 lanes for 16-bit storage, 16 for f32),
+// a group per cache row at a time: lane j of a group holds elements j*VEC .. j*VEC + VEC - 1 of
+// q in registers, and of the row it reads 16 bytes of the key and 16 of the value. The group's
+// lanes sum the row's score with shuffles, and the group keeps its own online softmax (running
+// max m, sum l, output acc, in the log2 domain: scale * log2(e) folded into q) over its rows
+// t0 + group, t0 + group + GROUPS, ... The states are merged by shuffles within each warp, then
+// across warps through shared memory, once: a task meets the rest of its block at one barrier.
+// (Before, one thread per key wrote its score to shared memory and the block reduced the max
+// and the sum over all scores: six barriers a task, ~3.5 us for a head's 80 keys on an H100.)
+// The chunk's (max, sum, unnormalised output) go to the workspace; the task that finishes a
+// head's last chunk (an arrival counter per head) combines them into att[b, h*HS..] and only
+// then counts the head as done, so the next stage waits for B*NH arrivals, not for every chunk.
+// A cache in one chunk skips the partials and the combine: att is written directly.
+#define PIECES (HEAD_DIM / VEC)      // 16-byte pieces of one cache row: the lanes of a group
+#define GROUPS (THREADS / PIECES)    // cache rows the block reads at once
+
+// An online-softmax state (m, l, acc) merged with another one: both rescaled to the larger
+// max. An empty state has m = -inf and l = acc = 0, and weighs nothing (never exp2(-inf + inf)).
+__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[VEC], float m_o, float l_o,
+                                            const float (&acc_o)[VEC]) {
+    const float m_new = fmaxf(m, m_o);
+    const float a = m == m_new ? 1.0f : exp2f(m - m_new), b = m_o == m_new ? 1.0f : exp2f(m_o - m_new);
+    l = l * a + l_o * b;
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = acc[j] * a + acc_o[j] * b;
+    m = m_new;
+}
+
 __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH, int max_T, float scale,
-                               storage_t* slot, unsigned* arrivals, float* workspace, float* q_s,
-                               float* scores, float* partial_s, int* is_last) {
+                               storage_t* slot, unsigned* arrivals, float* workspace, float2* warp_state,
+                               float* partial_s, int* is_last) {
     const Chunk c = attention_chunk(s, task, pos);
     if (c.t0 >= c.t1) {
         if (threadIdx.x == SYNC_THREAD) *is_last = 0;
         return;
     }
     const int bh = c.bh, chunk = c.chunk, chunks = c.chunks, t0 = c.t0, t1 = c.t1;
-    const int cached_end = min(t1, t0 + SLOT_KEYS);  // positions t0..cached_end-1 are in the slot
+    // positions t0 .. cached_end - 1 are in the slot (pos is not: the prefetch ran before it was written)
+    const int cached_end = min(min(t1, pos), t0 + SLOT_KEYS);
     const long long head = (long long)bh * max_T * HEAD_DIM;
-    const unsigned keys = smem_address(slot), values = keys + SLOT_BYTES / 2;
-    constexpr int PIECES = HEAD_DIM / VEC;  // 16-byte pieces of one cache row
-    if (pos < cached_end && pos >= t0) {  // this step's k and v rows into the slot
-        const long long fresh = head + (long long)pos * HEAD_DIM;
-        storage_t* base = slot + (pos - t0) * HEAD_DIM;
-        if (threadIdx.x < PIECES)
-            *reinterpret_cast<uint4*>(base + threadIdx.x * VEC) =
-                __ldcg(reinterpret_cast<const uint4*>(s.k_cache + fresh) + threadIdx.x);
-        else if (threadIdx.x < 2 * PIECES)
-            *reinterpret_cast<uint4*>(base + SLOT_BYTES / 2 / STORAGE_BYTES + (threadIdx.x - PIECES) * VEC) =
-                __ldcg(reinterpret_cast<const uint4*>(s.v_cache + fresh) + threadIdx.x - PIECES);
-    }
-    const float log2e = 1.4426950408889634f;
-    if (threadIdx.x < HEAD_DIM) q_s[threadIdx.x] = load_coherent(s.input + (long long)bh * HEAD_DIM + threadIdx.x) * scale * log2e;
-    __syncthreads();
-    // Scores: thread t reads key row t. Rows are 16 * PIECES bytes apart, so the threads of a
-    // warp would all hit the same banks at the same offset; each starts at its own piece
-    // (rotated by its lane) to spread them over all banks.
-    float local_max = __int_as_float(0xff800000);
-    for (int t = t0 + threadIdx.x; t < t1; t += THREADS) {
-        const bool cached = t < cached_end;
-        float dot = 0.0f;
-        #pragma unroll
-        for (int j = 0; j < PIECES; ++j) {
-            const int d = ((j + threadIdx.x) % PIECES) * VEC;
-            float kv[VEC];
-            if (cached) load_shared_vec(keys + ((t - t0) * HEAD_DIM + d) * STORAGE_BYTES, kv);
-            else load_coherent_vec(s.k_cache + head + (long long)t * HEAD_DIM + d, kv);
-            #pragma unroll
-            for (int e = 0; e < VEC; ++e) dot = fmaf(q_s[d + e], kv[e], dot);
-        }
-        scores[t - t0] = dot;
-        local_max = fmaxf(local_max, dot);
-    }
-    const float m = block_reduce_max(local_max);  // its barriers also publish `scores`
-    float local_sum = 0.0f;
-    for (int t = t0 + threadIdx.x; t < t1; t += THREADS) {
-        const float p = exp2f(scores[t - t0] - m);
-        scores[t - t0] = p;
-        local_sum += p;
-    }
-    const float l = block_reduce_sum(local_sum);
-    constexpr int GROUPS = THREADS / PIECES;  // P @ V: PIECES lanes per row
-    const int lane_in_row = threadIdx.x % PIECES, group = threadIdx.x / PIECES;
-    float acc[VEC];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int piece = lane % PIECES, group = threadIdx.x / PIECES;
+    const unsigned keys = smem_address(slot) + piece * VEC * STORAGE_BYTES, values = keys + SLOT_BYTES / 2;
+    const storage_t* k_row = s.k_cache + head + piece * VEC;
+    const storage_t* v_row = s.v_cache + head + piece * VEC;
+    float q[VEC];
+    load_coherent_vec(s.input + (long long)bh * HEAD_DIM + piece * VEC, q);
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) q[j] *= scale * 1.4426950408889634f;  // log2(e)
+    float m = __int_as_float(0xff800000), l = 0.0f, acc[VEC];
     #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-    for (int t = t0 + group; t < t1; t += GROUPS) {
-        float v[VEC];
-        if (t < cached_end) load_shared_vec(values + ((t - t0) * HEAD_DIM + lane_in_row * VEC) * STORAGE_BYTES, v);
-        else load_coherent_vec(s.v_cache + head + (long long)t * HEAD_DIM + lane_in_row * VEC, v);
-        const float p = scores[t - t0];
+    // The loop runs while the warp's first group has a row, so that every lane of the warp
+    // takes part in every shuffle (a shuffle whose mask names a lane that is not there is
+    // undefined); a group past the chunk's end reads nothing and keeps its state.
+    const int warp_first = t0 + warp * (32 / PIECES);
+    #pragma unroll 2
+    for (int t = t0 + group, first = warp_first; first < t1; t += GROUPS, first += GROUPS) {
+        const bool row = t < t1;
+        float kv[VEC], vv[VEC];
+        if (!row) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) kv[j] = vv[j] = 0.0f;
+        } else if (t < cached_end) {
+            load_shared_vec(keys + (t - t0) * HEAD_DIM * STORAGE_BYTES, kv);
+            load_shared_vec(values + (t - t0) * HEAD_DIM * STORAGE_BYTES, vv);
+        } else {
+            load_coherent_vec(k_row + (long long)t * HEAD_DIM, kv);
+            load_coherent_vec(v_row + (long long)t * HEAD_DIM, vv);
+        }
+        float score = 0.0f;
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
+        for (int j = 0; j < VEC; ++j) score = fmaf(q[j], kv[j], score);
+        #pragma unroll
+        for (int offset = PIECES / 2; offset > 0; offset >>= 1) score += __shfl_xor_sync(0xffffffffu, score, offset);
+        if (row) {
+            const float m_new = fmaxf(m, score);
+            const float rescale = exp2f(m - m_new), p = exp2f(score - m_new);  // exp2(-inf) = 0 for the first row
+            l = l * rescale + p;
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, vv[j], acc[j] * rescale);
+            m = m_new;
+        }
     }
-    // Rows of one warp first (shuffles across the lanes of equal lane_in_row), then warps.
+    // The warp's groups into one state (lanes of equal `piece` hold the same elements).
     #pragma unroll
-    for (int j = 0; j < VEC; ++j)
+    for (int offset = PIECES; offset < 32; offset <<= 1) {
+        float acc_o[VEC];
         #pragma unroll
-        for (int offset = 16; offset >= PIECES; offset >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        for (int j = 0; j < VEC; ++j) acc_o[j] = __shfl_xor_sync(0xffffffffu, acc[j], offset);
+        const float m_o = __shfl_xor_sync(0xffffffffu, m, offset), l_o = __shfl_xor_sync(0xffffffffu, l, offset);
+        merge_state(m, l, acc, m_o, l_o, acc_o);
+    }
     if (lane < PIECES) {
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) partial_s[warp * HEAD_DIM + lane * VEC + j] = acc[j];
+        for (int j = 0; j < VEC; ++j) partial_s[warp * HEAD_DIM + piece * VEC + j] = acc[j];
+        if (lane == 0) warp_state[warp] = make_float2(m, l);
     }
-    __syncthreads();
+    __syncthreads();  // every warp's state is in shared memory
+    // The warps' states into the chunk's, in a fixed order: thread d finishes element d.
+    float M = __int_as_float(0xff800000), L = 0.0f, o = 0.0f;
+    if (threadIdx.x < HEAD_DIM) {
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, warp_state[w].x);
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float2 ml = warp_state[w];
+            const float weight = ml.x == M ? 1.0f : exp2f(ml.x - M);  // a warp without rows: 0
+            L = fmaf(ml.y, weight, L);
+            o = fmaf(partial_s[w * HEAD_DIM + threadIdx.x], weight, o);
+        }
+    }
     const int b = bh / NH, h = bh - b * NH;
     storage_t* att = s.out + ((long long)b * NH + h) * HEAD_DIM;
     if (chunks == 1) {  // the whole cache in one task: no partials, no combine
-        if (threadIdx.x < HEAD_DIM) {
-            float o = 0.0f;
-            for (int w = 0; w < WARPS; ++w) o += partial_s[w * HEAD_DIM + threadIdx.x];
-            att[threadIdx.x] = from_float(o / l);
-        }
+        if (threadIdx.x < HEAD_DIM) att[threadIdx.x] = from_float(o / L);
         if (threadIdx.x == SYNC_THREAD) *is_last = 1;
         return;
     }
     float* mine = workspace + s.ws_offset + (long long)(bh * s.cols + chunk) * (HEAD_DIM + 2);
-    if (threadIdx.x < HEAD_DIM) {
-        float o = 0.0f;
-        for (int w = 0; w < WARPS; ++w) o += partial_s[w * HEAD_DIM + threadIdx.x];
-        mine[2 + threadIdx.x] = o;
-    }
-    if (threadIdx.x == 0) { mine[0] = m; mine[1] = l; }
+    if (threadIdx.x < HEAD_DIM) mine[2 + threadIdx.x] = o;
+    if (threadIdx.x == 0) { mine[0] = M; mine[1] = L; }
     __syncthreads();
     if (threadIdx.x == SYNC_THREAD) {
         // this chunk's partial is visible before it counts as arrived
@@ -998,8 +1004,7 @@ decode_megakernel_2c127403_main(const int* stage_table, int n_stages, unsigned* 
     storage_t* ring = reinterpret_cast<storage_t*>(dynamic_smem);                   // SLOTS x SLOT_BYTES
     storage_t* xs = reinterpret_cast<storage_t*>(dynamic_smem + SLOTS * SLOT_BYTES);  // MAX_ROWS x k
     __shared__ float scratch[WARPS * MAX_ROWS];
-    __shared__ float q_s[HEAD_DIM];
-    __shared__ float scores[MAX_CHUNK];
+    __shared__ float2 warp_state[WARPS];  // attention: each warp's softmax state (max, sum)
     __shared__ int stage_end[MAX_STAGES];  // first task after each stage
     __shared__ float partial_s[WARPS * HEAD_DIM];  // attention's partials; a split matrix-vector task's sums
     static_assert(OUTPUTS <= HEAD_DIM, "a split matrix-vector task's sums fit in partial_s");
@@ -1082,6 +1087,8 @@ decode_megakernel_2c127403_main(const int* stage_table, int n_stages, unsigned* 
         storage_t* slot = ring + (i % SLOTS) * (SLOT_BYTES / STORAGE_BYTES);
         if (kind == STAGE_MATVEC && st.epilogue != EPI_NONE && threadIdx.x < min(st.cols, st.n - local * st.cols))
             bias_s[threadIdx.x] = to_float(st.bias[local * st.cols + threadIdx.x]);  // lands while we wait
+        LayernormParams ln_params = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+        if (kind == STAGE_MATVEC && staged != s) ln_params = load_layernorm_params(st);  // lands while we wait
         if (st.wait_stage >= 0 && staged != s) {
             if (threadIdx.x == SYNC_THREAD)
                 wait_for_count(&counters[st.wait_stage], (unsigned)st.wait_count);
@@ -1090,7 +1097,7 @@ decode_megakernel_2c127403_main(const int* stage_table, int n_stages, unsigned* 
         const unsigned long long t_ready = timeline ? global_time() : 0;
         unsigned long long t_data = t_ready;
         if (kind == STAGE_MATVEC || kind == STAGE_ATTENTION) {
-            if (kind == STAGE_MATVEC && staged != s) stage_input(st, B, xs, scratch);
+            if (kind == STAGE_MATVEC && staged != s) stage_input(st, B, xs, scratch, ln_params);
             staged = s;
             mbar_wait(smem_address(&slot_bar[i % SLOTS]), (phases >> (i % SLOTS)) & 1);  // the slot's data landed
             phases ^= 1u << (i % SLOTS);
@@ -1105,7 +1112,7 @@ decode_megakernel_2c127403_main(const int* stage_table, int n_stages, unsigned* 
                     argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan);
                 }
             } else {
-                attention_task(st, local, B, pos, NH, max_T, scale, slot, arrivals, workspace, q_s, scores, partial_s,
+                attention_task(st, local, B, pos, NH, max_T, scale, slot, arrivals, workspace, warp_state, partial_s,
                                &is_last);
                 // The task wrote its slot with ordinary stores (this step's cache row, the head's
                 // partials); the copy engine fills the slot next. Stores and bulk copies are

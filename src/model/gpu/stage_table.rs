@@ -18,9 +18,11 @@
 use crate::gpu::ArgValue;
 use crate::ops::Epilogue;
 
-/// The widest matrix-vector task (columns), the longest cache chunk of one attention task and
-/// the most stages a table may have: `MAX_TASK_COLS`, `MAX_CHUNK` and `MAX_STAGES` of the template.
+/// The widest matrix-vector task (columns) and the most stages a table may have: `MAX_TASK_COLS`
+/// and `MAX_STAGES` of the template.
 pub const MAX_TASK_COLS: usize = 128;
+/// The longest cache chunk the host gives one attention task (a longer cache gets more chunks a
+/// head, so that no task's share of the keys takes much longer than a wave of the others).
 const MAX_CHUNK: usize = 1024;
 const MAX_STAGES: usize = 512;
 
