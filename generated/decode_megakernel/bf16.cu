@@ -176,6 +176,15 @@ __device__ __forceinline__ float gelu_precise(float x) {
     const float u = sqrt_2_over_pi * (x + 0.044715f * x * x * x);
     return x / (1.0f + expf(-2.0f * u));
 }
+// 2^x with the hardware approximation (one MUFU.EX2; relative error ~2^-22; 2^-inf = +0).
+// Online softmax wants exp(s - m) = 2^(s * log2(e) - m * log2(e)): folding log2(e) into the
+// score scale turns every exponential into this single instruction (exp2f, which also handles
+// denormal results exactly, is about eight).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "bulk_copy = 1 needs the copy engine of sm_90 (Hopper) or newer: choose a point with bulk_copy = 0"
 #endif
@@ -806,8 +815,9 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
 // q in registers, and of the row it reads 16 bytes of the key and 16 of the value. The group's
 // lanes sum the row's score with shuffles, and the group keeps its own online softmax (running
 // max m, sum l, output acc, in the log2 domain: scale * log2(e) folded into q) over its rows
-// t0 + group, t0 + group + GROUPS, ... The states are merged by shuffles within each warp, then
-// across warps through shared memory, once: a task meets the rest of its block at one barrier.
+// t0 + group, t0 + group + GROUPS, ... (ROWS_AT_ONCE of them a trip). The states are merged by
+// shuffles within each warp, then across warps through shared memory, once: a task meets the
+// rest of its block at one barrier.
 // (Before, one thread per key wrote its score to shared memory and the block reduced the max
 // and the sum over all scores: six barriers a task, ~3.5 us for a head's 80 keys on an H100.)
 // The chunk's (max, sum, unnormalised output) go to the workspace; the task that finishes a
@@ -816,13 +826,14 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
 // A cache in one chunk skips the partials and the combine: att is written directly.
 #define PIECES (HEAD_DIM / VEC)      // 16-byte pieces of one cache row: the lanes of a group
 #define GROUPS (THREADS / PIECES)    // cache rows the block reads at once
+#define ROWS_AT_ONCE 4               // rows a group scores before its softmax state advances
 
 // An online-softmax state (m, l, acc) merged with another one: both rescaled to the larger
 // max. An empty state has m = -inf and l = acc = 0, and weighs nothing (never exp2(-inf + inf)).
 __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[VEC], float m_o, float l_o,
                                             const float (&acc_o)[VEC]) {
     const float m_new = fmaxf(m, m_o);
-    const float a = m == m_new ? 1.0f : exp2f(m - m_new), b = m_o == m_new ? 1.0f : exp2f(m_o - m_new);
+    const float a = m == m_new ? 1.0f : fast_exp2(m - m_new), b = m_o == m_new ? 1.0f : fast_exp2(m_o - m_new);
     l = l * a + l_o * b;
     #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = acc[j] * a + acc_o[j] * b;
@@ -855,33 +866,53 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
     // The loop runs while the warp's first group has a row, so that every lane of the warp
     // takes part in every shuffle (a shuffle whose mask names a lane that is not there is
-    // undefined); a group past the chunk's end reads nothing and keeps its state.
+    // undefined); a row past the chunk's end reads nothing and weighs nothing. A group takes
+    // ROWS_AT_ONCE of its rows per trip: their loads, dot products and shuffles are independent,
+    // and the running max, the rescale and the sums then advance once for all of them (one row
+    // a trip made each trip wait for the previous one's shuffles and exponentials: a batch-8 head
+    // of 1,000 cached positions is 16 rows a group).
     const int warp_first = t0 + warp * (32 / PIECES);
-    #pragma unroll 2
-    for (int t = t0 + group, first = warp_first; first < t1; t += GROUPS, first += GROUPS) {
-        const bool row = t < t1;
-        float kv[VEC], vv[VEC];
-        if (!row) {
+    for (int t = t0 + group, first = warp_first; first < t1; t += ROWS_AT_ONCE * GROUPS, first += ROWS_AT_ONCE * GROUPS) {
+        float score[ROWS_AT_ONCE], vv[ROWS_AT_ONCE][VEC];
+        #pragma unroll
+        for (int r = 0; r < ROWS_AT_ONCE; ++r) {
+            const int row = t + r * GROUPS;
+            float kv[VEC];
+            if (row >= t1) {
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) kv[j] = vv[r][j] = 0.0f;
+            } else if (row < cached_end) {
+                load_shared_vec(keys + (row - t0) * HEAD_DIM * STORAGE_BYTES, kv);
+                load_shared_vec(values + (row - t0) * HEAD_DIM * STORAGE_BYTES, vv[r]);
+            } else {
+                load_coherent_vec(k_row + (long long)row * HEAD_DIM, kv);
+                load_coherent_vec(v_row + (long long)row * HEAD_DIM, vv[r]);
+            }
+            score[r] = 0.0f;
             #pragma unroll
-            for (int j = 0; j < VEC; ++j) kv[j] = vv[j] = 0.0f;
-        } else if (t < cached_end) {
-            load_shared_vec(keys + (t - t0) * HEAD_DIM * STORAGE_BYTES, kv);
-            load_shared_vec(values + (t - t0) * HEAD_DIM * STORAGE_BYTES, vv);
-        } else {
-            load_coherent_vec(k_row + (long long)t * HEAD_DIM, kv);
-            load_coherent_vec(v_row + (long long)t * HEAD_DIM, vv);
+            for (int j = 0; j < VEC; ++j) score[r] = fmaf(q[j], kv[j], score[r]);
         }
-        float score = 0.0f;
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) score = fmaf(q[j], kv[j], score);
-        #pragma unroll
-        for (int offset = PIECES / 2; offset > 0; offset >>= 1) score += __shfl_xor_sync(0xffffffffu, score, offset);
-        if (row) {
-            const float m_new = fmaxf(m, score);
-            const float rescale = exp2f(m - m_new), p = exp2f(score - m_new);  // exp2(-inf) = 0 for the first row
-            l = l * rescale + p;
+        for (int offset = PIECES / 2; offset > 0; offset >>= 1)
             #pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, vv[j], acc[j] * rescale);
+            for (int r = 0; r < ROWS_AT_ONCE; ++r) score[r] += __shfl_xor_sync(0xffffffffu, score[r], offset);
+        float m_new = m;
+        #pragma unroll
+        for (int r = 0; r < ROWS_AT_ONCE; ++r)
+            if (t + r * GROUPS < t1) m_new = fmaxf(m_new, score[r]);
+        if (m_new != __int_as_float(0xff800000)) {  // the group has had a row
+            const float rescale = fast_exp2(m - m_new);  // 2^-inf = 0 before the first row
+            l *= rescale;
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] *= rescale;
+            #pragma unroll
+            for (int r = 0; r < ROWS_AT_ONCE; ++r) {
+                if (t + r * GROUPS >= t1) continue;
+                const float p = fast_exp2(score[r] - m_new);
+                l += p;
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, vv[r][j], acc[j]);
+            }
             m = m_new;
         }
     }
@@ -908,7 +939,7 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             const float2 ml = warp_state[w];
-            const float weight = ml.x == M ? 1.0f : exp2f(ml.x - M);  // a warp without rows: 0
+            const float weight = ml.x == M ? 1.0f : fast_exp2(ml.x - M);  // a warp without rows: 0
             L = fmaf(ml.y, weight, L);
             o = fmaf(partial_s[w * HEAD_DIM + threadIdx.x], weight, o);
         }
@@ -950,7 +981,7 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
         float L = 0.0f, o = 0.0f;
         for (int c = 0; c < chunks; ++c) {
             const int at = c * (HEAD_DIM + 2);
-            const float w = exp2f(part(at) - M);  // an empty chunk has max -inf: weight 0
+            const float w = fast_exp2(part(at) - M);  // an empty chunk has max -inf: weight 0
             L += part(at + 1) * w;
             o += part(at + 2 + threadIdx.x) * w;
         }
