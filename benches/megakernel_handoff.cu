@@ -44,7 +44,6 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) { asm 
 
 constexpr int POLLERS = 4;
 constexpr int COMPUTE = THREADS - 32 * POLLERS;  // threads of variants 5 and 6 that read and write
-__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;" :: "n"(COMPUTE) : "memory"); }
 __device__ __forceinline__ void mbar_init(unsigned long long* bar) { asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { asm volatile("{ .reg .b64 st; mbarrier.arrive.shared.b64 st, [%0]; }" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
@@ -55,23 +54,20 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
     } while (!done);
 }
 
-// The block's sum over the COMPUTE threads (variants 5 and 6).
-__device__ float compute_sum(float v, float* sh) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
-    compute_sync();
-    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
-    compute_sync();
-    v = threadIdx.x % 32 < COMPUTE / 32 ? sh[threadIdx.x % 32] : 0.f;
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
-    return v;
+// The sum over the first N threads of the block (all of them, or the COMPUTE threads of variants
+// 5 and 6, which meet at named barrier 1 without the polling warps).
+template <int N>
+__device__ __forceinline__ void sync_first() {
+    if (N == THREADS) __syncthreads();
+    else asm volatile("bar.sync 1, %0;" :: "n"(N) : "memory");
 }
-
+template <int N = THREADS>
 __device__ float block_sum(float v, float* sh) {
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
-    __syncthreads();
+    sync_first<N>();
     if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
-    __syncthreads();
-    v = threadIdx.x % 32 < THREADS / 32 ? sh[threadIdx.x % 32] : 0.f;
+    sync_first<N>();
+    v = threadIdx.x % 32 < N / 32 ? sh[threadIdx.x % 32] : 0.f;
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
     return v;
 }
@@ -135,13 +131,13 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
                 acc += v.x + v.y + v.z + v.w;
             }
             if (wbytes) { asm volatile("cp.async.wait_group 0;" ::: "memory"); acc += reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f; }
-            const float total = compute_sum(acc, sh);  // its barriers: every compute thread is past the wait
+            const float total = block_sum<COMPUTE>(acc, sh);  // its barriers: every compute thread is past the wait
             if (threadIdx.x == 0) *(volatile int*)&consumed = s + 1;
             if (blockIdx.x < P) {
                 const int per = N / P;
                 float* o = bufs + (long long)(s + 1) * N;
                 for (int j = threadIdx.x; j < per; j += COMPUTE) o[blockIdx.x * per + j] = total / N + (blockIdx.x * per + j) * 1e-4f;
-                compute_sync();
+                sync_first<COMPUTE>();
                 if (threadIdx.x == 0) red_release(&counters[s + 1], 1);
             }
             if (s == STAGES - 1 && threadIdx.x == 0) out[blockIdx.x] = total;
