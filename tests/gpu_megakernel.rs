@@ -443,12 +443,22 @@ fn megakernel_timeline_of_gpt2_small_is_complete_and_ordered() {
     }
 }
 
-/// The kernelforge binary: `KERNELFORGE_BIN` (the GPU machine runs carried binaries), else the
-/// one cargo built beside this test.
+/// The kernelforge binary: `KERNELFORGE_BIN`, else the one cargo built beside this test, else a
+/// `kernelforge` in this test binary's own folder (the GPU machine runs carried binaries, and
+/// `device-pack` puts both in `.device/`, where cargo's path does not exist).
 fn kernelforge_bin() -> std::path::PathBuf {
-    std::env::var_os("KERNELFORGE_BIN")
-        .map(Into::into)
-        .unwrap_or_else(|| env!("CARGO_BIN_EXE_kernelforge").into())
+    if let Some(bin) = std::env::var_os("KERNELFORGE_BIN") {
+        return bin.into();
+    }
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kernelforge"));
+    if built.exists() {
+        return built;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join("kernelforge")))
+        .filter(|beside| beside.exists())
+        .unwrap_or(built)
 }
 
 fn run_json(cache: &std::path::Path, args: &[&str]) -> serde_json::Value {
