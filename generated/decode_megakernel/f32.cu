@@ -820,8 +820,9 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int piece = lane % PIECES, group = threadIdx.x / PIECES;
     const unsigned keys = smem_address(slot) + piece * VEC * STORAGE_BYTES, values = keys + SLOT_BYTES / 2;
-    const storage_t* k_row = s.k_cache + head + piece * VEC;
-    const storage_t* v_row = s.v_cache + head + piece * VEC;
+    // this lane's 16 bytes of the head's position 0 in the cache: row t is t * HEAD_DIM further
+    const storage_t* k_head = s.k_cache + head + piece * VEC;
+    const storage_t* v_head = s.v_cache + head + piece * VEC;
     float q[VEC];
     load_coherent_vec(s.input + (long long)bh * HEAD_DIM + piece * VEC, q);
     #pragma unroll
@@ -850,8 +851,8 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
                 load_shared_vec(keys + (row - t0) * HEAD_DIM * STORAGE_BYTES, kv);
                 load_shared_vec(values + (row - t0) * HEAD_DIM * STORAGE_BYTES, vv[r]);
             } else {
-                load_coherent_vec(k_row + (long long)row * HEAD_DIM, kv);
-                load_coherent_vec(v_row + (long long)row * HEAD_DIM, vv[r]);
+                load_coherent_vec(k_head + (long long)row * HEAD_DIM, kv);
+                load_coherent_vec(v_head + (long long)row * HEAD_DIM, vv[r]);
             }
             score[r] = 0.0f;
             #pragma unroll
