@@ -74,6 +74,40 @@ __device__ float block_sum(float v, float* sh) {
 
 extern __shared__ __align__(16) unsigned char wsmem[];
 
+// This block's weight tile for stage s, copied by the first N threads before the wait (as the
+// real kernel does), and the wait for it after.
+template <int N>
+__device__ __forceinline__ void copy_weight_tile(const char* weights, long long wsize, int wbytes, unsigned epoch, int s) {
+    if (!wbytes) return;
+    const unsigned wdst = (unsigned)__cvta_generic_to_shared(wsmem);
+    const long long off = (((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes);
+    for (int b = threadIdx.x * 16; b < wbytes; b += N * 16) cp_async16(wdst + b, weights + (off & ~15ll) + b);
+    asm volatile("cp.async.commit_group;");
+}
+__device__ __forceinline__ float wait_weight_tile(int wbytes) {  // 0, read from the tile
+    if (!wbytes) return 0.f;
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    return reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f;
+}
+
+// The first N threads' share of the sum of the stage's input vector (read through L2).
+template <int N>
+__device__ __forceinline__ float sum_input(const float* in, int n) {
+    float acc = 0.f;
+    for (int i = threadIdx.x * 4; i < n; i += N * 4) {
+        float4 v = __ldcg(reinterpret_cast<const float4*>(in + i));
+        acc += v.x + v.y + v.z + v.w;
+    }
+    return acc;
+}
+
+// A producer block's slice of the next stage's vector, written by the first N threads.
+template <int N>
+__device__ __forceinline__ void write_slice(float* next, int n, float total) {
+    const int per = n / P;
+    for (int j = threadIdx.x; j < per; j += N) next[blockIdx.x * per + j] = total / n + (blockIdx.x * per + j) * 1e-4f;
+}
+
 template <int VARIANT>
 __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*/, uint4* ll /*[STAGES+1][N/2]*/,
                                                       unsigned* counters, unsigned* flags, int N, unsigned epoch,
@@ -91,7 +125,6 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
             if (VARIANT == 2) for (int p = 0; p < P; ++p) st_release(&flags[p], epoch + 1);
         }
     }
-    const unsigned wdst = (unsigned)__cvta_generic_to_shared(wsmem);
     if constexpr (VARIANT >= 5) {
         __shared__ unsigned long long ready;  // completes a phase per stage: its input is there
         __shared__ int seen;                  // the newest stage a poller saw complete
@@ -118,25 +151,14 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
             return;
         }
         for (int s = 0; s < STAGES; ++s) {
-            if (wbytes) {
-                const long long off = (((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes);
-                for (int b = threadIdx.x * 16; b < wbytes; b += COMPUTE * 16) cp_async16(wdst + b, weights + (off & ~15ll) + b);
-                asm volatile("cp.async.commit_group;");
-            }
+            copy_weight_tile<COMPUTE>(weights, wsize, wbytes, epoch, s);
             mbar_wait(&ready, s & 1);
-            const float* in = bufs + (long long)s * N;
-            float acc = 0.f;
-            for (int i = threadIdx.x * 4; i < N; i += COMPUTE * 4) {
-                float4 v = __ldcg(reinterpret_cast<const float4*>(in + i));
-                acc += v.x + v.y + v.z + v.w;
-            }
-            if (wbytes) { asm volatile("cp.async.wait_group 0;" ::: "memory"); acc += reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f; }
+            float acc = sum_input<COMPUTE>(bufs + (long long)s * N, N);
+            acc += wait_weight_tile(wbytes);
             const float total = block_sum<COMPUTE>(acc, sh);  // its barriers: every compute thread is past the wait
             if (threadIdx.x == 0) *(volatile int*)&consumed = s + 1;
             if (blockIdx.x < P) {
-                const int per = N / P;
-                float* o = bufs + (long long)(s + 1) * N;
-                for (int j = threadIdx.x; j < per; j += COMPUTE) o[blockIdx.x * per + j] = total / N + (blockIdx.x * per + j) * 1e-4f;
+                write_slice<COMPUTE>(bufs + (long long)(s + 1) * N, N, total);
                 sync_first<COMPUTE>();
                 if (threadIdx.x == 0) red_release(&counters[s + 1], 1);
             }
@@ -144,13 +166,7 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
         }
     } else {
         for (int s = 0; s < STAGES; ++s) {
-            // this block's weight tile for the stage, copied before the wait (as the real kernel does)
-            if (wbytes) {
-                const long long off = (((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes);
-                for (int b = threadIdx.x * 16; b < wbytes; b += THREADS * 16) cp_async16(wdst + b, weights + (off & ~15ll) + b);
-                asm volatile("cp.async.commit_group;");
-            }
-            const float* in = bufs + (long long)s * N;
+            copy_weight_tile<THREADS>(weights, wsize, wbytes, epoch, s);
             float acc = 0.f;
             if (VARIANT == 0 || VARIANT == 1 || VARIANT == 2 || VARIANT == 4) {
                 if (VARIANT == 0 && threadIdx.x == THREADS - 32) {
@@ -160,10 +176,7 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
                 if (VARIANT == 1 && threadIdx.x == THREADS - 32) { while (ld_acquire(&counters[s]) < P * (epoch + 1)) {} }
                 if (VARIANT == 2 && threadIdx.x < P) { while (ld_acquire(&flags[s * P + threadIdx.x]) != epoch + 1) {} }
                 __syncthreads();
-                for (int i = threadIdx.x * 4; i < N; i += THREADS * 4) {
-                    float4 v = __ldcg(reinterpret_cast<const float4*>(in + i));
-                    acc += v.x + v.y + v.z + v.w;
-                }
+                acc = sum_input<THREADS>(bufs + (long long)s * N, N);
             } else {  // LL
                 const uint4* lin = ll + (long long)s * (N / 2);
                 const unsigned want = tag + s + 1;
@@ -173,12 +186,11 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
                     acc += __uint_as_float(v.x) + __uint_as_float(v.z);
                 }
             }
-            if (wbytes) { asm volatile("cp.async.wait_group 0;" ::: "memory"); acc += reinterpret_cast<float*>(wsmem)[threadIdx.x] * 0.f; }
+            acc += wait_weight_tile(wbytes);
             const float total = block_sum(acc, sh);
             if (blockIdx.x < P) {
-                const int per = N / P;  // slice of the next vector
-                float* o = bufs + (long long)(s + 1) * N;
                 if (VARIANT == 3) {
+                    const int per = N / P;  // slice of the next vector
                     uint4* lo = ll + (long long)(s + 1) * (N / 2);
                     const unsigned tg = tag + s + 2;
                     for (int j = threadIdx.x; j < per / 2; j += THREADS) {
@@ -186,7 +198,7 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
                         st_ll(lo + n / 2, make_uint4(__float_as_uint(total / N + n * 1e-4f), tg, __float_as_uint(total / N + (n + 1) * 1e-4f), tg));
                     }
                 } else {
-                    for (int j = threadIdx.x; j < per; j += THREADS) o[blockIdx.x * per + j] = total / N + (blockIdx.x * per + j) * 1e-4f;
+                    write_slice<THREADS>(bufs + (long long)(s + 1) * N, N, total);
                     __syncthreads();
                     if (threadIdx.x == THREADS - 32) {
                         if (VARIANT <= 1) red_release(&counters[s + 1], 1);
