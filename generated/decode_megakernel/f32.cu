@@ -474,7 +474,7 @@ struct LayernormParams { uint4 gamma, beta; };  // raw: VEC elements of each
 // instead of adding a trip to memory (often DRAM: the weight stream evicts them from L2 between
 // steps) after it.
 __device__ __forceinline__ LayernormParams load_layernorm_params(const Stage& s) {
-    LayernormParams p = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    LayernormParams p = {};
     if ((s.flags & FLAG_LAYERNORM) && threadIdx.x * VEC < s.k) {
         p.gamma = __ldg(reinterpret_cast<const uint4*>(s.gamma) + threadIdx.x);
         p.beta = __ldg(reinterpret_cast<const uint4*>(s.beta) + threadIdx.x);
@@ -941,10 +941,11 @@ __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH,
         __syncthreads();
     }
     auto part = [&](int i) { return in_slot ? staged[i] : __ldcg(first + i); };
-    if (threadIdx.x < HEAD_DIM) {
-        float M = __int_as_float(0xff800000);
+    if (threadIdx.x < HEAD_DIM) {  // M, L and o again, now over the head's chunks
+        M = __int_as_float(0xff800000);
         for (int c = 0; c < chunks; ++c) M = fmaxf(M, part(c * (HEAD_DIM + 2)));
-        float L = 0.0f, o = 0.0f;
+        L = 0.0f;
+        o = 0.0f;
         for (int c = 0; c < chunks; ++c) {
             const int at = c * (HEAD_DIM + 2);
             const float w = fast_exp2(part(at) - M);  // an empty chunk has max -inf: weight 0
@@ -1084,8 +1085,8 @@ decode_megakernel_a5d7c365_main(const int* stage_table, int n_stages, unsigned* 
         storage_t* slot = ring + (i % SLOTS) * (SLOT_BYTES / STORAGE_BYTES);
         if (kind == STAGE_MATVEC && st.epilogue != EPI_NONE && threadIdx.x < min(st.cols, st.n - local * st.cols))
             bias_s[threadIdx.x] = to_float(st.bias[local * st.cols + threadIdx.x]);  // lands while we wait
-        LayernormParams ln_params = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
-        if (kind == STAGE_MATVEC && staged != s) ln_params = load_layernorm_params(st);  // lands while we wait
+        const LayernormParams ln_params =  // lands while we wait
+            kind == STAGE_MATVEC && staged != s ? load_layernorm_params(st) : LayernormParams{};
         if (st.wait_stage >= 0 && staged != s) {
             if (threadIdx.x == SYNC_THREAD)
                 wait_for_count(&counters[st.wait_stage], (unsigned)st.wait_count);
