@@ -251,6 +251,22 @@ __device__ __forceinline__ void bulk_load_1d(unsigned dst, const void* src, unsi
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// The same copy with an L2 eviction policy (`policy` from l2_evict_first_policy): data read
+// once should not push out of L2 what is read again soon.
+__device__ __forceinline__ void bulk_load_1d_hinted(unsigned dst, const void* src, unsigned bytes, unsigned bar,
+                                                    unsigned long long policy) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1], %2, [%3], %4;\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+}
+
+// An L2 policy under which the lines a copy brings in are the first to go.
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
 // Makes freshly initialised mbarriers visible to the copy engine (before the first copy).
 __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
