@@ -471,7 +471,7 @@ __device__ __forceinline__ void prefetch_slot(const Stage& s, int task, int pos,
     mbar_arrive_expect_tx(smem_address(bar), r.bytes[0] + r.bytes[1]);
     // Weights are read once a step: copied under L2 evict-first, they do not push out of L2 what
     // the step reads again soon (activations, the stage table, biases, layernorm parameters, the
-    // cache's keys and values). Measured on an H100: 0.7-1.7% a step (GPT-2 small bf16 at batch
+    // cache's keys and values). Measured on an H100: 0.7-1.8% a step (GPT-2 small bf16 at batch
     // 1 and 8, f32; 1.5B bf16), every workload alike.
     for (int j = 0; j < 2; ++j) {
         const unsigned dst = smem_address(slot) + j * (SLOT_BYTES / 2);
