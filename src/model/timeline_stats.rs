@@ -5,7 +5,11 @@
 //!
 //! A stage is a run of consecutive tasks with the same op and layer (the stamps come in stage
 //! order). Every stage waits for the one before it, so the step is the sum over stages of
-//! `last end of the stage − last end of the stage before`.
+//! `last end of the stage − last end of the stage before`. That difference splits exactly along
+//! the stage's last task to finish: the signal (until the stage's first task sees its input),
+//! how much later the last task saw it (its block still busy with an earlier task, or its own
+//! poll seeing the count later), its inputs and its work. The means over all of a stage's tasks
+//! say what a typical task costs; the last task's split says what the step waited for.
 
 use super::engine::{TaskStamp, Timeline};
 
@@ -27,6 +31,17 @@ pub struct OpSummary {
     pub compute_us: f64,
     /// Share of the step spent in this op's stages (critical path).
     pub share: f64,
+    /// The stage's last task to finish, the one the step waited for (µs, mean over the op's
+    /// stages); `critical_us = signal_us + last_busy_us + last_poll_us + last_inputs_us +
+    /// last_work_us`. Busy: its block was still running an earlier task when the stage's first
+    /// task saw the input ready.
+    pub last_busy_us: f64,
+    /// Poll: the rest of how much later than the stage's first task it saw the input ready.
+    pub last_poll_us: f64,
+    /// Its input staged and weights landed.
+    pub last_inputs_us: f64,
+    /// Its arithmetic and stores.
+    pub last_work_us: f64,
 }
 
 /// The per-op table of `timeline`, ops in step order (first appearance); empty when there are
@@ -41,6 +56,9 @@ pub fn summarize(timeline: &Timeline) -> Vec<OpSummary> {
         let first_ready = tasks.iter().map(|t| t.ready_ns).min().unwrap_or(0);
         let before = previous_end.unwrap_or(first_start);
         let n = tasks.len() as f64;
+        let last = tasks.iter().max_by_key(|t| t.end_ns).expect("a stage has tasks");
+        let late = last.ready_ns.saturating_sub(first_ready) as f64;
+        let busy = (last.start_ns.min(last.ready_ns).saturating_sub(first_ready) as f64).min(late);
         let times = StageTimes {
             tasks: tasks.len(),
             critical_ns: last_end.saturating_sub(before) as f64,
@@ -55,6 +73,10 @@ pub fn summarize(timeline: &Timeline) -> Vec<OpSummary> {
                 .map(|t| t.end_ns.saturating_sub(t.data_ns.max(t.ready_ns)) as f64)
                 .sum::<f64>()
                 / n,
+            last_busy_ns: busy,
+            last_poll_ns: late - busy,
+            last_inputs_ns: last.data_ns.saturating_sub(last.ready_ns) as f64,
+            last_work_ns: last.end_ns.saturating_sub(last.data_ns.max(last.ready_ns)) as f64,
         };
         previous_end = Some(last_end.max(before));
         match ops.iter_mut().find(|(op, _)| *op == tasks[0].op) {
@@ -77,12 +99,17 @@ pub fn summarize(timeline: &Timeline) -> Vec<OpSummary> {
                 stage_in_us: mean(|t| t.stage_in_ns),
                 compute_us: mean(|t| t.compute_ns),
                 share: if total > 0.0 { critical / total } else { 0.0 },
+                last_busy_us: mean(|t| t.last_busy_ns),
+                last_poll_us: mean(|t| t.last_poll_ns),
+                last_inputs_us: mean(|t| t.last_inputs_ns),
+                last_work_us: mean(|t| t.last_work_ns),
             }
         })
         .collect()
 }
 
-/// The table as text, one row per op (for `bench --timeline`).
+/// The tables as text, one row per op (for `bench --timeline`): the stages with their tasks'
+/// means, then the split of each stage's time along its last task.
 pub fn summary_table(rows: &[OpSummary]) -> String {
     let mut s = String::from("op          stages  tasks  µs/stage  signal µs  inputs µs  compute µs  share\n");
     for r in rows {
@@ -98,6 +125,14 @@ pub fn summary_table(rows: &[OpSummary]) -> String {
             100.0 * r.share
         ));
     }
+    s.push_str("what each stage waited for, its last task: µs/stage = signal + busy + poll + inputs + work\n");
+    s.push_str("op          µs/stage  signal µs  busy µs  poll µs  inputs µs  work µs\n");
+    for r in rows {
+        s.push_str(&format!(
+            "{:<11} {:>8.2} {:>10.2} {:>8.2} {:>8.2} {:>10.2} {:>8.2}\n",
+            r.op, r.critical_us, r.signal_us, r.last_busy_us, r.last_poll_us, r.last_inputs_us, r.last_work_us
+        ));
+    }
     s
 }
 
@@ -107,6 +142,10 @@ struct StageTimes {
     signal_ns: f64,
     stage_in_ns: f64,
     compute_ns: f64,
+    last_busy_ns: f64,
+    last_poll_ns: f64,
+    last_inputs_ns: f64,
+    last_work_ns: f64,
 }
 
 /// Consecutive tasks of one (op, layer).
@@ -171,8 +210,39 @@ mod tests {
         assert!((total - 10.1).abs() < 1e-9, "the stages add up to the step: {total}");
         let shares: f64 = rows.iter().map(|r| r.share).sum();
         assert!((shares - 1.0).abs() < 1e-9);
+        // qkv layer 0's last task (block 1) saw its input 0.1 µs after block 0's (poll), had its
+        // inputs 1.5 µs and worked 1 µs: 1.5 + 0.1 + 1.5 + 1.0 = 4.1; layer 1: 1.0 + 0 + 0 + 1.0
+        assert!((qkv.last_busy_us - 0.0).abs() < 1e-9, "{qkv:?}");
+        assert!((qkv.last_poll_us - 0.05).abs() < 1e-9, "{qkv:?}");
+        assert!((qkv.last_inputs_us - 0.75).abs() < 1e-9, "{qkv:?}");
+        assert!((qkv.last_work_us - 1.0).abs() < 1e-9, "{qkv:?}");
+        for r in &rows {
+            let split = r.signal_us + r.last_busy_us + r.last_poll_us + r.last_inputs_us + r.last_work_us;
+            assert!((split - r.critical_us).abs() < 1e-9, "{r:?}: the split adds up");
+        }
         let table = summary_table(&rows);
-        assert!(table.lines().count() == 4 && table.contains("lm_head"), "{table}");
+        assert!(table.lines().count() == 9 && table.contains("busy µs"), "{table}");
+    }
+
+    #[test]
+    fn a_last_task_whose_block_was_busy_is_late_by_that_much() {
+        let tl = Timeline {
+            blocks: 2,
+            tasks: vec![
+                task("embed", None, 0, [0, 0, 0, 1_000]),
+                // block 0 sees fc's input at 2.0 µs; block 1 is still busy until 3.0, sees it at
+                // 3.2 (its own poll 0.2 more), stages 0.3 and works 1.0: the stage ends at 4.5
+                task("fc", Some(0), 0, [1_000, 2_000, 2_100, 2_600]),
+                task("fc", Some(0), 1, [3_000, 3_200, 3_500, 4_500]),
+            ],
+        };
+        let fc = summarize(&tl).into_iter().find(|r| r.op == "fc").unwrap();
+        assert!((fc.critical_us - 3.5).abs() < 1e-9, "{fc:?}");
+        assert!((fc.signal_us - 1.0).abs() < 1e-9, "{fc:?}");
+        assert!((fc.last_busy_us - 1.0).abs() < 1e-9, "{fc:?}");
+        assert!((fc.last_poll_us - 0.2).abs() < 1e-9, "{fc:?}");
+        assert!((fc.last_inputs_us - 0.3).abs() < 1e-9, "{fc:?}");
+        assert!((fc.last_work_us - 1.0).abs() < 1e-9, "{fc:?}");
     }
 
     #[test]
