@@ -51,12 +51,14 @@ pub fn summarize(timeline: &Timeline) -> Vec<OpSummary> {
     let mut ops: Vec<(String, Vec<StageTimes>)> = Vec::new();
     let mut previous_end: Option<u64> = None;
     for tasks in &stages {
+        // the stage's last task to finish: the one the step waited for (split_stages makes no
+        // empty stage)
+        let last = tasks.iter().max_by_key(|t| t.end_ns).expect("a stage has tasks");
+        let last_end = last.end_ns;
         let first_start = tasks.iter().map(|t| t.start_ns).min().unwrap_or(0);
-        let last_end = tasks.iter().map(|t| t.end_ns).max().unwrap_or(0);
         let first_ready = tasks.iter().map(|t| t.ready_ns).min().unwrap_or(0);
         let before = previous_end.unwrap_or(first_start);
         let n = tasks.len() as f64;
-        let last = tasks.iter().max_by_key(|t| t.end_ns).expect("a stage has tasks");
         let late = last.ready_ns.saturating_sub(first_ready) as f64;
         let busy = (last.start_ns.min(last.ready_ns).saturating_sub(first_ready) as f64).min(late);
         let times = StageTimes {
