@@ -171,13 +171,15 @@ fn megakernel_matches_kernel_by_kernel_decode_on_the_tiny_model() {
 /// model, with a cache long enough that attention splits into chunks and combines them, in f32
 /// with the copy engine and in bf16 with cp.async; and with slots of 16 KiB, which hold 64 cache
 /// positions in bf16, so that an attention chunk (~70 positions) reads its last keys and values
-/// from memory rather than from its slot.
+/// from memory rather than from its slot; and at batch 8, where the fc projection's input rows
+/// (8 x 512 floats) are more than a 16-byte piece a thread and are staged by cp.async.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn megakernel_small_for_the_sanitizer() {
     let _lock = gpu_lock();
     let tiny = model(2, 2, 128, 512, 300, 77);
     compare("sanitizer f32 B=2", &tiny, 2, Dtype::F32, 140, 3);
+    compare("sanitizer f32 B=8 (inputs by cp.async)", &tiny, 8, Dtype::F32, 140, 3);
     compare("sanitizer bf16 B=2 (tensor cores)", &tiny, 2, Dtype::Bf16, 140, 3);
     compare_at(
         "sanitizer bf16 B=1, keys past the slot",
