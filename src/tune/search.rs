@@ -225,21 +225,42 @@ pub fn steps(v: &Variant, pool: &[Variant], limits: &DeviceLimits) -> Vec<Varian
     out
 }
 
-/// The climb's next candidates from the unseen steps of each leader (the best first). While
-/// the climb gains: the leaders' steps in turn (the first of each, then the second, ...), so
-/// that the [`MAX_STEPS`] cut leaves every leader some. Once a round gained less than
-/// [`MIN_GAIN`] (`stalled`): the best leader's steps alone; none left ends the climb.
-pub fn next_steps(per_leader: Vec<Vec<Variant>>, stalled: bool) -> Vec<Variant> {
-    let mut fresh: Vec<Variant> = if stalled {
-        per_leader.into_iter().next().unwrap_or_default()
-    } else {
-        let longest = per_leader.iter().map(Vec::len).max().unwrap_or(0);
-        (0..longest)
-            .flat_map(|k| per_leader.iter().filter_map(move |steps| steps.get(k).cloned()))
-            .collect()
-    };
+/// The climb's next candidates from the unseen steps of each leader (the best first), taken in
+/// turn (the first of each, then the second, ...) so that the [`MAX_STEPS`] cut leaves every
+/// leader some. Once a round gained less than [`MIN_GAIN`] (`stalled`), only the first
+/// `stalled_leaders` leaders' steps are taken (the best point's, and a lone workload's distant
+/// leader: see [`distant_from`]); none left ends the climb.
+pub fn next_steps(mut per_leader: Vec<Vec<Variant>>, stalled: bool, stalled_leaders: usize) -> Vec<Variant> {
+    if stalled {
+        per_leader.truncate(stalled_leaders.max(1));
+    }
+    let longest = per_leader.iter().map(Vec::len).max().unwrap_or(0);
+    let mut fresh: Vec<Variant> = (0..longest)
+        .flat_map(|k| per_leader.iter().filter_map(move |steps| steps.get(k).cloned()))
+        .collect();
     fresh.truncate(MAX_STEPS);
     fresh
+}
+
+/// Parameters in which two points of one family differ.
+pub fn moves_apart(a: &Variant, b: &Variant) -> usize {
+    a.params
+        .iter()
+        .filter(|(name, x)| b.params.get(*name) != Some(x))
+        .count()
+}
+
+/// The fastest of `timed` (point, screen ms) in `best`'s family at least [`DISTANT_PARAMS`]
+/// parameters away from it: the best of another basin of that family (another start point's),
+/// which one-parameter steps from `best` would reach only through slower points, if at all.
+/// `tune --op` has no sibling workloads to bring such a point in, so it climbs from this one
+/// too (H100: the fc projection at M = 1024 stalled 10% short of the point `tune --model` found
+/// there from a sibling's best).
+pub fn distant_from<'v>(timed: impl Iterator<Item = (&'v Variant, f64)>, best: &Variant) -> Option<&'v Variant> {
+    timed
+        .filter(|(v, _)| v.family.name == best.family.name && moves_apart(v, best) >= DISTANT_PARAMS)
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(v, _)| v)
 }
 
 /// How many of the best points the climb steps from each round, how many of their steps a
@@ -251,6 +272,9 @@ pub const MAX_STEPS: usize = 16;
 pub const MAX_SIBLINGS: usize = 4;
 pub const MAX_ROUNDS: usize = 6;
 pub const MIN_GAIN: f64 = 0.005;
+/// How far a point must lie from its family's best to lead a climb of its own (see
+/// [`distant_from`]).
+pub const DISTANT_PARAMS: usize = 3;
 
 /// The short run every verified candidate gets.
 pub const SCREEN: TimingPlan = TimingPlan {
@@ -414,7 +438,7 @@ mod tests {
         };
         let (tma, mma) = (of("matmul_wgmma_tma", 20), of("matmul_mma", 3));
         assert_eq!((tma.len(), mma.len()), (20, 3));
-        let fresh = next_steps(vec![tma.clone(), mma.clone()], false);
+        let fresh = next_steps(vec![tma.clone(), mma.clone()], false, 1);
         assert_eq!(fresh.len(), MAX_STEPS);
         let names: Vec<String> = fresh.iter().map(|v| v.kernel_name()).collect();
         let want: Vec<String> = [&tma[0], &mma[0], &tma[1], &mma[1], &tma[2], &mma[2], &tma[3]]
@@ -423,14 +447,51 @@ mod tests {
             .collect();
         assert_eq!(names[..7], want[..], "in turn, then the longer list alone");
         assert!(fresh[7..].iter().all(|v| v.family.name == "matmul_wgmma_tma"));
-        let stalled = next_steps(vec![tma[..5].to_vec(), mma.clone()], true);
+        let stalled = next_steps(vec![tma[..5].to_vec(), mma.clone()], true, 1);
         assert_eq!(
             stalled.iter().map(|v| v.kernel_name()).collect::<Vec<_>>(),
             tma[..5].iter().map(|v| v.kernel_name()).collect::<Vec<_>>()
         );
         assert!(
-            next_steps(vec![Vec::new(), mma], true).is_empty(),
+            next_steps(vec![Vec::new(), mma.clone()], true, 1).is_empty(),
             "the best has nothing left: the climb ends"
+        );
+        let lone = next_steps(vec![Vec::new(), tma[..2].to_vec(), mma], true, 2);
+        assert_eq!(
+            lone.iter().map(|v| v.kernel_name()).collect::<Vec<_>>(),
+            tma[..2].iter().map(|v| v.kernel_name()).collect::<Vec<_>>(),
+            "a stalled lone climb goes on from its distant leader, not from the other family"
+        );
+    }
+
+    /// The distant leader: the fastest point of the best's family that is DISTANT_PARAMS or
+    /// more moves away; nearer points and other families do not count, however fast.
+    #[test]
+    fn the_distant_leader_is_the_fastest_point_of_another_basin() {
+        let pool = pool_of(&workload(Dtype::Bf16, 1024));
+        let tma: Vec<&Variant> = pool.iter().filter(|v| v.family.name == "matmul_wgmma_tma").collect();
+        let best = tma[0];
+        let near = tma
+            .iter()
+            .find(|v| (1..DISTANT_PARAMS).contains(&moves_apart(v, best)))
+            .unwrap();
+        let mut far = tma.iter().filter(|v| moves_apart(v, best) >= DISTANT_PARAMS);
+        let (far_slow, far_fast) = (far.next().unwrap(), far.next().unwrap());
+        let other = pool.iter().find(|v| v.family.name == "matmul_mma").unwrap();
+        let timed = [
+            (best, 1.0),
+            (*near, 1.1),
+            (other, 1.2),
+            (*far_slow, 3.0),
+            (*far_fast, 2.0),
+        ];
+        let got = distant_from(timed.iter().map(|(v, t)| (*v, *t)), best).unwrap();
+        assert_eq!(got.kernel_name(), far_fast.kernel_name());
+        assert!(moves_apart(got, best) >= DISTANT_PARAMS);
+        assert_eq!(moves_apart(best, best), 0);
+        assert!(
+            distant_from([(best, 1.0), (*near, 1.1)].into_iter(), best).is_none(),
+            "no point far enough: no distant leader"
         );
     }
 

@@ -378,7 +378,10 @@ fn result_for(w: &Workload, winner: Option<Entry>, from_db: bool, tried: Vec<Tri
 /// nearest point in this pool; at most [`search::MAX_SIBLINGS`]), those not measured yet. A
 /// round that gained less than [`search::MIN_GAIN`] ends the climb only once every step from
 /// the best point has been measured (a local optimum for one-parameter moves); until then the
-/// climb goes on with those steps alone. It also ends when there is nothing new to try.
+/// climb goes on with those steps alone. A lone workload (`tune --op`: no siblings) also steps
+/// from its best family's distant leader ([`search::distant_from`]), and a stall ends its climb
+/// only once that leader's steps are measured too. It also ends when there is nothing new to
+/// try, or after [`search::MAX_ROUNDS`].
 fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits) -> Vec<Vec<Variant>> {
     // Each workload's best point: (op, family, params).
     type Leader = (String, String, indexmap::IndexMap<String, i64>);
@@ -390,7 +393,8 @@ fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits
                 .map(|v| (s.key.op.clone(), v.family.name.clone(), v.params.clone()))
         })
         .collect();
-    let mut next = Vec::with_capacity(states.len());
+    let states_len = states.len();
+    let mut next = Vec::with_capacity(states_len);
     for (i, s) in states.iter_mut().enumerate() {
         let best = s.best_ms();
         let stalled = best.is_finite() && best > s.best_before * (1.0 - search::MIN_GAIN);
@@ -399,10 +403,20 @@ fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits
             next.push(Vec::new());
             continue;
         }
-        // Steps from this workload's best point per family (see search::next_steps).
+        // Steps from this workload's best point per family (see search::next_steps); a lone
+        // workload (tune --op) also steps from its best family's distant leader, in second
+        // place, and goes on with it once the best has stalled.
         let shape = &s.workload.shape;
-        let per_leader: Vec<Vec<Variant>> = s
-            .leaders(search::CLIMB_FROM)
+        let mut climb_from = s.leaders(search::CLIMB_FROM);
+        let distant = match (states_len == 1, climb_from.first()) {
+            (true, Some(best)) => search::distant_from(s.timed.iter().map(|(v, t)| (v, t.median_ms)), best),
+            _ => None,
+        };
+        let stalled_leaders = 1 + usize::from(distant.is_some());
+        if let Some(d) = distant {
+            climb_from.insert(1, d);
+        }
+        let per_leader: Vec<Vec<Variant>> = climb_from
             .into_iter()
             .map(|v| {
                 let steps = search::steps(v, &s.pool, limits)
@@ -412,7 +426,7 @@ fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits
                 s.unseen(steps)
             })
             .collect();
-        let mut fresh = search::next_steps(per_leader, stalled);
+        let mut fresh = search::next_steps(per_leader, stalled, stalled_leaders);
         if !stalled {
             let siblings: Vec<Variant> = leaders
                 .iter()
