@@ -177,14 +177,14 @@ pub fn nearest_in_pool<'p>(pool: &'p [Variant], family: &str, params: &IndexMap<
     nearest(pool.iter().filter(|v| v.family.name == family), params)
 }
 
-/// Of `candidates`, the one that shares the most parameter values with `params` (the first such).
+/// Of `candidates`, the one that shares the most parameter values with `params`, i.e. the
+/// fewest [`moves_apart`] (the first such).
 fn nearest<'p>(candidates: impl Iterator<Item = &'p Variant>, params: &IndexMap<String, i64>) -> Option<&'p Variant> {
-    let shared = |v: &Variant| params.iter().filter(|(k, x)| v.params.get(*k) == Some(x)).count();
     candidates
         .fold(None, |best: Option<(&Variant, usize)>, v| {
-            let n = shared(v);
+            let n = moves_apart(params, &v.params);
             match best {
-                Some((_, m)) if m >= n => best,
+                Some((_, m)) if m <= n => best,
                 _ => Some((v, n)),
             }
         })
@@ -242,12 +242,10 @@ pub fn next_steps(mut per_leader: Vec<Vec<Variant>>, stalled: bool, stalled_lead
     fresh
 }
 
-/// Parameters in which two points of one family differ.
-pub fn moves_apart(a: &Variant, b: &Variant) -> usize {
-    a.params
-        .iter()
-        .filter(|(name, x)| b.params.get(*name) != Some(x))
-        .count()
+/// Parameters of point `a` whose value point `b` does not share (for two points of one
+/// family: the parameters in which they differ).
+pub fn moves_apart(a: &IndexMap<String, i64>, b: &IndexMap<String, i64>) -> usize {
+    a.iter().filter(|(name, x)| b.get(*name) != Some(x)).count()
 }
 
 /// The fastest of `timed` (point, screen ms) in `best`'s family at least [`DISTANT_PARAMS`]
@@ -258,7 +256,7 @@ pub fn moves_apart(a: &Variant, b: &Variant) -> usize {
 /// there from a sibling's best).
 pub fn distant_from<'v>(timed: impl Iterator<Item = (&'v Variant, f64)>, best: &Variant) -> Option<&'v Variant> {
     timed
-        .filter(|(v, _)| v.family.name == best.family.name && moves_apart(v, best) >= DISTANT_PARAMS)
+        .filter(|(v, _)| v.family.name == best.family.name && moves_apart(&v.params, &best.params) >= DISTANT_PARAMS)
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(v, _)| v)
 }
@@ -473,9 +471,11 @@ mod tests {
         let best = tma[0];
         let near = tma
             .iter()
-            .find(|v| (1..DISTANT_PARAMS).contains(&moves_apart(v, best)))
+            .find(|v| (1..DISTANT_PARAMS).contains(&moves_apart(&v.params, &best.params)))
             .unwrap();
-        let mut far = tma.iter().filter(|v| moves_apart(v, best) >= DISTANT_PARAMS);
+        let mut far = tma
+            .iter()
+            .filter(|v| moves_apart(&v.params, &best.params) >= DISTANT_PARAMS);
         let (far_slow, far_fast) = (far.next().unwrap(), far.next().unwrap());
         let other = pool.iter().find(|v| v.family.name == "matmul_mma").unwrap();
         let timed = [
@@ -487,8 +487,8 @@ mod tests {
         ];
         let got = distant_from(timed.iter().map(|(v, t)| (*v, *t)), best).unwrap();
         assert_eq!(got.kernel_name(), far_fast.kernel_name());
-        assert!(moves_apart(got, best) >= DISTANT_PARAMS);
-        assert_eq!(moves_apart(best, best), 0);
+        assert!(moves_apart(&got.params, &best.params) >= DISTANT_PARAMS);
+        assert_eq!(moves_apart(&best.params, &best.params), 0);
         assert!(
             distant_from([(best, 1.0), (*near, 1.1)].into_iter(), best).is_none(),
             "no point far enough: no distant leader"
