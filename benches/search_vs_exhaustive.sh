@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# How close the tuner's search comes to `--exhaustive`, in one device call. For each workload:
+# SEARCHES cold `tune --op` searches, then one `--exhaustive` run, each with its own empty
+# database and compile cache. Prints, per run, the winner's time, its speed against the peer,
+# the tuning time and the winner's point, and how far each search's winner is from the
+# exhaustive one.
+#
+# FAMILY=NAME (default matmul_wgmma_tma) restricts the exhaustive run to that family: a project
+# folder holding only its spec (and every template) is made for it. The search always runs over
+# every family. FAMILY=all makes the exhaustive run cover every family too. That takes longer
+# than a device call for most GPT-2 shapes: fc at M = 8192 in bf16 is 7,346 variants, 305 s on
+# an H100, 173 s of it verification.
+#
+#   [WORKLOADS="dtype:shape:epilogue ..."] [SEARCHES=1] [FAMILY=matmul_wgmma_tma|all] \
+#     [LIMIT=300] benches/search_vs_exhaustive.sh
+#
+# The default workloads are GPT-2 small's bf16 GEMMs at M = 8192, the LM head left out: its
+# family's exhaustive run does not fit LIMIT, since at 1 ms a call every variant is also
+# verified. Run it on the GPU machine after ../shared/tools/device-pack (the binary in .device/).
+# Logs go to $OUT/r; the JSON of every run is there too.
+set -uo pipefail
+out=${OUT:-/tmp}/r
+mkdir -p "$out"
+kf=${KF:-.device/kernelforge}
+family=${FAMILY:-matmul_wgmma_tma}
+limit=${LIMIT:-300}
+workloads=${WORKLOADS:-bf16:8192,3072,768:bias_gelu bf16:M=8192,N=2304,K=768,T=1024,n_head=12:qkv bf16:8192,768,768:bias_residual bf16:8192,768,3072:bias_residual}
+root=.
+if [ "$family" != all ]; then
+  root=$(mktemp -d)
+  [ -f "specs/$family.toml" ] || { echo "FAMILY=$family: no specs/$family.toml" >&2; exit 2; }
+  mkdir -p "$root/specs" && cp "specs/$family.toml" "$root/specs/" && cp -r templates "$root/"
+fi
+# The winner of one run's JSON: ms, speed vs the peer, tuning seconds, point ("-" when none).
+summary() {
+  python3 - "$1" <<'PY'
+import json, sys
+try:
+    doc = json.load(open(sys.argv[1]))
+    w = doc["results"][0]["winner"]
+    peer = w.get("baseline_ms")
+    speed = f"{peer / w['median_ms']:.2f}x" if peer else "-"
+    point = " ".join(f"{k}={v}" for k, v in w["params"].items())
+    print(f"{w['median_ms']:.4f} {speed} {doc['seconds']:.1f} {w['family']} {point}")
+except Exception as e:  # a run that failed or ran out of time
+    print(f"- - - ({type(e).__name__})")
+PY
+}
+for w in $workloads; do
+  IFS=: read -r dtype shape epilogue <<< "$w"
+  tag="$dtype-$(tr ',=' '__' <<< "$shape")-$epilogue"
+  run() {  # name, extra flags
+    local log="$out/$1-$tag"
+    KERNELFORGE_CACHE="/tmp/kf-sve-$1-$tag" timeout "$limit" "$kf" tune --op matmul --shape "$shape" \
+      --epilogue "$epilogue" --dtype "$dtype" --force --json "${@:2}" > "$log.json" 2> "$log.err"
+    summary "$log.json"
+  }
+  echo "== $w"
+  rm -rf /tmp/kf-sve-*-"$tag"
+  searches=()
+  for i in $(seq "${SEARCHES:-1}"); do
+    line=$(run "search$i")
+    searches+=("$line")
+    read -r ms speed secs fam point <<< "$line"
+    printf '  search %d:   %s ms, %s, %s s, %s %s\n' "$i" "$ms" "$speed" "$secs" "$fam" "$point"
+  done
+  line=$(run exhaustive --exhaustive --root "$root")
+  read -r best speed secs fam point <<< "$line"
+  printf '  exhaustive: %s ms, %s, %s s, %s %s (%s)\n' "$best" "$speed" "$secs" "$fam" "$point" "$family"
+  for i in "${!searches[@]}"; do
+    read -r ms _ <<< "${searches[$i]}"
+    python3 -c "import sys; a, b, i = sys.argv[1:]; print(f'  search {int(i) + 1} is {100 * (float(a) / float(b) - 1):+.1f}% from the exhaustive winner')" \
+      "$ms" "$best" "$i" 2>/dev/null || echo "  search $((i + 1)): no comparison (a run failed or ran out of time; logs in $out)"
+  done
+done
+tar czf "${OUT:-/tmp}/results.tgz" -C "${OUT:-/tmp}" r
