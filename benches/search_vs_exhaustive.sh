@@ -27,8 +27,8 @@ limit=${LIMIT:-300}
 workloads=${WORKLOADS:-bf16:8192,3072,768:bias_gelu bf16:M=8192,N=2304,K=768,T=1024,n_head=12:qkv bf16:8192,768,768:bias_residual bf16:8192,768,3072:bias_residual}
 root=.
 if [ "$family" != all ]; then
-  root=$(mktemp -d)
   [ -f "specs/$family.toml" ] || { echo "FAMILY=$family: no specs/$family.toml" >&2; exit 2; }
+  root=$(mktemp -d)
   mkdir -p "$root/specs" && cp "specs/$family.toml" "$root/specs/" && cp -r templates "$root/"
 fi
 # The winner of one run's JSON: ms, speed vs the peer, tuning seconds, point ("-" when none).
@@ -46,15 +46,16 @@ except Exception as e:  # a run that failed or ran out of time
     print(f"- - - ({type(e).__name__})")
 PY
 }
+# One cold run of the current workload ($dtype, $shape, $epilogue, $tag): run NAME [FLAGS...].
+run() {
+  local log="$out/$1-$tag"
+  KERNELFORGE_CACHE="/tmp/kf-sve-$1-$tag" timeout "$limit" "$kf" tune --op matmul --shape "$shape" \
+    --epilogue "$epilogue" --dtype "$dtype" --force --json "${@:2}" > "$log.json" 2> "$log.err"
+  summary "$log.json"
+}
 for w in $workloads; do
   IFS=: read -r dtype shape epilogue <<< "$w"
   tag="$dtype-$(tr ',=' '__' <<< "$shape")-$epilogue"
-  run() {  # name, extra flags
-    local log="$out/$1-$tag"
-    KERNELFORGE_CACHE="/tmp/kf-sve-$1-$tag" timeout "$limit" "$kf" tune --op matmul --shape "$shape" \
-      --epilogue "$epilogue" --dtype "$dtype" --force --json "${@:2}" > "$log.json" 2> "$log.err"
-    summary "$log.json"
-  }
   echo "== $w"
   rm -rf /tmp/kf-sve-*-"$tag"
   searches=()
