@@ -17,7 +17,9 @@
 # The default workloads are GPT-2 small's bf16 GEMMs at M = 8192, the LM head left out: its
 # family's exhaustive run does not fit LIMIT, since at 1 ms a call every variant is also
 # verified. Run it on the GPU machine after ../shared/tools/device-pack (the binary in .device/).
-# Logs go to $OUT/r; the JSON of every run is there too.
+# Logs go to $OUT/r; the JSON of every run is there too, and for each workload a fixture of the
+# exhaustive run's screen times for tests/search_replay.rs (fixture-*.txt: the timed points of
+# its two fastest families, in tests/fixtures/search_replay/'s format; write its header by hand).
 set -uo pipefail
 out=${OUT:-/tmp}/r
 mkdir -p "$out"
@@ -53,6 +55,31 @@ run() {
     --epilogue "$epilogue" --dtype "$dtype" --force --json "${@:2}" > "$log.json" 2> "$log.err"
   summary "$log.json"
 }
+# The exhaustive run's JSON as a replay fixture: `family I NAME PARAMS...`, then `I VALUES MS`.
+fixture() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+try:
+    tried = json.load(open(sys.argv[1]))["results"][0]["tried"]
+except Exception:
+    sys.exit(0)
+rows = {}
+for t in tried:
+    if t.get("median_ms") is None:
+        continue
+    pairs = [p.split("=") for p in t["variant"].split() if not p.startswith(("dtype=", "epilogue=", "mask="))]
+    rows.setdefault(t["family"], ([k for k, _ in pairs], []))[1].append(([v for _, v in pairs], t["median_ms"]))
+best = {f: min(ms for _, ms in r[1]) for f, r in rows.items()}
+top = sorted(best, key=best.get)[:2]
+with open(sys.argv[2], "w") as out:
+    out.write("# (say here what recorded it: the command, the GPU, the CUDA version)\n")
+    for i, f in enumerate(top):
+        out.write(f"family {i} {f} {' '.join(rows[f][0])}\n")
+    for i, f in enumerate(top):
+        for values, ms in sorted(rows[f][1], key=lambda r: r[1]):
+            out.write(f"{i} {','.join(values)} {ms:.5f}\n")
+PY
+}
 for w in $workloads; do
   IFS=: read -r dtype shape epilogue <<< "$w"
   tag="$dtype-$(tr ',=' '__' <<< "$shape")-$epilogue"
@@ -68,6 +95,7 @@ for w in $workloads; do
   line=$(run exhaustive --exhaustive --root "$root")
   read -r best speed secs fam point <<< "$line"
   printf '  exhaustive: %s ms, %s, %s s, %s %s (%s)\n' "$best" "$speed" "$secs" "$fam" "$point" "$family"
+  fixture "$out/exhaustive-$tag.json" "$out/fixture-$tag.txt"
   for i in "${!searches[@]}"; do
     read -r ms _ <<< "${searches[$i]}"
     python3 -c "import sys; a, b, i = sys.argv[1:]; print(f'  search {int(i) + 1} is {100 * (float(a) / float(b) - 1):+.1f}% from the exhaustive winner')" \

@@ -7,6 +7,7 @@ use std::collections::HashSet;
 
 use rand::SeedableRng;
 
+use super::climb::{unseen_by_name, ClimbState, Climber};
 use super::db::{Candidate, TuneKey};
 use super::evaluate::Evaluator;
 use super::search;
@@ -67,9 +68,7 @@ pub struct WorkloadSearch<'w> {
     /// Timed candidates with their screen time.
     pub timed: Vec<(Variant, Timing)>,
     pruned: Vec<Variant>,
-    /// Still climbing, and the best screen time before the last round.
-    pub climbing: bool,
-    pub best_before: f64,
+    climb: ClimbState,
 }
 
 /// What [`WorkloadSearch::finals`] found: the fastest finalist, and the peer's time from the
@@ -99,8 +98,7 @@ impl<'w> WorkloadSearch<'w> {
             kept: Vec::new(),
             timed: Vec::new(),
             pruned: Vec::new(),
-            climbing: true,
-            best_before: f64::INFINITY,
+            climb: ClimbState::default(),
         })
     }
 
@@ -111,18 +109,6 @@ impl<'w> WorkloadSearch<'w> {
             self.workload.role,
             crate::spec::shape_text(&self.workload.shape)
         )
-    }
-
-    /// Those of `variants` not measured on this workload yet (each kept once).
-    pub fn unseen(&self, variants: Vec<Variant>) -> Vec<Variant> {
-        let mut names = HashSet::new();
-        variants
-            .into_iter()
-            .filter(|v| {
-                let name = v.kernel_name();
-                !self.seen.contains(&name) && names.insert(name)
-            })
-            .collect()
     }
 
     /// Screens (unless `screen` is off), verifies and screen-times each variant not seen yet;
@@ -225,31 +211,6 @@ impl<'w> WorkloadSearch<'w> {
         self.tried.push(tried);
     }
 
-    /// The best screen time so far.
-    pub fn best_ms(&self) -> f64 {
-        self.timed
-            .iter()
-            .map(|(_, t)| t.median_ms)
-            .fold(f64::INFINITY, f64::min)
-    }
-
-    /// The fastest timed candidate of each of the `n` fastest families, fastest first: the
-    /// climb starts from different families rather than from two neighbours in one.
-    pub fn leaders(&self, n: usize) -> Vec<&Variant> {
-        let mut timed: Vec<&(Variant, Timing)> = self.timed.iter().collect();
-        timed.sort_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
-        let mut leaders: Vec<&Variant> = Vec::with_capacity(n);
-        for (v, _) in timed {
-            if leaders.len() == n {
-                break;
-            }
-            if leaders.iter().all(|l| l.family.name != v.family.name) {
-                leaders.push(v);
-            }
-        }
-        leaders
-    }
-
     /// Successive halving (see [`search::HALVING`]): the best candidates by screen time are
     /// timed again, then the best of those and `peer` (the vendor's kernel, if any) in turns.
     pub fn finals(&mut self, eval: &mut Evaluator, peer: Option<Contestant<'_>>) -> Result<Finals, String> {
@@ -282,5 +243,26 @@ impl<'w> WorkloadSearch<'w> {
             .zip(times)
             .min_by(|a, b| a.1.median_ms.total_cmp(&b.1.median_ms));
         Ok(Finals { best, peer: peer_time })
+    }
+}
+
+impl Climber for WorkloadSearch<'_> {
+    fn op(&self) -> &str {
+        &self.key.op
+    }
+    fn shape(&self) -> &Shape {
+        &self.workload.shape
+    }
+    fn pool(&self) -> &[Variant] {
+        &self.pool
+    }
+    fn timed(&self) -> Vec<(&Variant, f64)> {
+        self.timed.iter().map(|(v, t)| (v, t.median_ms)).collect()
+    }
+    fn unseen(&self, variants: Vec<Variant>) -> Vec<Variant> {
+        unseen_by_name(&self.seen, variants)
+    }
+    fn climb(&mut self) -> &mut ClimbState {
+        &mut self.climb
     }
 }

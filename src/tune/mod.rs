@@ -3,6 +3,7 @@
 
 pub mod baseline;
 pub mod candidates;
+pub mod climb;
 pub mod cublaslt;
 pub mod cublaslt_layout;
 pub mod db;

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use super::baseline::CublasBaseline;
 use super::candidates::{Inputs, WorkloadSearch};
+use super::climb;
 use super::db::{Entry, TuningDb};
 use super::evaluate::Evaluator;
 pub use super::evaluate::Phases;
@@ -231,31 +232,25 @@ pub fn tune(
             *slot = Some(finish(s, &mut eval, cublas.as_ref(), db, progress)?);
         }
     } else {
-        let mut next: Vec<Vec<Variant>> = states
+        let first: Vec<Vec<Variant>> = states
             .iter()
             .map(|s| search::first_round(&s.pool, &search::seeds_from_db(db, &s.key, &s.pool), options.seed))
             .collect();
         let climb_deadline = started + options.budget.mul_f64(0.8);
-        for round in 0..=search::MAX_ROUNDS {
+        climb::run_rounds(&mut states, first, &limits, |states, round, lists| {
             let label = match round {
                 0 => "first round".to_string(),
                 r => format!("climb {r}"),
             };
-            let shapes = next.iter().filter(|n| !n.is_empty()).count();
-            let pairs: usize = next.iter().map(Vec::len).sum();
+            let shapes = lists.iter().filter(|n| !n.is_empty()).count();
+            let pairs: usize = lists.iter().map(Vec::len).sum();
             progress.stage(
                 &format!("{label}: {pairs} candidates over {shapes} shapes"),
                 pairs as u64,
             );
-            compile_and_measure(&mut eval, &mut states, std::mem::take(&mut next), progress)?;
-            if round == search::MAX_ROUNDS || Instant::now() >= climb_deadline {
-                break;
-            }
-            next = climb_steps(&mut states, &limits);
-            if next.iter().all(Vec::is_empty) {
-                break;
-            }
-        }
+            compile_and_measure(&mut eval, states, lists, progress)?;
+            Ok::<bool, String>(Instant::now() < climb_deadline)
+        })?;
         for (s, slot) in states.iter_mut().zip(finished.iter_mut()) {
             *slot = Some(finish(s, &mut eval, cublas.as_ref(), db, progress)?);
         }
@@ -370,82 +365,4 @@ fn result_for(w: &Workload, winner: Option<Entry>, from_db: bool, tried: Vec<Tri
         flops: workload_flops(w),
         bytes,
     }
-}
-
-/// The next round of the climb for each workload still climbing: one-parameter steps from its
-/// best point in each of its [`search::CLIMB_FROM`] fastest families, taken in turn from each
-/// (at most [`search::MAX_STEPS`]), then the best point of each sibling workload (same op; its
-/// nearest point in this pool; at most [`search::MAX_SIBLINGS`]), those not measured yet. A
-/// round that gained less than [`search::MIN_GAIN`] ends the climb only once every step from
-/// the best point has been measured (a local optimum for one-parameter moves); until then the
-/// climb goes on with those steps alone. A lone workload (`tune --op`: no siblings) also steps
-/// from its best family's distant leader ([`search::distant_from`]), and a stall ends its climb
-/// only once that leader's steps are measured too. It also ends when there is nothing new to
-/// try, or after [`search::MAX_ROUNDS`].
-fn climb_steps(states: &mut [WorkloadSearch], limits: &crate::spec::DeviceLimits) -> Vec<Vec<Variant>> {
-    // Each workload's best point: (op, family, params).
-    type Leader = (String, String, indexmap::IndexMap<String, i64>);
-    let leaders: Vec<Option<Leader>> = states
-        .iter()
-        .map(|s| {
-            s.leaders(1)
-                .first()
-                .map(|v| (s.key.op.clone(), v.family.name.clone(), v.params.clone()))
-        })
-        .collect();
-    let states_len = states.len();
-    let mut next = Vec::with_capacity(states_len);
-    for (i, s) in states.iter_mut().enumerate() {
-        let best = s.best_ms();
-        let stalled = best.is_finite() && best > s.best_before * (1.0 - search::MIN_GAIN);
-        s.best_before = best;
-        if !s.climbing {
-            next.push(Vec::new());
-            continue;
-        }
-        // Steps from this workload's best point per family (see search::next_steps); a lone
-        // workload (tune --op) also steps from its best family's distant leader, in second
-        // place, and goes on with it once the best has stalled.
-        let shape = &s.workload.shape;
-        let mut climb_from = s.leaders(search::CLIMB_FROM);
-        let distant = match (states_len == 1, climb_from.first()) {
-            (true, Some(best)) => search::distant_from(s.timed.iter().map(|(v, t)| (v, t.median_ms)), best),
-            _ => None,
-        };
-        let stalled_leaders = 1 + usize::from(distant.is_some());
-        if let Some(d) = distant {
-            climb_from.insert(1, d);
-        }
-        let per_leader: Vec<Vec<Variant>> = climb_from
-            .into_iter()
-            .map(|v| {
-                let steps = search::steps(v, &s.pool, limits)
-                    .into_iter()
-                    .filter(|v| v.check_shape(shape, limits).is_ok())
-                    .collect();
-                s.unseen(steps)
-            })
-            .collect();
-        let mut fresh = search::next_steps(per_leader, stalled, stalled_leaders);
-        if !stalled {
-            let siblings: Vec<Variant> = leaders
-                .iter()
-                .enumerate()
-                .filter(|(j, _)| *j != i)
-                .filter_map(|(_, leader)| leader.as_ref())
-                .filter(|(op, _, _)| *op == s.key.op)
-                .filter_map(|(_, family, params)| search::nearest_in_pool(&s.pool, family, params))
-                .filter(|v| !fresh.iter().any(|f| f.kernel_name() == v.kernel_name()))
-                .cloned()
-                .collect();
-            let mut siblings = s.unseen(siblings);
-            siblings.truncate(search::MAX_SIBLINGS);
-            fresh.extend(siblings);
-        }
-        if fresh.is_empty() {
-            s.climbing = false;
-        }
-        next.push(fresh);
-    }
-    next
 }
