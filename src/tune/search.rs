@@ -266,7 +266,7 @@ pub fn distant_from<'v>(timed: impl Iterator<Item = (&'v Variant, f64)>, best: &
 /// round that improved the best time by less than [`MIN_GAIN`], or after [`MAX_ROUNDS`].
 pub const CLIMB_FROM: usize = 2;
 pub const MAX_STEPS: usize = 16;
-/// Sibling workloads' best points a workload tries per round at most (see `tuner`).
+/// Sibling workloads' best points a workload tries per round at most (see `climb::climb_steps`).
 pub const MAX_SIBLINGS: usize = 4;
 pub const MAX_ROUNDS: usize = 6;
 pub const MIN_GAIN: f64 = 0.005;
