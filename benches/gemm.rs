@@ -8,10 +8,17 @@
 //! Without a GPU the bench prints a note and measures nothing.
 //!
 //! `KERNELFORGE_GEMM_FILTER=TEXT` keeps only the shapes whose name contains TEXT (set up nothing
-//! else: the peer's checks of the LM head take seconds). `KERNELFORGE_GEMM_PROFILE=1` runs each
-//! kept shape once a side, ours then the peer, each inside a profiler range, instead of
-//! criterion: `ncu --profile-from-start off` then sees exactly those launches (a warm-up and a
-//! timed run per side), not the peer's checks or its choice among cuBLASLt's algorithms.
+//! else: the peer's checks of the LM head take seconds). `KERNELFORGE_GEMM_PROFILE=1` runs, for
+//! each kept shape, our kernel (two warm-ups and a timed run) and then the peer twice inside one
+//! profiler range, instead of criterion: `ncu --profile-from-start off` then sees exactly those
+//! launches, not the peer's checks or its choice among cuBLASLt's algorithms.
+//! On the GPU machine, with the tuned database in place (the LM head tuned at T = 1024, n_head =
+//! 12, the keys this bench asks for):
+//!
+//! ```text
+//! KERNELFORGE_GEMM_FILTER=gemm_bf16_none/M8192 KERNELFORGE_GEMM_PROFILE=1 \
+//!   ncu --profile-from-start off -k regex:'matmul_wgmma_tma|nvjet' --section SpeedOfLight GEMM_BENCH --bench
+//! ```
 
 use std::path::Path;
 use std::time::Duration;
