@@ -100,22 +100,17 @@ fn gemm(c: &mut Criterion) {
                     .expect("workspace");
                 device.ensure_workspace(&gpu, ws).expect("workspace");
                 let copies = [device];
-                // The peer must be right before its time means anything.
-                let peer = match cublas.check_matmul(&gpu, &problem, dtype, 256) {
-                    Ok(_) => true,
-                    Err(e) if e.is_fatal() => panic!("{name}: {e}"),
-                    Err(e) => {
-                        eprintln!("{name}: peer left out: {e}");
-                        false
-                    }
-                };
                 if profile {
-                    // The peer's set-up (its choice among cuBLASLt's algorithms) before the range.
-                    let ready = cublas
-                        .prepare_matmul(&gpu, &problem, dtype, 256)
-                        .expect("peer")
-                        .ok()
-                        .filter(|_| peer);
+                    // The peer's set-up (its choice among cuBLASLt's algorithms) and its check
+                    // against the reference, before the range.
+                    let ready = match cublas.prepare_matmul(&gpu, &problem, dtype, 256) {
+                        Ok(Ok(ready)) => Some(ready),
+                        Ok(Err(run)) => {
+                            eprintln!("{name}: peer left out: {}", run.outcome.err().unwrap_or_default());
+                            None
+                        }
+                        Err(e) => panic!("{name}: {e}"),
+                    };
                     let range = cudarc::driver::Profiler::new().expect("cuProfilerStart");
                     let ours = time_variant(&gpu, &loaded, &problem, &copies, &launches, &plan(1)).expect("time");
                     if let Some(ready) = &ready {
@@ -132,6 +127,15 @@ fn gemm(c: &mut Criterion) {
                     );
                     continue;
                 }
+                // The peer must be right before its time means anything.
+                let peer = match cublas.check_matmul(&gpu, &problem, dtype, 256) {
+                    Ok(_) => true,
+                    Err(e) if e.is_fatal() => panic!("{name}: {e}"),
+                    Err(e) => {
+                        eprintln!("{name}: peer left out: {e}");
+                        false
+                    }
+                };
                 let mut group = c.benchmark_group(name);
                 group
                     .sample_size(10)
