@@ -8,7 +8,8 @@
 //! Without a GPU the bench prints a note and measures nothing.
 //!
 //! `KERNELFORGE_GEMM_FILTER=TEXT` keeps only the shapes whose name contains TEXT (set up nothing
-//! else: the peer's checks of the LM head take seconds). `KERNELFORGE_GEMM_PROFILE=1` runs, for
+//! else: the peer's checks of the LM head take seconds). `KERNELFORGE_GEMM_SHAPES=K,N,EPILOGUE;...`
+//! replaces GPT-2 124M's (K, N, epilogue) list, e.g. `1600,50304,none` for GPT-2 1.5B's LM head. `KERNELFORGE_GEMM_PROFILE=1` runs, for
 //! each kept shape, our kernel (two warm-ups and a timed run) and then the peer twice inside one
 //! profiler range, instead of criterion: `ncu --profile-from-start off` then sees exactly those
 //! launches, not the peer's checks or its choice among cuBLASLt's algorithms.
@@ -62,15 +63,19 @@ fn gemm(c: &mut Criterion) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let filter = std::env::var("KERNELFORGE_GEMM_FILTER").unwrap_or_default();
     let profile = std::env::var_os("KERNELFORGE_GEMM_PROFILE").is_some();
+    let shapes = match std::env::var("KERNELFORGE_GEMM_SHAPES") {
+        Ok(list) => parse_shapes(&list).unwrap_or_else(|e| panic!("KERNELFORGE_GEMM_SHAPES={list:?}: {e}")),
+        Err(_) => vec![
+            (768i64, 2304i64, Epilogue::Qkv),
+            (768, 768, Epilogue::BiasResidual),
+            (768, 3072, Epilogue::BiasGelu),
+            (3072, 768, Epilogue::BiasResidual),
+            (768, 50304, Epilogue::None), // the LM head (tied wte, padded vocabulary)
+        ],
+    };
     for dtype in [Dtype::F32, Dtype::Tf32, Dtype::Bf16] {
         for m in [1024i64, 8192] {
-            for (k, n, epilogue) in [
-                (768i64, 2304i64, Epilogue::Qkv),
-                (768, 768, Epilogue::BiasResidual),
-                (768, 3072, Epilogue::BiasGelu),
-                (3072, 768, Epilogue::BiasResidual),
-                (768, 50304, Epilogue::None), // the LM head (tied wte, padded vocabulary)
-            ] {
+            for &(k, n, epilogue) in &shapes {
                 let name = format!("gemm_{dtype}_{}/M{m}_N{n}_K{k}", epilogue.as_str());
                 if !name.contains(&filter) {
                     continue;
@@ -163,6 +168,22 @@ fn gemm(c: &mut Criterion) {
             }
         }
     }
+}
+
+/// `K,N,EPILOGUE;...` as (K, N, epilogue) triples.
+fn parse_shapes(list: &str) -> Result<Vec<(i64, i64, Epilogue)>, String> {
+    list.split(';')
+        .filter(|s| !s.trim().is_empty())
+        .map(|item| {
+            let fields: Vec<&str> = item.split(',').map(str::trim).collect();
+            let [k, n, epilogue] = fields[..] else {
+                return Err(format!("{item:?} is not K,N,EPILOGUE"));
+            };
+            let number = |s: &str| s.parse::<i64>().map_err(|e| format!("{s:?} in {item:?}: {e}"));
+            let epilogue = epilogue.parse::<Epilogue>().map_err(|e| e.to_string())?;
+            Ok((number(k)?, number(n)?, epilogue))
+        })
+        .collect()
 }
 
 criterion_group!(benches, gemm);

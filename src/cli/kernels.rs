@@ -121,16 +121,7 @@ fn parse_param(text: &str) -> Result<(String, i64), String> {
 }
 
 pub(crate) fn parse_epilogue(text: &str) -> Result<Epilogue, String> {
-    [
-        Epilogue::None,
-        Epilogue::Bias,
-        Epilogue::BiasGelu,
-        Epilogue::BiasResidual,
-        Epilogue::Qkv,
-    ]
-    .into_iter()
-    .find(|e| e.as_str() == text)
-    .ok_or_else(|| format!("unknown epilogue `{text}` (none, bias, bias_gelu, bias_residual, qkv)"))
+    text.parse::<Epilogue>().map_err(|e| e.to_string())
 }
 
 pub(crate) fn parse_dtype(text: &str) -> Result<Dtype, String> {

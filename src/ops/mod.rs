@@ -56,6 +56,14 @@ pub enum Mask {
 }
 
 impl Epilogue {
+    pub const ALL: [Epilogue; 5] = [
+        Epilogue::None,
+        Epilogue::Bias,
+        Epilogue::BiasGelu,
+        Epilogue::BiasResidual,
+        Epilogue::Qkv,
+    ];
+
     /// The spec / CLI spelling (`bias_gelu`).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -65,6 +73,21 @@ impl Epilogue {
             Epilogue::BiasResidual => "bias_residual",
             Epilogue::Qkv => "qkv",
         }
+    }
+}
+
+/// An epilogue name that is not one of [`Epilogue::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown epilogue `{0}` (none, bias, bias_gelu, bias_residual, qkv)")]
+pub struct UnknownEpilogue(pub String);
+
+impl std::str::FromStr for Epilogue {
+    type Err = UnknownEpilogue;
+    fn from_str(text: &str) -> Result<Epilogue, UnknownEpilogue> {
+        Epilogue::ALL
+            .into_iter()
+            .find(|e| e.as_str() == text.trim())
+            .ok_or_else(|| UnknownEpilogue(text.to_string()))
     }
 }
 
@@ -243,6 +266,15 @@ pub(crate) fn check_variant(op: &dyn OpContract, epilogue: Epilogue, mask: Mask)
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    #[test]
+    fn epilogue_names_parse_back() {
+        for e in Epilogue::ALL {
+            assert_eq!(e.as_str().parse::<Epilogue>(), Ok(e));
+        }
+        let err = "gelu".parse::<Epilogue>().unwrap_err().to_string();
+        assert!(err.contains("`gelu`") && err.contains("bias_gelu"), "{err}");
+    }
 
     #[test]
     fn half_storage_rounds_float_tensors_and_keeps_integers() {
