@@ -173,6 +173,42 @@ fn gpu_matmul_wgmma_tma_residual_by_tma() {
     );
 }
 
+/// matmul_wgmma_tma with grouped stores (ping-pong only): a whole m64 row of a consumer's tile
+/// staged before one fence, one barrier and its TMA stores, the two groups' buffers alternating.
+/// The points cover groups of one chunk (64 wide), two (128), three (96 in 32-column chunks) and
+/// five (160, the fc point, with B multicast), one and two m64 tiles, both tile orders, in every
+/// dtype (tf32 groups half a row) and the epilogues that may group, on shapes with several tiles
+/// per block (the buffers alternate across tiles) and partial tiles both ways (a whole group past
+/// N, groups cut by N). Sized for compute-sanitizer (memcheck, racecheck, synccheck).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_grouped_stores() {
+    let pingpong = [("grouped_stores", 1), ("pingpong", 1)];
+    verify_tma_points(
+        "matmul_wgmma_tma",
+        &[
+            &[pingpong[0], pingpong[1], ("mma_n", 64)],
+            &[
+                pingpong[0],
+                pingpong[1],
+                ("mma_n", 128),
+                ("m_tiles", 2),
+                ("raster_m", 1),
+            ],
+            &[pingpong[0], pingpong[1], ("mma_n", 96), ("m_tiles", 2)],
+            &[
+                pingpong[0],
+                pingpong[1],
+                ("mma_n", 160),
+                ("m_tiles", 2),
+                ("cluster_m", 2),
+            ],
+        ],
+        &[Epilogue::None, Epilogue::Bias, Epilogue::BiasGelu],
+        &[[2000, 1400, 64, 2000, 1], [333, 264, 136, 333, 1], [8, 72, 64, 8, 1]],
+    );
+}
+
 /// Shapes (M, N, K, T, n_head) with many output tiles per block (a split-K cluster hands its ring
 /// back and forth), a few, and one; K slices of unequal length; heads 64 wide: qkv stores by TMA
 /// (T % 64 == 0) on the first and the last, copies chunk by chunk on the second.

@@ -18,7 +18,9 @@ fn root() -> &'static Path {
 }
 
 /// The recorded times of a fixture, keyed as [`record_key`] names points, and its fastest key.
-fn recorded(name: &str) -> (Recorded, String) {
+/// A parameter a family gained after the recording takes its `[default]` value in every recorded
+/// point (the fixture measured only that value); points with another value replay as rejected.
+fn recorded(name: &str, catalog: &Catalog) -> (Recorded, String) {
     let path = root().join("tests/fixtures/search_replay").join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut families: HashMap<String, (String, Vec<String>)> = HashMap::new();
@@ -33,7 +35,15 @@ fn recorded(name: &str) -> (Recorded, String) {
         }
         let (family, names) = &families[words[0]];
         let values = words[1].split(',').map(|v| v.parse::<i64>().unwrap());
-        let params = names.iter().cloned().zip(values).collect();
+        let recorded: HashMap<String, i64> = names.iter().cloned().zip(values).collect();
+        let spec = catalog
+            .family(family)
+            .expect("a family of the fixture is in the catalog");
+        let params = spec
+            .params
+            .keys()
+            .map(|p| (p.clone(), recorded.get(p).copied().unwrap_or(spec.default[p])))
+            .collect();
         let key = record_key(family, &params);
         let ms: f64 = words[2].parse().unwrap();
         if best.as_ref().is_none_or(|(_, b)| ms < *b) {
@@ -88,7 +98,7 @@ fn replay(catalog: &Catalog, name: &str, mnk: [i64; 3], epilogue: Epilogue) -> (
     let pool = Pools::new(catalog, &[&workload], &limits)
         .unwrap()
         .pool(&workload, &limits);
-    let (times, best_key) = recorded(name);
+    let (times, best_key) = recorded(name, catalog);
     // The fixture must still name points of today's specs: its winner is in the pool.
     assert!(
         pool.iter().any(|v| record_key(&v.family.name, &v.params) == best_key),
