@@ -221,7 +221,9 @@ pub struct DiffStats {
 }
 
 /// A side-by-side diff of `old` (left) and `new` (right): changed hunks with `context` lines
-/// around them, highlighted, unchanged stretches folded into one row each.
+/// around them, highlighted, unchanged stretches folded into one row each. A row is four plain
+/// cells (the stylesheet tells line numbers from text by their column); only removed, added and
+/// missing lines carry a class, so that a site with a diff per winner stays small.
 pub fn side_by_side(old: &str, new: &str, old_title: &str, new_title: &str, context: usize) -> (String, DiffStats) {
     let (old_hl, new_hl) = (highlight(old), highlight(new));
     let diff = TextDiff::configure()
@@ -235,16 +237,17 @@ pub fn side_by_side(old: &str, new: &str, old_title: &str, new_title: &str, cont
         esc(old_title),
         esc(new_title)
     );
+    // `class`: "" for an unchanged line, else ` class=del` or ` class=ins`.
     let cell = |out: &mut String, lines: &[String], i: Option<usize>, class: &str| match i {
         Some(i) => {
             let _ = write!(
                 out,
-                "<td class=\"ln\">{}</td><td class=\"{class}\">{}</td>",
+                "<td>{}</td><td{class}>{}</td>",
                 i + 1,
                 lines.get(i).map(String::as_str).unwrap_or("")
             );
         }
-        None => out.push_str("<td class=\"ln\"></td><td class=\"none\"></td>"),
+        None => out.push_str("<td></td><td class=none></td>"),
     };
     let mut shown_old = 0;
     let groups = diff.grouped_ops(context);
@@ -264,8 +267,8 @@ pub fn side_by_side(old: &str, new: &str, old_title: &str, new_title: &str, cont
                 DiffTag::Equal => {
                     for (a, b) in o.clone().zip(n.clone()) {
                         out.push_str("<tr>");
-                        cell(&mut out, &old_hl, Some(a), "eq");
-                        cell(&mut out, &new_hl, Some(b), "eq");
+                        cell(&mut out, &old_hl, Some(a), "");
+                        cell(&mut out, &new_hl, Some(b), "");
                         out.push_str("</tr>");
                     }
                 }
@@ -274,8 +277,8 @@ pub fn side_by_side(old: &str, new: &str, old_title: &str, new_title: &str, cont
                     stats.added += n.len();
                     for k in 0..o.len().max(n.len()) {
                         out.push_str("<tr>");
-                        cell(&mut out, &old_hl, (k < o.len()).then(|| o.start + k), "del");
-                        cell(&mut out, &new_hl, (k < n.len()).then(|| n.start + k), "ins");
+                        cell(&mut out, &old_hl, (k < o.len()).then(|| o.start + k), " class=del");
+                        cell(&mut out, &new_hl, (k < n.len()).then(|| n.start + k), " class=ins");
                         out.push_str("</tr>");
                     }
                 }

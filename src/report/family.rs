@@ -14,6 +14,11 @@ use super::svg::num;
 use super::ReportError;
 use crate::spec::{expand, variant_with, Family, Points, Variant};
 
+/// Unchanged lines shown around each changed hunk of a winner's diff against the default: two
+/// place a change in its code; each more line costs every winner's page two table rows (the site
+/// of a fully tuned GPT-2 holds ~50 such diffs and must stay under 10 MB).
+const DIFF_CONTEXT: usize = 2;
+
 /// Rendered sources by kernel name (`Err`: the template's message), so each renders once.
 #[derive(Default)]
 pub struct Sources(HashMap<String, Result<String, String>>);
@@ -196,12 +201,13 @@ fn winner_page(s: &Shared, w: &Winner, sources: &mut Sources) -> Result<Page, Re
             let default_src = sources.get(s, d);
             match (&default_src, &winner_src) {
                 (Ok(a), Ok(b)) => {
-                    let (html, stats) = side_by_side(a, b, &format!("default {}", d.kernel_name()), &w.kernel, 3);
+                    let (html, stats) =
+                        side_by_side(a, b, &format!("default {}", d.kernel_name()), &w.kernel, DIFF_CONTEXT);
                     let summary = if stats.added + stats.removed == 0 {
                         "The winner is the default point: the sources are identical.".to_string()
                     } else {
                         format!(
-                            "{} lines of the default replaced by {} (changed hunks with 3 lines of context; the rest is folded).",
+                            "{} lines of the default replaced by {} (changed hunks with {DIFF_CONTEXT} lines of context; the rest is folded).",
                             stats.removed, stats.added
                         )
                     };
