@@ -23,6 +23,11 @@
 // 0.86 (4), 1.91 (5), 1.74 (6); with them: 2.77, 2.53, 3.99, 2.33, 2.00, 2.77, 2.65. Staggered
 // pollers lose: a poll's round trip is not what the wait is made of (nor is a warp that does
 // nothing but wait faster), and four threads polling one counter load the memory system more.
+// The stream table (stream_chain, below: the megakernel's bulk-copy weight stream, whole or paced
+// by a loader warp), same kind of H100, µs a stage with the handoff / with none: 27 KB a block
+// and stage whole 2.48 / 1.53, paced 8 KB x 2 2.94 / 2.36, 16 KB x 2 3.02 / 1.64, 4 KB x all
+// 3.45 / 3.44; 96 KB whole 4.72 / 4.51 (2,749 GB/s), 16 KB x 2 4.57 / 4.88, 8 KB x 2 6.39 / 6.53.
+// Pacing does not shorten the handoff: each piece costs its issue and its wait.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -46,11 +51,18 @@ constexpr int POLLERS = 4;
 constexpr int COMPUTE = THREADS - 32 * POLLERS;  // threads of variants 5 and 6 that read and write
 __device__ __forceinline__ void mbar_init(unsigned long long* bar) { asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { asm volatile("{ .reg .b64 st; mbarrier.arrive.shared.b64 st, [%0]; }" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
+// Waits for the phase of `parity` to complete. SPIN: test_wait in a loop, so that the thread never
+// sleeps in a try_wait when the phase completes (the stream's loader warp).
+template <bool SPIN = false>
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     unsigned done = 0;
     do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+        if (SPIN)
+            asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                         : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+        else
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                         : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
     } while (!done);
 }
 
@@ -211,6 +223,128 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
     }
 }
 
+// ---- the weight stream beside the handoff --------------------------------------------------
+// The megakernel streams every block's next task's weights into a ring of two slots by the copy
+// engine (cp.async.bulk, L2 evict-first), the copy issued before the wait for the task's input:
+// up to 2 x 96 KB a block, 25 MB over the GPU, in flight at once. `stream_chain` runs the
+// counter-acquire handoff (variant 1; SYNC = false: no handoff at all, the stage's own reads
+// and writes) beside such a stream, `wbytes` a block and stage, so that the handoff's cost can be
+// read against how the stream is issued:
+//   inflight == 0: as the megakernel does, thread 0 issues the next stage's whole slot before
+//                  the wait (one barrier a slot);
+//   inflight >  0: a loader warp (the last; it does nothing else) issues the slots in pieces of
+//                  `chunk` bytes, at most `inflight` pieces of this block in flight: the GPU then
+//                  has at most 132 x inflight x chunk bytes requested, about what its bandwidth
+//                  times a DRAM round trip needs (3 TB/s x ~1.5 us = ~4.5 MB), instead of 25 MB
+//                  queued before every poll and every read of the activations.
+constexpr int SLOT_MAX = 96 * 1024;
+constexpr int PIECES_MAX = 48;   // pieces a slot (chunk >= 2 KB)
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar, unsigned long long policy) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes), "r"((unsigned)__cvta_generic_to_shared(bar)), "l"(policy) : "memory");
+}
+
+template <bool PACED, bool SYNC>
+__global__ void __launch_bounds__(THREADS, 1) stream_chain(float* bufs, unsigned* counters, int N, unsigned epoch,
+                                                           const char* weights, long long wsize, int wbytes,
+                                                           int chunk, int inflight, float* out) {
+    __shared__ float sh[32];
+    __shared__ unsigned long long full[2][PIECES_MAX], empty[2];
+    constexpr int WORKERS = PACED ? THREADS - 32 : THREADS;   // the threads that poll, read and write
+    const int pieces = PACED ? (wbytes + chunk - 1) / chunk : 1;   // the last may be shorter
+    char* slot[2] = {reinterpret_cast<char*>(wsmem), reinterpret_cast<char*>(wsmem) + SLOT_MAX};
+    auto source = [&](int s) {   // stage s's weights for this block: fresh bytes, never in L2
+        return weights + ((((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes) & ~15ll);
+    };
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    if (threadIdx.x == 0) {
+        for (int b = 0; b < 2; ++b) {
+            for (int c = 0; c < pieces; ++c) mbar_init(&full[b][c]);
+            mbar_init(&empty[b]);
+        }
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < N; i += THREADS) bufs[i] = 1.0f + i * 1e-4f;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) red_release(&counters[0], P);
+    if (PACED && threadIdx.x >= WORKERS) {   // the loader warp's lane 0
+        if (threadIdx.x != WORKERS) return;
+        // The barriers of the last `inflight` pieces. A piece of stage s - 2 or earlier needs no
+        // wait (the workers have released its slot), and must not get one: its barrier may
+        // already be armed again, and a wait on a reused phase can wait forever.
+        unsigned long long* pending[64];
+        unsigned parity[64];
+        int pending_stage[64];
+        int issued = 0;
+        for (int s = 0; s < STAGES; ++s) {
+            const int b = s % 2;
+            if (s >= 2) mbar_wait<true>(&empty[b], (s / 2 - 1) & 1);   // the workers are done with stage s - 2
+            for (int c = 0; c < pieces; ++c, ++issued) {
+                const int k = issued % inflight;
+                if (issued >= inflight && pending_stage[k] >= s - 1) mbar_wait<true>(pending[k], parity[k]);
+                const int bytes = min(chunk, wbytes - c * chunk);
+                mbar_expect(&full[b][c], bytes);
+                bulk_copy(slot[b] + c * chunk, source(s) + c * chunk, bytes, &full[b][c], policy);
+                pending[k] = &full[b][c];
+                parity[k] = (s / 2) & 1;
+                pending_stage[k] = s;
+            }
+        }
+        return;
+    }
+    if (!PACED && threadIdx.x == 0) {   // stage 0's slot, before the loop
+        mbar_expect(&full[0][0], wbytes);
+        bulk_copy(slot[0], source(0), wbytes, &full[0][0], policy);
+    }
+    for (int s = 0; s < STAGES; ++s) {
+        const int b = s % 2;
+        if (!PACED && threadIdx.x == 0 && s + 1 < STAGES) {   // the next stage's slot, before the wait
+            mbar_expect(&full[1 - b][0], wbytes);
+            bulk_copy(slot[1 - b], source(s + 1), wbytes, &full[1 - b][0], policy);
+        }
+        if (SYNC && threadIdx.x == WORKERS - 32) { while (ld_acquire(&counters[s]) < P * (epoch + 1)) {} }
+        sync_first<WORKERS>();
+        float acc = sum_input<WORKERS>(bufs + (long long)s * N, N);
+        for (int c = 0; c < pieces; ++c) mbar_wait(&full[b][c], (s / 2) & 1);
+        acc += reinterpret_cast<const float*>(slot[b])[threadIdx.x] * 0.f;
+        const float total = block_sum<WORKERS>(acc, sh);   // its barriers: every worker has read the slot
+        if (PACED && threadIdx.x == 0) mbar_arrive(&empty[b]);
+        if (blockIdx.x < P) {
+            write_slice<WORKERS>(bufs + (long long)(s + 1) * N, N, total);
+            sync_first<WORKERS>();
+            if (SYNC && threadIdx.x == 0) red_release(&counters[s + 1], 1);
+        }
+        if (s == STAGES - 1 && threadIdx.x == 0) out[blockIdx.x] = total;
+    }
+}
+
+template <bool PACED, bool SYNC>
+float run_stream(int N, int wbytes, int chunk, int inflight, float* bufs, unsigned* counters, const char* w,
+                 long long wsize, float* out, int grid) {
+    const int smem = 2 * SLOT_MAX;
+    CK(cudaFuncSetAttribute(stream_chain<PACED, SYNC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaMemset(counters, 0, (STAGES + 2) * 4));
+    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+    std::vector<float> times;
+    for (unsigned epoch = 0; epoch < 60; ++epoch) {
+        void* args[] = {&bufs, &counters, &N, &epoch, &w, &wsize, &wbytes, &chunk, &inflight, &out};
+        cudaEventRecord(a);
+        CK(cudaLaunchCooperativeKernel((void*)stream_chain<PACED, SYNC>, grid, THREADS, args, smem));
+        cudaEventRecord(b);
+        CK(cudaEventSynchronize(b));
+        float ms; cudaEventElapsedTime(&ms, a, b);
+        if (epoch >= 10) times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2] * 1000.f / STAGES;
+}
+
 template <int V>
 float run(int N, int wbytes, float* bufs, uint4* ll, unsigned* counters, unsigned* flags, const char* w, long long wsize, float* out, int grid) {
     CK(cudaFuncSetAttribute(chain<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
@@ -234,6 +368,7 @@ float run(int N, int wbytes, float* bufs, uint4* ll, unsigned* counters, unsigne
 }
 
 int main() {
+    setvbuf(stdout, nullptr, _IOLBF, 0);   // each table row as soon as it is measured
     int grid = 132;
     float *bufs, *out; uint4* ll; unsigned *counters, *flags; char* w;
     const long long wsize = 1ll << 30;
@@ -253,6 +388,25 @@ int main() {
         t[5] = run<5>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
         t[6] = run<6>(N, wbytes, bufs, ll, counters, flags, w, wsize, out, grid);
         for (int v = 0; v < 7; ++v) printf("  %s %.2f", names[v], t[v]);
+        printf("  (us/stage)\n");
+    }
+    // The stream beside the handoff: µs a stage, and the stream's rate (bytes of every block's
+    // slots over the chain's time); with the handoff (acquire) and without any (the stage's own
+    // reads and writes beside the stream).
+    for (int wbytes : {27648, 98304}) {
+        auto report = [&](const char* name, float sync_us, float free_us) {
+            printf("  %s %.2f / %.2f (%.0f GB/s)", name, sync_us, free_us, (double)wbytes * grid / (sync_us * 1e3));
+        };
+        printf("N= 768 stream %5d B a block and stage, handoff / none:", wbytes);
+        report("whole before the wait", run_stream<false, true>(768, wbytes, wbytes, 0, bufs, counters, w, wsize, out, grid),
+               run_stream<false, false>(768, wbytes, wbytes, 0, bufs, counters, w, wsize, out, grid));
+        for (int chunk : {4096, 8192, 16384})
+            for (int inflight : {1, 2, 4, 64}) {   // 64: the loader warp, not paced
+                char name[64];
+                snprintf(name, sizeof name, "loader %dK x %d", chunk / 1024, inflight);
+                report(name, run_stream<true, true>(768, wbytes, chunk, inflight, bufs, counters, w, wsize, out, grid),
+                       run_stream<true, false>(768, wbytes, chunk, inflight, bufs, counters, w, wsize, out, grid));
+            }
         printf("  (us/stage)\n");
     }
     return 0;
