@@ -9,10 +9,11 @@
 //!
 //! `KERNELFORGE_GEMM_FILTER=TEXT` keeps only the shapes whose name contains TEXT (set up nothing
 //! else: the peer's checks of the LM head take seconds). `KERNELFORGE_GEMM_SHAPES=K,N,EPILOGUE;...`
-//! replaces GPT-2 124M's (K, N, epilogue) list, e.g. `1600,50304,none` for GPT-2 1.5B's LM head. `KERNELFORGE_GEMM_PROFILE=1` runs, for
-//! each kept shape, our kernel (two warm-ups and a timed run) and then the peer twice inside one
-//! profiler range, instead of criterion: `ncu --profile-from-start off` then sees exactly those
-//! launches, not the peer's checks or its choice among cuBLASLt's algorithms.
+//! replaces GPT-2 124M's (K, N, epilogue) list, e.g. `1600,50304,none` for GPT-2 1.5B's LM head.
+//! `KERNELFORGE_GEMM_PROFILE=1` runs, for each kept shape, our kernel (two warm-ups and a timed
+//! run) and then the peer twice inside one profiler range, instead of criterion: `ncu
+//! --profile-from-start off` then sees exactly those launches, not the peer's checks or its
+//! choice among cuBLASLt's algorithms.
 //! On the GPU machine, with the tuned database in place (the LM head tuned at T = 1024, n_head =
 //! 12, the keys this bench asks for):
 //!

@@ -78,7 +78,7 @@ impl Epilogue {
 
 /// An epilogue name that is not one of [`Epilogue::ALL`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown epilogue `{0}` (none, bias, bias_gelu, bias_residual, qkv)")]
+#[error("unknown epilogue `{0}` ({known})", known = Epilogue::ALL.map(Epilogue::as_str).join(", "))]
 pub struct UnknownEpilogue(pub String);
 
 impl std::str::FromStr for Epilogue {
