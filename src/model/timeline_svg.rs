@@ -9,17 +9,18 @@ use std::fmt::{self, Write};
 use super::engine::{TaskStamp, Timeline};
 
 /// The ops of a decode step in step order, with their colours.
-const OPS: [(&str, &str); 7] = [
+const OPS: [(&str, &str); 8] = [
     ("embed", "#8c564b"),
     ("qkv", "#1f77b4"),
     ("attention", "#ff7f0e"),
     ("attn_proj", "#2ca02c"),
     ("fc", "#d62728"),
     ("fc_proj", "#9467bd"),
+    ("mlp", "#e377c2"),
     ("lm_head", "#17becf"),
 ];
 /// Colours of ops not in [`OPS`], in name order.
-const OTHER_COLOURS: [&str; 4] = ["#7f7f7f", "#bcbd22", "#e377c2", "#393b79"];
+const OTHER_COLOURS: [&str; 4] = ["#7f7f7f", "#bcbd22", "#aec7e8", "#393b79"];
 
 const WIDTH: f64 = 1200.0;
 const LEFT: f64 = 80.0;

@@ -6,16 +6,21 @@
 //! buffer generation, the occupancy checked before the first launch, and the timeline stamps
 //! read back when asked for.
 
+use std::collections::HashMap;
+
 use anyhow::{Context, Result as AnyResult};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::megakernel_point::{fitted_default, most_rows, MegakernelSummary, MEGAKERNEL_FAMILY};
 use super::plan::{HeadRows, Plan};
 use super::select::{Kernel, Kernels};
-use super::stage_table::{check_schedule, lower, Geometry, Lowered, PlanOp, StageRecord, MAX_TASK_COLS, STAGE_OPS};
+use super::stage_table::{
+    check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, MAX_TASK_COLS, STAGE_OPS,
+};
 use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
 use crate::model::engine::{TaskStamp, Timeline};
+use crate::model::weights::transpose;
 use crate::ops::{Epilogue, Mask};
 use crate::tune::registry::variant_kind;
 use crate::tune::workloads::op_dtype;
@@ -36,6 +41,8 @@ pub(super) struct MegakernelState {
     table: CudaSlice<u8>,
     counters: CudaSlice<u32>,
     workspace: CudaSlice<f32>,
+    /// The f32 residual stream of the fused MLP stages (`fuse_mlp = 1`), `[max_rows, C]`.
+    _mlp_acc: Option<CudaSlice<f32>>,
     timeline: Option<CudaSlice<u64>>,
     /// A step with stamps was launched and not read back yet.
     stamped: bool,
@@ -169,7 +176,25 @@ impl GpuBackend {
                 layer: n.layer,
             })
             .collect();
-        let lowered = lower(&ops, &geo)?;
+        let mlp_acc = if param("fuse_mlp") == 1 {
+            let acc = self
+                .gpu
+                .stream
+                // a group of 4 values a 128-byte line (ACC_SPREAD in decode/matvec.cu.tera)
+                .alloc_zeros::<f32>(geo.max_rows * self.model.config.n_embd * 8)
+                .map_err(GpuError::cuda("allocating the fused MLP's residual stream"))?;
+            Some(acc)
+        } else {
+            None
+        };
+        let mlp = match &mlp_acc {
+            Some(acc) => Some(MlpFusion {
+                acc: ptr(&self.gpu, acc),
+                transposed: self.mlp_transposed_weights()?,
+            }),
+            None => None,
+        };
+        let lowered = lower(&ops, &geo, mlp.as_ref())?;
         check_schedule(&lowered)?;
         // Every block must be resident at once: ask the driver how many fit, before launching.
         kernel.loaded.allow_shared_memory(&kernel.launches)?;
@@ -213,10 +238,36 @@ impl GpuBackend {
             table,
             counters,
             workspace,
+            _mlp_acc: mlp_acc,
             timeline: None,
             stamped: false,
         });
         Ok(())
+    }
+
+    /// Each layer's fc projection weight transposed to `[4C, C]` (uploaded once, on the first
+    /// fused MLP stage table), by the pointer of the weight it transposes: an MLP task's share
+    /// of the projection is then a run of whole rows, one contiguous copy.
+    fn mlp_transposed_weights(&mut self) -> AnyResult<HashMap<u64, u64>> {
+        if self.mlp_weights.is_empty() {
+            let c = self.model.config.n_embd;
+            let storage = self.dtype.storage();
+            for (l, layer) in self.model.weights.layers.iter().enumerate() {
+                let t = transpose(&layer.fc_proj_w, c, 4 * c); // [C, 4C] -> [4C, C]
+                let up = self
+                    .gpu
+                    .stream
+                    .clone_htod(&storage.encode(&t))
+                    .map_err(GpuError::cuda(format!("uploading h.{l}.fc_proj_w transposed")))?;
+                self.mlp_weights.push(up);
+            }
+        }
+        Ok(self
+            .layers
+            .iter()
+            .zip(&self.mlp_weights)
+            .map(|(layer, t)| (layer.fc_proj_w, ptr(&self.gpu, t)))
+            .collect())
     }
 
     /// One decode step of batch `b` at position `pos` as one cooperative launch: writes the

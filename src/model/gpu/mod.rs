@@ -153,6 +153,9 @@ pub struct GpuBackend {
     megakernel: Option<megakernel::MegakernelState>,
     /// A point of the megakernel family to run instead of the selected one (tuning).
     megakernel_point: Vec<(String, i64)>,
+    /// Each layer's fc projection weight transposed, for the megakernel's fused MLP stages
+    /// (uploaded when a stage table first fuses them).
+    mlp_weights: Vec<CudaSlice<u8>>,
     /// The recorded decode-step graph of each batch size.
     decode_graphs: HashMap<usize, KernelGraph>,
     /// (batch, position, buffers generation) the graph of that batch size is set up for.

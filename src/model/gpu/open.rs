@@ -199,6 +199,7 @@ impl GpuBackend {
             timeline: None,
             megakernel: None,
             megakernel_point: Vec::new(),
+            mlp_weights: Vec::new(),
             decode_graphs: HashMap::new(),
             prepared: None,
             buffers_generation: 0,

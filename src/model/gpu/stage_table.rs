@@ -6,6 +6,9 @@
 //! that reads it (the stage recomputes the row statistics), kv_append into the QKV stage (k and
 //! v are written straight into the cache), attention's partial results and their combination
 //! into one stage, the residual adds into the projections, the greedy argmax into the LM head.
+//! With [`MlpFusion`] (the spec's `fuse_mlp = 1`), each layer's fc and fc projection become
+//! one stage: a task computes a slice of the hidden units and adds their share of the
+//! projection into an f32 copy of the residual stream (see `StageFlags` in the template).
 //! Each stage is cut into tasks (one block's share: a run of output columns, whose weight rows
 //! are one contiguous range, or one (sequence, head, cache chunk) of attention) so that a stage
 //! is about one wave of the resident grid, and no task's weights outgrow a shared-memory slot.
@@ -17,6 +20,10 @@
 
 use crate::gpu::ArgValue;
 use crate::ops::Epilogue;
+
+mod record;
+use record::*;
+pub use record::{StageRecord, STAGE_OPS};
 
 /// The widest matrix-vector task (columns) and the most stages a table may have: `MAX_TASK_COLS`
 /// and `MAX_STAGES` of the template.
@@ -43,91 +50,15 @@ pub enum MegakernelError {
     UnsafeSchedule { stage: usize, op: String, why: String },
 }
 
-/// What a stage does (`StageKind` of the template).
-pub(super) const STAGE_EMBED: i32 = 0;
-pub(super) const STAGE_MATVEC: i32 = 1;
-pub(super) const STAGE_ATTENTION: i32 = 2;
-/// `StageFlags` of the template.
-pub(super) const FLAG_LAYERNORM: i32 = 1;
-pub(super) const FLAG_ARGMAX: i32 = 2;
-
-/// One stage of the table, laid out as the template's `struct Stage` (128 bytes).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-#[repr(C)]
-pub struct StageRecord {
-    pub kind: i32,
-    pub first_task: i32,
-    pub tasks: i32,
-    pub wait_stage: i32,
-    pub wait_count: i32,
-    pub n: i32,
-    pub k: i32,
-    pub cols: i32,
-    pub flags: i32,
-    pub epilogue: i32,
-    pub ws_offset: i32,
-    pub op: i32,
-    pub weight: u64,
-    pub bias: u64,
-    pub input: u64,
-    pub out: u64,
-    pub residual: u64,
-    pub gamma: u64,
-    pub beta: u64,
-    pub k_cache: u64,
-    pub v_cache: u64,
-    pub aux: u64,
+/// What fusing each layer's fc and fc projection into one stage needs: the f32 residual stream
+/// the stage's tasks add their shares into (`[max_rows, C]` floats), and each layer's fc
+/// projection weight transposed (`[4C, C]`: a task's hidden units are then whole rows), by the
+/// pointer of the weight it transposes.
+#[derive(Clone, Debug, Default)]
+pub struct MlpFusion {
+    pub acc: u64,
+    pub transposed: std::collections::HashMap<u64, u64>,
 }
-
-const _: () = assert!(std::mem::size_of::<StageRecord>() == 128);
-
-impl StageRecord {
-    pub fn bytes(&self) -> Vec<u8> {
-        let ints = [
-            self.kind,
-            self.first_task,
-            self.tasks,
-            self.wait_stage,
-            self.wait_count,
-            self.n,
-            self.k,
-            self.cols,
-            self.flags,
-            self.epilogue,
-            self.ws_offset,
-            self.op,
-        ];
-        let ptrs = [
-            self.weight,
-            self.bias,
-            self.input,
-            self.out,
-            self.residual,
-            self.gamma,
-            self.beta,
-            self.k_cache,
-            self.v_cache,
-            self.aux,
-        ];
-        ints.iter()
-            .flat_map(|v| v.to_ne_bytes())
-            .chain(ptrs.iter().flat_map(|v| v.to_ne_bytes()))
-            .collect()
-    }
-
-    /// The count its counter reaches when the stage is complete: one per task, except
-    /// attention, which counts a head when its last chunk has combined the partial results.
-    fn completion(&self, heads: usize) -> usize {
-        if self.kind == STAGE_ATTENTION {
-            heads
-        } else {
-            self.tasks as usize
-        }
-    }
-}
-
-/// The names the timeline gives the stages (index = `StageRecord::op`).
-pub const STAGE_OPS: [&str; 7] = ["embed", "qkv", "attention", "attn_proj", "fc", "fc_proj", "lm_head"];
 
 /// One node of the decode plan, as much of it as lowering reads.
 #[derive(Clone, Debug)]
@@ -224,8 +155,69 @@ fn cut_columns(role: &str, n: usize, k: usize, geo: &Geometry) -> Result<usize, 
     Ok((1..=cap).min_by_key(|&cols| (cost(cols), cols)).unwrap_or(1))
 }
 
-/// Lowers a greedy decode plan to the stage table (see the module docs).
-pub fn lower(ops: &[PlanOp], geo: &Geometry) -> Result<Lowered, MegakernelError> {
+/// Columns per MLP task: its fc rows (`k` each) and its rows of the transposed projection
+/// (`n2` each) share a slot, half each.
+fn cut_mlp_columns(role: &str, n: usize, k: usize, n2: usize, geo: &Geometry) -> Result<usize, MegakernelError> {
+    let half = Geometry {
+        slot_bytes: geo.slot_bytes / 2,
+        ..*geo
+    };
+    cut_columns(role, n, k.max(n2), &half)
+}
+
+/// Fuses the fc projection `proj` into the fc stage `fc` (a layernorm stage) when `mlp` is
+/// given and the plan has the shape the fused stage computes: the projection reads fc's output
+/// and adds the residual stream fc's layernorm reads, and that stream is the output of the
+/// attention projection just before (`prev`). Returns the buffer the fused projection would
+/// have written (later stages read it from `acc` instead).
+fn fuse_mlp(
+    fc: &mut StageRecord,
+    prev: Option<&mut StageRecord>,
+    proj: &PlanOp,
+    mlp: Option<&MlpFusion>,
+    geo: &Geometry,
+) -> Result<Option<u64>, MegakernelError> {
+    let (Some(mlp), Some(prev)) = (mlp, prev) else {
+        return Ok(None);
+    };
+    let a = &proj.args;
+    let (n2, k2) = (int_arg(a, 7), int_arg(a, 8));
+    let Some(&transposed) = mlp.transposed.get(&ptr_arg(a, 2)) else {
+        return Ok(None);
+    };
+    let fits = proj.op == "matmul"
+        && proj.epilogue == Epilogue::BiasResidual
+        && fc.epilogue == epilogue_code(Epilogue::BiasGelu)
+        && fc.flags == FLAG_LAYERNORM
+        && ptr_arg(a, 1) == fc.out
+        && ptr_arg(a, 4) == fc.input
+        && k2 == fc.n as usize
+        && n2 == fc.k as usize
+        && n2 % 4 == 0
+        && prev.kind == STAGE_MATVEC
+        && prev.epilogue == epilogue_code(Epilogue::BiasResidual)
+        && prev.out == fc.input
+        && prev.n as usize == n2;
+    if !fits {
+        return Ok(None);
+    }
+    fc.cols = cut_mlp_columns(&proj.role, fc.n as usize, fc.k as usize, n2, geo)? as i32;
+    fc.tasks = (fc.n as usize).div_ceil(fc.cols as usize) as i32;
+    fc.flags |= FLAG_MLP;
+    fc.op = MLP_OP;
+    fc.n2 = n2 as i32;
+    fc.weight2 = transposed;
+    fc.acc = mlp.acc;
+    fc.out = 0;
+    prev.flags |= FLAG_INIT_ACC;
+    prev.acc = mlp.acc;
+    prev.bias2 = ptr_arg(a, 3);
+    Ok(Some(ptr_arg(a, 0)))
+}
+
+/// Lowers a greedy decode plan to the stage table (see the module docs); `mlp` fuses each
+/// layer's fc and fc projection into one stage.
+pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<Lowered, MegakernelError> {
     struct PendingNorm {
         out: u64,
         input: u64,
@@ -235,6 +227,8 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry) -> Result<Lowered, MegakernelError>
     let mut stages: Vec<StageRecord> = Vec::new();
     let mut layers = Vec::new();
     let mut pending: Option<PendingNorm> = None;
+    // The buffer whose value lives in `mlp.acc` (the fused MLP's output, never stored).
+    let mut in_acc: Option<u64> = None;
     let (mut batch, mut heads, mut attention_floats) = (0usize, 0usize, 0usize);
     let vec_elems = 16 / geo.elem_bytes;
     let mut i = 0;
@@ -327,13 +321,7 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry) -> Result<Lowered, MegakernelError>
                     stage.gamma = norm.gamma;
                     stage.beta = norm.beta;
                 }
-                stage.epilogue = match node.epilogue {
-                    Epilogue::None => 0,
-                    Epilogue::Bias => 1,
-                    Epilogue::BiasGelu => 2,
-                    Epilogue::BiasResidual => 3,
-                    Epilogue::Qkv => 4,
-                };
+                stage.epilogue = epilogue_code(node.epilogue);
                 if node.epilogue == Epilogue::Qkv {
                     // k_cache, v_cache, k, v, B, NH, T, max_T, HS, pos
                     match ops.get(i + 1) {
@@ -343,6 +331,37 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry) -> Result<Lowered, MegakernelError>
                             i += 1;
                         }
                         _ => return Err(unsupported("the QKV matmul must be followed by kv_append")),
+                    }
+                }
+                if let Some(acc) = in_acc {
+                    // x'' of a fused MLP: read from the f32 residual stream
+                    if stage.input == acc {
+                        if stage.flags & FLAG_LAYERNORM == 0 {
+                            return Err(unsupported(
+                                "a fused MLP's output is read only through a layernorm or as a residual; \
+                                 choose a decode_megakernel point with fuse_mlp = 0",
+                            ));
+                        }
+                        stage.flags |= FLAG_INPUT_ACC;
+                        stage.input = 0;
+                    }
+                    if stage.residual == acc {
+                        stage.flags |= FLAG_RESIDUAL_ACC;
+                        stage.residual = 0;
+                    }
+                    if stage.flags & (FLAG_INPUT_ACC | FLAG_RESIDUAL_ACC) != 0 {
+                        stage.acc = mlp.map_or(0, |m| m.acc);
+                    }
+                    if stage.out == acc {
+                        in_acc = None;
+                    }
+                }
+                if node.epilogue == Epilogue::BiasGelu {
+                    if let Some(proj) = ops.get(i + 1) {
+                        if let Some(out) = fuse_mlp(&mut stage, stages.last_mut(), proj, mlp, geo)? {
+                            in_acc = Some(out);
+                            i += 1;
+                        }
                     }
                 }
                 if let Some(next) = ops.get(i + 1).filter(|o| o.op == "argmax") {

@@ -250,15 +250,16 @@ pub struct GPT2Model {
     pub source: String,
 }
 
-/// Transpose a row-major `[rows, cols]` matrix into `[cols, rows]`.
+/// Transpose a row-major `[rows, cols]` matrix into `[cols, rows]` (output rows in parallel).
 pub fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    use rayon::prelude::*;
     debug_assert_eq!(src.len(), rows * cols);
     let mut out = vec![0.0f32; src.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = src[r * cols + c];
+    out.par_chunks_mut(rows.max(1)).enumerate().for_each(|(c, column)| {
+        for (r, o) in column.iter_mut().enumerate() {
+            *o = src[r * cols + c];
         }
-    }
+    });
     out
 }
 

@@ -184,7 +184,7 @@ fn geometry(elem_bytes: usize) -> Geometry {
 #[test]
 fn gpt2_small_lowers_to_one_stage_per_fused_op_about_a_wave_each() {
     let ops = plan(12, 1, 768, 12, 50304);
-    let lowered = lower(&ops, &geometry(2)).unwrap();
+    let lowered = lower(&ops, &geometry(2), None).unwrap();
     check_schedule(&lowered).unwrap();
     let names: Vec<&str> = lowered.stages.iter().map(|s| STAGE_OPS[s.op as usize]).collect();
     assert_eq!(names.len(), 1 + 12 * 5 + 1);
@@ -218,7 +218,7 @@ fn gpt2_small_lowers_to_one_stage_per_fused_op_about_a_wave_each() {
     assert_eq!((head.cols, head.tasks), (32, 1572), "{head:?}");
     let mut narrow = geometry(2);
     narrow.col_unit = 8;
-    let wide = lower(&ops, &narrow).unwrap();
+    let wide = lower(&ops, &narrow, None).unwrap();
     let head = wide.stages.last().unwrap();
     assert_eq!(
         (head.cols, head.tasks),
@@ -250,7 +250,7 @@ fn a_slice_counts_its_cache_chunks_for_the_whole_batch() {
             chunk_rows,
             ..geometry(2)
         };
-        let lowered = lower(&plan(2, batch, 768, 12, 50304), &geo).unwrap();
+        let lowered = lower(&plan(2, batch, 768, 12, 50304), &geo, None).unwrap();
         check_schedule(&lowered).unwrap();
         let s = lowered.stages[2];
         assert_eq!(s.kind, STAGE_ATTENTION);
@@ -267,25 +267,29 @@ fn a_slice_counts_its_cache_chunks_for_the_whole_batch() {
 }
 
 #[test]
-fn stage_records_are_the_templates_128_bytes() {
+fn stage_records_are_the_templates_160_bytes() {
     let record = StageRecord {
         kind: 1,
         n: 7,
         weight: 0x1122_3344_5566_7788,
         aux: 9,
+        n2: 5,
+        acc: 11,
         ..Default::default()
     };
     let bytes = record.bytes();
-    assert_eq!(bytes.len(), 128);
+    assert_eq!(bytes.len(), 160);
     assert_eq!(&bytes[0..4], &1i32.to_ne_bytes());
     assert_eq!(&bytes[20..24], &7i32.to_ne_bytes());
-    assert_eq!(&bytes[48..56], &0x1122_3344_5566_7788u64.to_ne_bytes());
-    assert_eq!(&bytes[120..128], &9u64.to_ne_bytes());
+    assert_eq!(&bytes[48..52], &5i32.to_ne_bytes());
+    assert_eq!(&bytes[56..64], &0x1122_3344_5566_7788u64.to_ne_bytes());
+    assert_eq!(&bytes[128..136], &9u64.to_ne_bytes());
+    assert_eq!(&bytes[152..160], &11u64.to_ne_bytes());
 }
 
 #[test]
 fn unsafe_schedules_are_refused_with_the_stage_named() {
-    let good = lower(&plan(2, 8, 768, 12, 50304), &geometry(4)).unwrap();
+    let good = lower(&plan(2, 8, 768, 12, 50304), &geometry(4), None).unwrap();
     check_schedule(&good).unwrap();
     let refused = |edit: &dyn Fn(&mut Lowered)| {
         let mut bad = good.clone();
@@ -317,7 +321,7 @@ fn plans_the_kernel_cannot_run_are_refused_with_the_fix() {
     geo.slot_bytes = 16 * 1024;
     geo.input_row_elems = 4 * 1600;
     geo.norm_row_elems = 2048;
-    let e = lower(&plan(1, 1, 1600, 25, 50304), &geo).unwrap_err().to_string();
+    let e = lower(&plan(1, 1, 1600, 25, 50304), &geo, None).unwrap_err().to_string();
     assert!(
         e.contains("fc_proj") && e.contains("25600 bytes") && e.contains("slot_kib"),
         "{e}"
@@ -335,21 +339,78 @@ fn plans_the_kernel_cannot_run_are_refused_with_the_fix() {
             layer: Some(0),
         },
     );
-    let e = lower(&ops, &geometry(2)).unwrap_err().to_string();
+    let e = lower(&ops, &geometry(2), None).unwrap_err().to_string();
     assert!(e.contains("gelu") && e.contains("--decode-engine graph"), "{e}");
     // more sequences than the point is compiled for
     let mut geo = geometry(2);
     geo.max_rows = 1;
-    let e = lower(&plan(1, 8, 768, 12, 50304), &geo).unwrap_err().to_string();
+    let e = lower(&plan(1, 8, 768, 12, 50304), &geo, None).unwrap_err().to_string();
     assert!(e.contains("max_rows"), "{e}");
     // more stages than the kernel's table holds (5 a layer)
-    let e = lower(&plan(103, 1, 768, 12, 50304), &geometry(2))
+    let e = lower(&plan(103, 1, 768, 12, 50304), &geometry(2), None)
         .unwrap_err()
         .to_string();
     assert!(e.contains("517 stages") && e.contains("at most 512"), "{e}");
     // a head size the kernel is not compiled for
-    let e = lower(&plan(1, 1, 768, 16, 50304), &geometry(2))
+    let e = lower(&plan(1, 1, 768, 16, 50304), &geometry(2), None)
         .unwrap_err()
         .to_string();
     assert!(e.contains("head_dim 64"), "{e}");
+}
+
+/// The fusion of `plan`'s MLPs, with each layer's fc projection weight (`w(l, 12)`) transposed.
+fn mlp_fusion(layers: usize) -> MlpFusion {
+    MlpFusion {
+        acc: 0xacc << 20,
+        transposed: (0..layers)
+            .map(|l| (((100 + l) << 24) as u64 + (12 << 16), (0x7700 + l as u64) << 20))
+            .collect(),
+    }
+}
+
+#[test]
+fn fused_mlps_take_one_stage_a_layer_and_the_stream_goes_through_acc() {
+    let mlp = mlp_fusion(12);
+    let lowered = lower(&plan(12, 1, 768, 12, 50304), &geometry(2), Some(&mlp)).unwrap();
+    check_schedule(&lowered).unwrap();
+    let s = &lowered.stages;
+    let names: Vec<&str> = s.iter().map(|s| STAGE_OPS[s.op as usize]).collect();
+    assert_eq!(names.len(), 1 + 12 * 4 + 1);
+    assert_eq!(&names[..6], ["embed", "qkv", "attention", "attn_proj", "mlp", "qkv"]);
+    let (attn_proj, fused, next_qkv, next_proj) = (&s[3], &s[4], &s[5], &s[7]);
+    // the attention projection stores x' and starts acc at x' + the fc projection's bias
+    assert_eq!(
+        attn_proj.flags, FLAG_INIT_ACC,
+        "layer 0 reads its residual from the embedding"
+    );
+    assert_eq!((attn_proj.acc, attn_proj.bias2), (mlp.acc, (100 << 24) + (13 << 16)));
+    // the MLP: layernorm of x', fc rows and the transposed projection's rows in half a slot each
+    assert_eq!(fused.flags, FLAG_LAYERNORM | FLAG_MLP);
+    assert_eq!((fused.n, fused.k, fused.n2), (3072, 768, 768));
+    assert_eq!((fused.weight, fused.weight2), ((100 << 24) + (10 << 16), 0x7700 << 20));
+    assert_eq!(fused.input, attn_proj.out);
+    assert_eq!((fused.acc, fused.out), (mlp.acc, 0));
+    // 24 KiB a half holds 16 rows of 1.5 KB; 12 take as many waves of one pass
+    assert_eq!((fused.cols, fused.tasks), (12, 256));
+    // the next layer normalises and adds x'' from acc, never from the buffer it replaces
+    assert_eq!(next_qkv.flags, FLAG_LAYERNORM | FLAG_INPUT_ACC);
+    assert_eq!((next_qkv.input, next_qkv.acc), (0, mlp.acc));
+    assert_eq!(next_proj.flags, FLAG_RESIDUAL_ACC | FLAG_INIT_ACC);
+    assert_eq!((next_proj.residual, next_proj.acc), (0, mlp.acc));
+    let head = s.last().unwrap();
+    assert_eq!(head.flags, FLAG_LAYERNORM | FLAG_ARGMAX | FLAG_INPUT_ACC);
+    assert_eq!(head.wait_stage as usize, s.len() - 2);
+    // without the transposed weight of a layer, that layer keeps its two stages
+    let mut partial = mlp.clone();
+    partial.transposed.remove(&(((100 + 5) << 24) as u64 + (12 << 16)));
+    let lowered = lower(&plan(12, 1, 768, 12, 50304), &geometry(2), Some(&partial)).unwrap();
+    check_schedule(&lowered).unwrap();
+    assert_eq!(lowered.stages.len(), 1 + 12 * 4 + 1 + 1);
+    let ops: Vec<&str> = lowered.stages.iter().map(|s| STAGE_OPS[s.op as usize]).collect();
+    assert_eq!(ops.iter().filter(|o| **o == "fc_proj").count(), 1);
+    // layer 5's qkv still reads acc; its fc projection stores x'', which layer 6 reads as is
+    let fc_proj = ops.iter().position(|o| *o == "fc_proj").unwrap();
+    let after = &lowered.stages[fc_proj + 1];
+    assert_eq!(after.flags, FLAG_LAYERNORM, "{after:?}");
+    assert_eq!(lowered.stages[fc_proj].flags, 0);
 }
