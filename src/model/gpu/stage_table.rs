@@ -416,7 +416,7 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
         return Err(MegakernelError::Unsupported {
             role: "decode step".into(),
             op: format!("{} stages", stages.len()),
-            fix: format!("the megakernel runs at most {MAX_STAGES} stages (5 per layer); run --decode-engine graph"),
+            fix: format!("the megakernel runs at most {MAX_STAGES} stages (4 or 5 a layer); run --decode-engine graph"),
         });
     }
     // Task numbers in stage order; each stage waits for the one before it, complete.
