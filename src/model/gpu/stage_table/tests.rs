@@ -408,6 +408,23 @@ fn fused_mlps_take_one_stage_a_layer_and_the_stream_goes_through_acc() {
     assert_eq!(lowered.stages.len(), 1 + 12 * 4 + 1 + 1);
     let ops: Vec<&str> = lowered.stages.iter().map(|s| STAGE_OPS[s.op as usize]).collect();
     assert_eq!(ops.iter().filter(|o| **o == "fc_proj").count(), 1);
+    // a matmul reading x'' without a layernorm cannot take it from acc: refused with the fix
+    let mut bad = plan(2, 1, 768, 12, 50304);
+    let second_norm = bad
+        .iter()
+        .rposition(|o| o.role == "layernorm" && o.layer == Some(1))
+        .unwrap();
+    let first_norm = bad
+        .iter()
+        .position(|o| o.role == "layernorm" && o.layer == Some(1))
+        .unwrap();
+    let x = bad[first_norm].args[1];
+    assert!(first_norm < second_norm);
+    bad.remove(first_norm);
+    bad[first_norm].args[1] = x; // layer 1's qkv reads x'' itself
+    let e = lower(&bad, &geometry(2), Some(&mlp_fusion(2))).unwrap_err().to_string();
+    assert!(e.contains("through a layernorm") && e.contains("fuse_mlp = 0"), "{e}");
+    assert!(lower(&bad, &geometry(2), None).is_ok(), "unfused, the plan lowers");
     // layer 5's qkv still reads acc; its fc projection stores x'', which layer 6 reads as is
     let fc_proj = ops.iter().position(|o| *o == "fc_proj").unwrap();
     let after = &lowered.stages[fc_proj + 1];
