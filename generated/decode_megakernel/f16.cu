@@ -355,7 +355,7 @@ struct Stage {                // 160 bytes; the Rust StageRecord has the same la
     const storage_t* aux;     // embed: wpe (weight is wte)
     const storage_t* weight2; // FLAG_MLP: the projection's weights transposed, [n, n2]
     const storage_t* bias2;   // FLAG_INIT_ACC: the bias `acc` starts with
-    float* acc;               // the f32 residual stream of FLAG_MLP, [B, n2] (see StageFlags)
+    float* acc;               // the f32 residual stream of FLAG_MLP: [B, n2] values placed by acc_slot
 };
 static_assert(sizeof(Stage) == 160, "the host's StageRecord is 160 bytes");
 
