@@ -58,6 +58,13 @@ fn compare(what: &str, model: &Arc<GPT2Model>, batch: usize, dtype: Dtype, promp
     compare_at(what, model, batch, dtype, prompt_len, steps, &[])
 }
 
+/// How far logit `best` of `row` lies above logit `other`, as a share of the row's largest
+/// magnitude (what a near-tie is measured by).
+fn tie_gap(row: &[f32], best: u32, other: u32) -> f64 {
+    let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    ((row[best as usize] - row[other as usize]) / scale) as f64
+}
+
 /// [`compare`] with the megakernel at a point of its family (parameters not named keep the
 /// spec's default values, `max_rows = 8` among them).
 fn compare_at(
@@ -128,9 +135,7 @@ fn compare_at(
             // Two runs of the megakernel round alike, except where fused MLP stages add their
             // shares in the order they arrive (fuse_mlp = 1): there only a near-tie may differ.
             if on_device[b] != got_ids[b] {
-                let row = got.last(b);
-                let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-                let gap = ((row[got_ids[b] as usize] - row[on_device[b] as usize]) / scale) as f64;
+                let gap = tie_gap(got.last(b), got_ids[b], on_device[b]);
                 assert!(
                     gap <= tie,
                     "{what} step {step} sequence {b}: the fused argmax picked {} where the megakernel's logits say {} (gap {gap:.2e})",
@@ -148,8 +153,7 @@ fn compare_at(
             if got_ids[b] != want_ids[b] {
                 let row = want.last(b);
                 let (best, other) = (row[want_ids[b] as usize], row[got_ids[b] as usize]);
-                let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-                let gap = ((best - other) / scale) as f64;
+                let gap = tie_gap(row, want_ids[b], got_ids[b]);
                 eprintln!(
                     "{what} step {step} sequence {b}: near-tie {} vs {} (reference logits {best} vs {other}, gap {gap:.2e} of the largest)",
                     want_ids[b], got_ids[b]
