@@ -252,15 +252,30 @@ impl GpuBackend {
         if self.mlp_weights.is_empty() {
             let c = self.model.config.n_embd;
             let storage = self.dtype.storage();
-            for (l, layer) in self.model.weights.layers.iter().enumerate() {
+            let layers = &self.model.weights.layers;
+            let (free, _) = self
+                .gpu
+                .ctx
+                .mem_get_info()
+                .map_err(GpuError::cuda("reading the free memory before the fused MLP's weights"))?;
+            transposed_copy_fits(
+                &format!("{} ({})", self.name, self.gpu.info.name),
+                layers.len() * 4 * c * c * storage.bytes(),
+                free,
+            )
+            .map_err(|why| anyhow::anyhow!(why))?;
+            // all layers or none: a failed upload leaves nothing behind for the next step to use
+            let mut uploaded = Vec::with_capacity(layers.len());
+            for (l, layer) in layers.iter().enumerate() {
                 let t = transpose(&layer.fc_proj_w, c, 4 * c); // [C, 4C] -> [4C, C]
                 let up = self
                     .gpu
                     .stream
                     .clone_htod(&storage.encode(&t))
                     .map_err(GpuError::cuda(format!("uploading h.{l}.fc_proj_w transposed")))?;
-                self.mlp_weights.push(up);
+                uploaded.push(up);
             }
+            self.mlp_weights = uploaded;
         }
         Ok(self
             .layers
@@ -391,5 +406,39 @@ impl GpuBackend {
             stages: m.lowered.stages.len(),
             tasks: m.lowered.total_tasks(),
         })
+    }
+}
+
+/// `Err` with the figures and the fixes when the fused MLP's transposed projections (`bytes`,
+/// every layer's) do not fit in the `free` bytes of `device` (the replica's own estimate at
+/// start-up does not count them: only a megakernel point with `fuse_mlp` uploads them).
+fn transposed_copy_fits(device: &str, bytes: usize, free: usize) -> Result<(), String> {
+    // what the step still allocates after them: the stage table, counters and workspace
+    const MARGIN: usize = 64 << 20;
+    if bytes + MARGIN <= free {
+        return Ok(());
+    }
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    Err(format!(
+        "{device}: the decode megakernel's fused MLP stages (fuse_mlp = 1) keep a transposed copy of every \
+         fc projection, {:.2} GiB, and the GPU has {:.2} GiB free; free memory on the GPU (fewer sequences, \
+         other processes) or run --decode-engine graph",
+        gib(bytes),
+        gib(free)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transposed_copy_fits;
+
+    #[test]
+    fn the_transposed_copy_is_refused_with_its_size_and_the_fix_when_it_does_not_fit() {
+        let gib = 1usize << 30;
+        assert!(transposed_copy_fits("cuda:0", gib, 2 * gib).is_ok());
+        let e = transposed_copy_fits("cuda:0 (H100)", gib, gib).unwrap_err();
+        assert!(e.starts_with("cuda:0 (H100): "), "{e}");
+        assert!(e.contains("1.00 GiB, and the GPU has 1.00 GiB free"), "{e}");
+        assert!(e.contains("--decode-engine graph") && e.contains("fuse_mlp = 1"), "{e}");
     }
 }
