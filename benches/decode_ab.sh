@@ -4,7 +4,9 @@
 # both alike; prints GPU and wall ms per step and tokens/s per workload and side. Use it before
 # merging a change to the megakernel's template or the decode path: a template change needs
 # only the folders (the binary renders the templates it finds there), a Rust change a second
-# binary.
+# binary. A change that adds a spec value: A/B it against the previous commit too (that
+# commit's binary and folder as side A), at the workloads it is not meant to touch, since code
+# added for one point can slow every other (the fused MLP's runtime flags cost batch 8 10%).
 #   A_ROOT=.device/before B_ROOT=. [A_BIN=...] [B_BIN=...] [ROUNDS=2] [WORKLOADS="..."] \
 #     [MODEL=DIR] [TIMELINE=1] benches/decode_ab.sh
 # A workload is dtype:batch:prompt:steps (default: bf16 and f32 at batch 1 after 16 and 1,000
