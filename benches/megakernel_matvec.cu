@@ -24,8 +24,8 @@
 //
 // What it showed (H100, bf16, 512 threads, two columns a warp): a task of GPT-2 small's qkv
 // (18 rows of 768) took 2,305 cycles, of which the dot products' loop was under half; the
-// epilogue and stores alone 779. After the changes that followed, 1,843. See the README, "What
-// a task's arithmetic costs".
+// epilogue and stores alone 779. After the changes that followed, 1,843. See benches/RESULTS.md,
+// "What a task's arithmetic costs".
 #include <cstdio>
 #include <cstdlib>
 #include <string>

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The tuning-time figures of the README's "Tuning" section, in one device call: `tune` of the
-# GPT-2 124M shapes cold (empty compile cache and database) in bf16 and f32, the bf16 model again
-# warm, one matmul shape cold in bf16 and f32, and the bf16 model cold with NVRTC on threads of
-# one process (KERNELFORGE_COMPILE_WORKERS=0) instead of worker processes. Run on the GPU machine
-# after ../shared/tools/device-pack (the binary in .device/); results in $OUT/r, the summary is
-# printed. The first compile-heavy run of a fresh machine also pays for loading NVRTC from a cold
-# page cache: WARM=1 (the default) runs one small tune first so that the figures do not.
+# The tuning-time figures (README "Where tuning stands", benches/RESULTS.md) in one device
+# call: `tune` of the GPT-2 124M shapes cold (empty compile cache and database) in bf16 and
+# f32, the bf16 model again warm, one matmul shape cold in bf16 and f32, and the bf16 model
+# cold with NVRTC on threads of one process (KERNELFORGE_COMPILE_WORKERS=0) instead of worker
+# processes. Run on the GPU machine after ../shared/tools/device-pack (the binary in
+# .device/); results in $OUT/r, the summary is printed. The first compile-heavy run of a fresh
+# machine also pays for loading NVRTC from a cold page cache: WARM=1 (the default) runs one
+# small tune first so that the figures do not.
 set -uo pipefail
 out=${OUT:-/tmp}/r
 mkdir -p "$out"

@@ -724,7 +724,7 @@ __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, flo
 // loads go out before this step's arithmetic: a warp has few steps of K to walk (3 for GPT-2
 // small), and with each step's loads waiting behind the previous step's FMAs, a task costs the
 // sum of its shared-memory latencies. Measured alone (benches/megakernel_matvec.cu, H100, bf16,
-// one row): see the README.
+// one row): see benches/RESULTS.md, "What a task's arithmetic costs".
 __device__ __forceinline__ void dot_columns(unsigned slot_addr, unsigned xs_addr, int c0, int cols, int k,
                                             int first, int step, float (&acc)[COLS_PER_WARP][MAX_ROWS]) {
     const unsigned x_stride = k * STORAGE_BYTES + ROW_PAD;  // bytes from one staged input row to the next
