@@ -662,7 +662,7 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Stage& s, int b,
     if (s.epilogue != EPI_NONE) in.bias = bias_s[c];
     if (s.epilogue == EPI_BIAS_RESIDUAL) {
         in.residual = fused_flag(s, FLAG_RESIDUAL_ACC) ? to_float(from_float(__ldcg(s.acc + acc_slot(b, n, s.n))))
-                                                  : load_coherent(s.residual + (long long)b * s.n + n);
+                                                      : load_coherent(s.residual + (long long)b * s.n + n);
     }
     if (fused_flag(s, FLAG_INIT_ACC)) in.bias2 = to_float(s.bias2[n]);
     return in;
@@ -808,7 +808,8 @@ __device__ __forceinline__ void finish_columns(const Stage& s, int B, int n0, in
         const int p = lane + 32 * q, c = p / MAX_ROWS, b = p % MAX_ROWS;
         if (p < OUTPUTS && b < B && c0 + c < cols) {
             const float v = finish_output(s, b, n0 + c0 + c, mine[q], in[q], pos, NH, max_T);
-            if ((s.flags & FLAG_ARGMAX) || fused_flag(s, FLAG_MLP)) tile[b * MAX_TASK_COLS + c0 + c] = to_float(from_float(v));
+            if ((s.flags & FLAG_ARGMAX) || fused_flag(s, FLAG_MLP))
+                tile[b * MAX_TASK_COLS + c0 + c] = to_float(from_float(v));
         }
     }
 }
