@@ -113,11 +113,11 @@ pub struct TuneArgs {
     pub devices: Option<DeviceSelection>,
     /// Also tune the decode step of --model for each --batch (at most 8): the decode
     /// megakernel's point (threads, blocks per SM, weight slots, columns per warp, attention
-    /// chunks, copy engine), searched by timing greedy decode steps on random weights of the
-    /// model's shape (the mean after a short prompt and after one of three quarters of the
-    /// context, where attention's chunking shows), against the graph engine timed the same way
-    /// beside it. Saved into GPU 0's default
-    /// database, where `generate` and `bench` pick the faster engine by default. Measured anew
+    /// chunks, copy engine, tensor cores, the MLP as one stage), searched by timing greedy
+    /// decode steps on random weights of the model's shape (the mean after a short prompt and
+    /// after one of three quarters of the context, where attention's chunking shows), against
+    /// the graph engine timed the same way beside it. Saved into GPU 0's default database,
+    /// where `generate` and `bench` pick the faster engine by default. Measured anew
     /// on every run (about a minute per batch): the graph engine's time depends on the kernels
     /// the rest of the run may just have tuned.
     #[arg(long, requires = "model", conflicts_with_all = ["db", "devices"])]
