@@ -560,7 +560,7 @@ struct LayernormParams { uint4 gamma, beta; };  // raw: VEC elements of each
 // slices instead of queueing at the few that a dense row's 24 lines (GPT-2 small) map to.
 // Measured on the H100 against a dense row (one call): GPT-2 small bf16 0.249 -> 0.242 ms a
 // step, after 1,000 tokens 0.286 -> 0.272 (the signal after the MLP stage 1.49 -> 0.91 us);
-// 1.5B even (1.956 / 1.953 ms). The host allocates 8x the dense row (megakernel.rs).
+// 1.5B even (1.956 / 1.953 ms). The host sizes `acc` by the same ACC_SPREAD (stage_table.rs).
 #define ACC_SPREAD 32
 __device__ __forceinline__ long long acc_slot(int b, int n, int width) {
     return ((long long)b * (width / 4) + n / 4) * ACC_SPREAD + n % 4;

@@ -15,7 +15,7 @@ use super::megakernel_point::{fitted_default, most_rows, MegakernelSummary, MEGA
 use super::plan::{HeadRows, Plan};
 use super::select::{Kernel, Kernels};
 use super::stage_table::{
-    check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, MAX_TASK_COLS, STAGE_OPS,
+    check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, ACC_SPREAD, MAX_TASK_COLS, STAGE_OPS,
 };
 use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
@@ -180,8 +180,7 @@ impl GpuBackend {
             let acc = self
                 .gpu
                 .stream
-                // a group of 4 values a 128-byte line (ACC_SPREAD in decode/matvec.cu.tera)
-                .alloc_zeros::<f32>(geo.max_rows * self.model.config.n_embd * 8)
+                .alloc_zeros::<f32>(geo.max_rows * self.model.config.n_embd.div_ceil(4) * ACC_SPREAD)
                 .map_err(GpuError::cuda("allocating the fused MLP's residual stream"))?;
             Some(acc)
         } else {

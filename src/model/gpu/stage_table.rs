@@ -32,6 +32,9 @@ pub const MAX_TASK_COLS: usize = 128;
 /// head, so that no task's share of the keys takes much longer than a wave of the others).
 const MAX_CHUNK: usize = 1024;
 const MAX_STAGES: usize = 512;
+/// Floats from one group of 4 values of the fused MLP's f32 residual stream to the next (one
+/// group a 128-byte line): `ACC_SPREAD` of the template.
+pub const ACC_SPREAD: usize = 32;
 
 /// What the stage table cannot express or would not run safely.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -204,7 +207,7 @@ fn fuse_mlp(
     fc.cols = cut_mlp_columns(&proj.role, fc.n as usize, fc.k as usize, n2, geo)? as i32;
     fc.tasks = (fc.n as usize).div_ceil(fc.cols as usize) as i32;
     fc.flags |= FLAG_MLP;
-    fc.op = MLP_OP;
+    fc.op = stage_op("mlp");
     fc.n2 = n2 as i32;
     fc.weight2 = transposed;
     fc.acc = mlp.acc;

@@ -113,7 +113,6 @@ pub const STAGE_OPS: [&str; 8] = [
     "lm_head",
     "mlp",
 ];
-pub(super) const MLP_OP: i32 = 7;
 
 /// The template's `Epilogue` of a matmul's epilogue.
 pub(super) fn epilogue_code(epilogue: Epilogue) -> i32 {

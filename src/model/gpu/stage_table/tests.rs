@@ -431,3 +431,25 @@ fn fused_mlps_take_one_stage_a_layer_and_the_stream_goes_through_acc() {
     assert_eq!(after.flags, FLAG_LAYERNORM, "{after:?}");
     assert_eq!(lowered.stages[fc_proj].flags, 0);
 }
+
+/// The constants the host shares with the template (each written in both) agree.
+#[test]
+fn the_template_defines_the_hosts_constants() {
+    let read = |file: &str| {
+        std::fs::read_to_string(format!("{}/templates/decode/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+    };
+    let (megakernel, matvec) = (read("megakernel.cu.tera"), read("matvec.cu.tera"));
+    for (source, name, value) in [
+        (&megakernel, "MAX_TASK_COLS", MAX_TASK_COLS),
+        (&megakernel, "MAX_STAGES", MAX_STAGES),
+        (&matvec, "ACC_SPREAD", ACC_SPREAD),
+    ] {
+        let define = format!("#define {name} {value}");
+        assert!(
+            source
+                .lines()
+                .any(|l| l == define || l.starts_with(&format!("{define} "))),
+            "the template must read `{define}`"
+        );
+    }
+}
