@@ -192,7 +192,8 @@ fn megakernel_matches_kernel_by_kernel_decode_on_the_tiny_model() {
 /// with the copy engine and in bf16 with cp.async; and with slots of 16 KiB, which hold 64 cache
 /// positions in bf16, so that an attention chunk (~70 positions) reads its last keys and values
 /// from memory rather than from its slot; and at batch 8, where the fc projection's input rows
-/// (8 x 512 floats) are more than a 16-byte piece a thread and are staged by cp.async.
+/// (8 x 512 floats) are more than a 16-byte piece a thread and are staged by cp.async; and a
+/// one-layer 1,152-wide model with fused MLPs cut into many tasks a block.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn megakernel_small_for_the_sanitizer() {
@@ -218,6 +219,19 @@ fn megakernel_small_for_the_sanitizer() {
         140,
         3,
         &[("slot_kib", 16)],
+    );
+    // 1,152 wide: at 256 threads and 16 KiB slots an MLP task holds 3 hidden units, so each
+    // block sums ~12 tasks of the stage before it adds them into the residual stream, and the
+    // outputs past 256 x 4 are added per task.
+    let wide = model(1, 18, 1152, 160, 300, 78);
+    compare_at(
+        "sanitizer bf16 B=1, fused MLPs of many tasks a block",
+        &wide,
+        1,
+        Dtype::Bf16,
+        140,
+        3,
+        &[("fuse_mlp", 1), ("max_rows", 1), ("threads", 256), ("slot_kib", 16)],
     );
     let mut g = backend(&tiny, 1, Dtype::Bf16, DecodeEngine::Megakernel);
     g.set_megakernel_point(vec![("bulk_copy".to_string(), 0), ("max_rows".to_string(), 1)]);
@@ -283,6 +297,31 @@ fn megakernel_with_fused_mlps_matches_kernel_by_kernel_decode() {
         40,
         64,
         &mma,
+    );
+    // Many MLP tasks a block (3 hidden units each: each block sums ~12 before it adds them into
+    // the residual stream), rows wider than the 256 x 4 outputs a block keeps summed (the rest
+    // added per task), in each storage type.
+    let wide = model(2, 18, 1152, 256, 1001, 43);
+    let many = [("fuse_mlp", 1), ("max_rows", 1), ("threads", 256), ("slot_kib", 16)];
+    compare_at(
+        "fused L2 C1152 bf16 B=1 many tasks",
+        &wide,
+        1,
+        Dtype::Bf16,
+        24,
+        64,
+        &many,
+    );
+    compare_at("fused L2 C1152 f16 B=1 many tasks", &wide, 1, Dtype::F16, 24, 32, &many);
+    let many_f32 = [("fuse_mlp", 1), ("max_rows", 1), ("threads", 512), ("slot_kib", 16)];
+    compare_at(
+        "fused L2 C1152 f32 B=1 many tasks",
+        &wide,
+        1,
+        Dtype::F32,
+        24,
+        32,
+        &many_f32,
     );
     let gpt2 = model(12, 12, 768, 1024, 50257, 41);
     let one_row = [("fuse_mlp", 1), ("max_rows", 1), ("slots", 2), ("slot_kib", 96)];

@@ -1113,7 +1113,8 @@ __device__ void embed_task(const Stage& s, int B, int pos, const int* tokens) {
 // Counters (unsigned, zero between steps): [0, n_stages) one per stage; then B*NH attention
 // arrivals; then one for the argmax partials; then one for blocks leaving. The last block to
 // leave zeroes the stage counters, so the next step (or a replay of a CUDA graph) starts clean.
-// The dynamic shared memory: the ring of SLOTS slots, then MAX_ROWS staged input rows.
+// The dynamic shared memory: the ring of SLOTS slots, then MAX_ROWS staged input rows (room for
+// 4C elements each; an MLP stage keeps its block's f32 sums after its C-wide rows: mlp_project).
 extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
 // Its shared-window address, straight from the symbol (a generic pointer converted with
@@ -1225,7 +1226,8 @@ decode_megakernel_2e9bf19f_main(const int* stage_table, int n_stages, unsigned* 
         const unsigned long long t_ready = timeline ? global_time() : 0;
         unsigned long long t_data = t_ready;
         if (kind == STAGE_MATVEC || kind == STAGE_ATTENTION) {
-            if (kind == STAGE_MATVEC && staged != s) stage_input(st, B, xs, scratch, ln_params);
+            const bool first_of_stage = staged != s;  // this block's first task of the stage
+            if (kind == STAGE_MATVEC && first_of_stage) stage_input(st, B, xs, scratch, ln_params);
             staged = s;
             mbar_wait(smem_address(&slot_bar[i % SLOTS]), (phases >> (i % SLOTS)) & 1);  // the slot's data landed
             phases ^= 1u << (i % SLOTS);

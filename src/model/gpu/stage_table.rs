@@ -200,7 +200,9 @@ fn fuse_mlp(
         && prev.kind == STAGE_MATVEC
         && prev.epilogue == epilogue_code(Epilogue::BiasResidual)
         && prev.out == fc.input
-        && prev.n as usize == n2;
+        && prev.n as usize == n2
+        // each row's f32 sums of the block's tasks (mlp_project) sit after the staged input row
+        && fc.k as usize * geo.elem_bytes + 4 * n2 <= geo.input_row_elems * geo.elem_bytes;
     if !fits {
         return Ok(None);
     }

@@ -408,6 +408,14 @@ fn fused_mlps_take_one_stage_a_layer_and_the_stream_goes_through_acc() {
     assert_eq!(lowered.stages.len(), 1 + 12 * 4 + 1 + 1);
     let ops: Vec<&str> = lowered.stages.iter().map(|s| STAGE_OPS[s.op as usize]).collect();
     assert_eq!(ops.iter().filter(|o| **o == "fc_proj").count(), 1);
+    // staged rows too short to hold a row's f32 sums after the input: the MLPs stay unfused
+    // (and then their fc projections' 4C-wide inputs do not fit either)
+    let mut short = geometry(2);
+    short.input_row_elems = 768 + 2 * 768 - 8;
+    let e = lower(&plan(2, 1, 768, 12, 50304), &short, Some(&mlp_fusion(2)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fc_proj"), "{e}");
     // a matmul reading x'' without a layernorm cannot take it from acc: refused with the fix
     let mut bad = plan(2, 1, 768, 12, 50304);
     let second_norm = bad
