@@ -22,6 +22,13 @@
 // counts its phases' cycles into a __device__ array named by -DMATVEC_PHASES=array
 // ([block][4], summed) gets them printed too.
 //
+// -DMLP_TASK (with a source rendered at fuse_mlp = 1) runs a fused MLP task instead: fc rows with
+// bias and GELU into `tile`, then as many rows of a transposed projection (K outputs each, in
+// the slot's second half) times them, summed over the block's tasks in shared memory and added
+// into an f32 residual row by atomics after the block's last task, or after every task with
+// the third argument 1 (how the template added them before); it prints the cycles of both
+// halves (no reference check: tests/gpu_megakernel.rs checks the fused MLP's values).
+//
 // What it showed (H100, bf16, 512 threads, two columns a warp): a task of GPT-2 small's qkv
 // (18 rows of 768) took 2,305 cycles, of which the dot products' loop was under half; the
 // epilogue and stores alone 779. After the changes that followed, 1,843. See benches/RESULTS.md,
@@ -41,11 +48,14 @@
         }                                                                                     \
     } while (0)
 
-// stats[block] = {tasks, compute cycles, wait cycles}; clk[0..1] = block 0's cycles and ns over
-// its whole run (the SM clock it ran at)
+// stats[block] = {tasks, compute cycles, wait cycles, MLP projection cycles}; clk[0..1] = block
+// 0's cycles and ns over its whole run (the SM clock it ran at). `weight2` and `acc` are the MLP
+// task's transposed projection and residual row (MLP_TASK only).
+#define STATS 4
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 bench_matvec(const storage_t* weight, const storage_t* bias, const storage_t* input, storage_t* out, int n, int k,
-             int cols, int tasks, int resident, unsigned long long* stats, unsigned long long* clk) {
+             int cols, int tasks, int resident, const storage_t* weight2, float* acc, int atomics_every_task,
+             unsigned long long* stats, unsigned long long* clk) {
     const unsigned long long c_start = clock64(), ns_start = global_time();
     storage_t* xs = reinterpret_cast<storage_t*>(dynamic_smem + SLOTS * SLOT_BYTES);
     __shared__ float tile[MAX_ROWS * MAX_TASK_COLS];
@@ -63,6 +73,13 @@ bench_matvec(const storage_t* weight, const storage_t* bias, const storage_t* in
         st.weight = weight;
         st.bias = bias;
         st.out = out;
+#ifdef MLP_TASK
+        st.flags = FLAG_MLP;
+        st.epilogue = EPI_BIAS_GELU;
+        st.n2 = k;
+        st.weight2 = weight2;
+        st.acc = acc;
+#endif
         for (int j = 0; j < SLOTS; ++j) mbar_init(smem_address(&slot_bar[j]), 1);
         mbar_init_fence();
     }
@@ -70,7 +87,7 @@ bench_matvec(const storage_t* weight, const storage_t* bias, const storage_t* in
         *reinterpret_cast<uint4*>(xs + i) = *reinterpret_cast<const uint4*>(input + i);
     __syncthreads();
     unsigned phases = 0;
-    unsigned long long compute = 0, wait = 0, count = 0;
+    unsigned long long compute = 0, wait = 0, count = 0, project = 0;
     const int grid = gridDim.x;
     auto task_of = [&](int i) { return resident ? blockIdx.x : blockIdx.x + i * grid; };
     auto prefetch = [&](int i) {
@@ -100,16 +117,26 @@ bench_matvec(const storage_t* weight, const storage_t* bias, const storage_t* in
 #endif
         __syncthreads();
         const unsigned long long t2 = clock64();
+        unsigned long long t3 = t2;
+#ifdef MLP_TASK
+        float* sums = reinterpret_cast<float*>(xs + (k + ROW_PAD / STORAGE_BYTES));
+        mlp_project(st, task, 1, slot + SLOT_BYTES / 2, tile, sums, i == 0 || atomics_every_task,
+                    i == rounds - 1 || atomics_every_task);
+        __syncthreads();
+        t3 = clock64();
+#endif
         if (i > 0) {  // the first task pays for the start
-            compute += t2 - t1;
+            compute += t3 - t1;
+            project += t3 - t2;
             wait += t1 - t0;
             ++count;
         }
     }
     if (threadIdx.x == 0) {
-        stats[3 * blockIdx.x] = count;
-        stats[3 * blockIdx.x + 1] = compute;
-        stats[3 * blockIdx.x + 2] = wait;
+        stats[STATS * blockIdx.x] = count;
+        stats[STATS * blockIdx.x + 1] = compute;
+        stats[STATS * blockIdx.x + 2] = wait;
+        stats[STATS * blockIdx.x + 3] = project;
         if (blockIdx.x == 0) {
             clk[0] = clock64() - c_start;
             clk[1] = global_time() - ns_start;
@@ -124,6 +151,7 @@ static storage_t st_of(float v) { return storage_t(v); }
 int main(int argc, char** argv) {
     const int k = argc > 1 ? atoi(argv[1]) : 1600;
     const int cols = argc > 2 ? atoi(argv[2]) : 25;
+    const int atomics_every_task = argc > 3 ? atoi(argv[3]) : 0;  // MLP_TASK: the old way
     const long long bytes = 256ll << 20;
     const int n = (int)(bytes / (k * STORAGE_BYTES)) / cols * cols;
     const int tasks = n / cols;
@@ -140,16 +168,29 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&db, n * STORAGE_BYTES));
     CHECK(cudaMalloc(&dx, k * STORAGE_BYTES));
     CHECK(cudaMalloc(&dout, n * STORAGE_BYTES));
-    CHECK(cudaMalloc(&dstats, 3 * sms * sizeof(unsigned long long)));
+    CHECK(cudaMalloc(&dstats, STATS * sms * sizeof(unsigned long long)));
+    // the MLP task's transposed projection (the same random values as fc's rows: only the time
+    // is measured) and its f32 residual row, ACC_SPREAD floats a group of 4
+    storage_t* dw2 = nullptr;
+    float* dacc = nullptr;
+#ifdef MLP_TASK
+    CHECK(cudaMalloc(&dw2, w.size() * STORAGE_BYTES));
+    CHECK(cudaMalloc(&dacc, (size_t)k / 4 * ACC_SPREAD * sizeof(float)));
+    CHECK(cudaMemset(dacc, 0, (size_t)k / 4 * ACC_SPREAD * sizeof(float)));
+    const int task_bytes = 2 * cols * k * STORAGE_BYTES, sums_bytes = k * 4;
+#else
+    const int task_bytes = cols * k * STORAGE_BYTES, sums_bytes = 0;
+#endif
     CHECK(cudaMalloc(&dclock, 2 * sizeof(unsigned long long)));
     CHECK(cudaMemcpy(dw, w.data(), w.size() * STORAGE_BYTES, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(db, b.data(), n * STORAGE_BYTES, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(dx, x.data(), k * STORAGE_BYTES, cudaMemcpyHostToDevice));
-    if (cols * k * STORAGE_BYTES > SLOT_BYTES) {
+    if (dw2) CHECK(cudaMemcpy(dw2, w.data(), w.size() * STORAGE_BYTES, cudaMemcpyHostToDevice));
+    if (task_bytes > SLOT_BYTES) {
         fprintf(stderr, "a task of %d x %d does not fit a slot of %d bytes\n", cols, k, SLOT_BYTES);
         return 1;
     }
-    const int smem = SLOTS * SLOT_BYTES + k * STORAGE_BYTES + ROW_PAD;
+    const int smem = SLOTS * SLOT_BYTES + k * STORAGE_BYTES + ROW_PAD + sums_bytes;
     int smem_max = 0;
     cudaFuncAttributes kernel;
     CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
@@ -165,11 +206,12 @@ int main(int argc, char** argv) {
     CHECK(cudaEventCreate(&e1));
     for (int resident = 0; resident < 2; ++resident) {
         float best = 1e30f;
-        std::vector<unsigned long long> stats(3 * sms), clk(2);
+        std::vector<unsigned long long> stats(STATS * sms), clk(2);
         for (int rep = 0; rep < 5; ++rep) {
             CHECK(cudaMemset(dout, 0xff, n * STORAGE_BYTES));
             CHECK(cudaEventRecord(e0));
-            bench_matvec<<<sms, THREADS, smem>>>(dw, db, dx, dout, n, k, cols, tasks, resident, dstats, dclock);
+            bench_matvec<<<sms, THREADS, smem>>>(dw, db, dx, dout, n, k, cols, tasks, resident, dw2, dacc,
+                                                 atomics_every_task, dstats, dclock);
             CHECK(cudaEventRecord(e1));
             CHECK(cudaEventSynchronize(e1));
             float ms = 0;
@@ -180,17 +222,18 @@ int main(int argc, char** argv) {
                 CHECK(cudaMemcpy(clk.data(), dclock, 16, cudaMemcpyDeviceToHost));
             }
         }
-        double count = 0, compute = 0, wait = 0;
+        double count = 0, compute = 0, wait = 0, project = 0;
         for (int i = 0; i < sms; ++i) {
-            count += stats[3 * i];
-            compute += stats[3 * i + 1];
-            wait += stats[3 * i + 2];
+            count += stats[STATS * i];
+            compute += stats[STATS * i + 1];
+            wait += stats[STATS * i + 2];
+            project += stats[STATS * i + 3];
         }
         // check the outputs of the tasks that ran (stream: all; resident: each block's own)
         std::vector<storage_t> o(n);
         CHECK(cudaMemcpy(o.data(), dout, n * STORAGE_BYTES, cudaMemcpyDeviceToHost));
         double worst = 0;
-        for (int t = 0; t < (resident ? sms : tasks); t += resident ? 1 : 97)
+        for (int t = 0; !dw2 && t < (resident ? sms : tasks); t += resident ? 1 : 97)
             for (int c = t * cols; c < (t + 1) * cols && c < n; ++c) {
                 double ref = bf(b[c]);
                 for (int i = 0; i < k; ++i) ref += (double)bf(w[(size_t)c * k + i]) * bf(x[i]);
@@ -214,11 +257,16 @@ int main(int argc, char** argv) {
             CHECK(cudaMemcpyToSymbol(MATVEC_PHASES, zero.data(), zero.size() * 8));
         }
 #endif
+        const long long streamed = dw2 ? 2 * bytes : bytes;
         printf("%-8s k=%d cols=%d (%d B a task): compute %.0f cycles (%.2f us at %.0f MHz), wait %.0f cycles, "
                "kernel %.3f ms%s, max rel err %.1e\n",
-               resident ? "resident" : "stream", k, cols, cols * k * STORAGE_BYTES, compute / count,
+               resident ? "resident" : "stream", k, cols, task_bytes, compute / count,
                compute / count / mhz, mhz, wait / count, best,
-               resident ? "" : (" = " + std::to_string((int)(bytes / best / 1e6)) + " GB/s").c_str(), worst);
+               resident ? "" : (" = " + std::to_string((int)(streamed / best / 1e6)) + " GB/s").c_str(), worst);
+        if (dw2)
+            printf("  of which the MLP projection (%s) %.0f cycles\n",
+                   atomics_every_task ? "atomics every task" : "summed, atomics after the block's last task",
+                   project / count);
     }
     return 0;
 }

@@ -5,6 +5,8 @@
 #   [KERNELFORGE=BIN] [DTYPE=bf16] benches/megakernel_matvec.sh [--param NAME=VALUE ...]
 # The point is the default with one row, two slots of 96 KiB and the given --param on top (for
 # example --param cols_per_warp=4, or --param tensor_cores=1 with MATVEC_TASK=matvec_task_mma).
+# MLP=1 times fused MLP tasks instead (GPT-2 small's and 1.5B's, the point at fuse_mlp = 1), each
+# with its sums added once a block and added every task.
 # Needs nvcc (CUDA_HOME, else /usr/local/cuda) and a GPU with the copy engine of sm_90.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -13,9 +15,17 @@ cuda=${CUDA_HOME:-/usr/local/cuda}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$bin" inspect --root "$here/.." decode_megakernel --dtype "${DTYPE:-bf16}" \
-  --param max_rows=1 --param slots=2 --param slot_kib=96 "$@" > "$work/task.cu"
+  --param max_rows=1 --param slots=2 --param slot_kib=96 ${MLP:+--param fuse_mlp=1} "$@" > "$work/task.cu"
 cat "$here/megakernel_matvec.cu" >> "$work/task.cu"
-"$cuda/bin/nvcc" -arch=sm_90a -O3 -std=c++17 ${MATVEC_TASK:+-DMATVEC_TASK=$MATVEC_TASK} -o "$work/task" "$work/task.cu"
+"$cuda/bin/nvcc" -arch=sm_90a -O3 -std=c++17 ${MATVEC_TASK:+-DMATVEC_TASK=$MATVEC_TASK} ${MLP:+-DMLP_TASK} \
+  -o "$work/task" "$work/task.cu"
+if [ -n "${MLP:-}" ]; then
+  # hidden units x C of one MLP task: GPT-2 small's (128 tasks a stage), 1.5B's (493)
+  for task in 24x768 13x1600; do
+    for every in 0 1; do "$work/task" "${task#*x}" "${task%x*}" $every || true; done
+  done
+  exit 0
+fi
 # rows x K of one task: GPT-2 small's qkv, fc, attention and fc projections (128 tasks a stage),
 # then GPT-2 1.5B's (253, 256, 124 and 229 tasks); a task larger than a slot is refused
 for task in 18x768 24x768 6x768 6x3072 19x1600 25x1600 13x1600 7x6400; do
