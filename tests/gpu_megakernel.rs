@@ -221,8 +221,8 @@ fn megakernel_small_for_the_sanitizer() {
         &[("slot_kib", 16)],
     );
     // 1,152 wide: at 256 threads and 16 KiB slots an MLP task holds 3 hidden units, so each
-    // block sums ~12 tasks of the stage before it adds them into the residual stream, and the
-    // outputs past 256 x 4 are added per task.
+    // block sums ~12 tasks of the stage before it adds them into the residual stream, in two
+    // passes over the row (256 threads x 4 outputs a pass).
     let wide = model(1, 18, 1152, 160, 300, 78);
     compare_at(
         "sanitizer bf16 B=1, fused MLPs of many tasks a block",
@@ -298,9 +298,9 @@ fn megakernel_with_fused_mlps_matches_kernel_by_kernel_decode() {
         64,
         &mma,
     );
-    // Many MLP tasks a block (3 hidden units each: each block sums ~12 before it adds them into
-    // the residual stream), rows wider than the 256 x 4 outputs a block keeps summed (the rest
-    // added per task), in each storage type.
+    // Many MLP tasks a block (3 hidden units each in 16-bit storage, 1 in f32: each block sums
+    // ~12 or ~35 before it adds them into the residual stream), rows wider than one pass of a
+    // block's threads (256 x 4 outputs), in each storage type.
     let wide = model(2, 18, 1152, 256, 1001, 43);
     let many = [("fuse_mlp", 1), ("max_rows", 1), ("threads", 256), ("slot_kib", 16)];
     compare_at(

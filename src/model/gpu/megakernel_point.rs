@@ -91,7 +91,9 @@ pub fn fitted_default(family: &Arc<Family>, shape: &Shape, dtype: Dtype, limits:
     // Two slots, as large as fit: a task's fixed cost (its barriers, its wait for the slot, the
     // epilogue) weighs more than a third slot's head start. Measured on an H200 at batch 1:
     // GPT-2 1.5B bf16 2.59 ms a step with 3 slots of 48 KiB, 2.15 with 3 of 64, 1.99 with 2 of
-    // 96; GPT-2 small f32 0.407 -> 0.322 ms (3 x 48 -> 2 x 96 KiB), bf16 0.286 -> 0.278.
+    // 96; GPT-2 small f32 0.407 -> 0.322 ms (3 x 48 -> 2 x 96 KiB), bf16 0.286 -> 0.278. On the
+    // H100 with the MLP as one stage: 1.5B bf16 1.898 / 1.901 ms with 2 of 96, 2.000 / 2.002
+    // with 3 of 64.
     if values("slots").contains(&2) {
         point.push(("slots".to_string(), 2));
     }
