@@ -5,7 +5,7 @@
 // Derived: threads=1024
 
 // ---------------------------------------------------------------------------------------------
-// argmax_row / argmax_row_a748f966  (op argmax, dtype bf16)
+// argmax_row / argmax_row_a748f9660735e0e1  (op argmax, dtype bf16)
 // params: block_size=1024
 //
 // Greedy decoding on the device: out[b] = the first index of the largest of the V logits of
@@ -138,7 +138,7 @@ __device__ __forceinline__ void warp_reduce_argmax(float& best, int& best_index)
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-argmax_row_a748f966_main(int* out, const storage_t* logits, int B, int V, int stride) {
+argmax_row_a748f9660735e0e1_main(int* out, const storage_t* logits, int B, int V, int stride) {
     const int row = blockIdx.x;
     const storage_t* x = logits + (long long)row * stride;
     float best = __int_as_float(0xff800000);  // -inf: every real value beats it

@@ -5,7 +5,7 @@
 // Derived: key_groups=8 smem_bytes=2560
 
 // ---------------------------------------------------------------------------------------------
-// attention_decode / attention_decode_fbe93b66  (dtype bf16)
+// attention_decode / attention_decode_fbe93b66d2ae0f49  (dtype bf16)
 //
 // Decode attention ("flash-decoding"): during generation each sequence adds one token, so
 // attention is one query row per (sequence, head) against the T keys and values in the KV
@@ -156,7 +156,7 @@ __device__ __forceinline__ void load_vec(const storage_t* ptr, float (&x)[VEC]) 
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-attention_decode_fbe93b66_partial(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
+attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
                       float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
     __shared__ __align__(16) float q_s[HEAD_DIM];
     __shared__ float p_s[BLOCK_SIZE];                   // the current tile's probabilities
@@ -231,7 +231,7 @@ attention_decode_fbe93b66_partial(storage_t* out, const storage_t* q, const stor
 }
 
 extern "C" __global__ void __launch_bounds__(HEAD_DIM)
-attention_decode_fbe93b66_combine(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
+attention_decode_fbe93b66d2ae0f49_combine(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
                       float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
     const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
     const long long bh = (long long)b * NH + h;

@@ -4,7 +4,7 @@
 // Variant: dtype=f32 mask=full head_dim=64 block_rows=64 block_cols=64 threads_per_row=8 rows_per_thread=4
 // Derived: row_groups=16 threads=128 smem_bytes=49152
 
-// attention_flash_full_4c9fb7d3: attention_flash / attention / f32 / mask = full
+// attention_flash_full_4c9fb7d30b6e08bb: attention_flash / attention / f32 / mask = full
 //   block_cols = 64
 //   block_rows = 64
 //   head_dim = 64
@@ -172,7 +172,7 @@ struct NoSwizzle {          // V rows
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_flash_full_4c9fb7d3_main(float* out, const float* q, const float* k, const float* v,
+attention_flash_full_4c9fb7d30b6e08bb_main(float* out, const float* q, const float* k, const float* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     __shared__ float4 Qs[BR * CHUNKS];
     __shared__ float4 KPs[KP_FLOAT4];  // K tile, then P tile

@@ -4,7 +4,7 @@
 // Variant: dtype=f32 mask=window head_dim=64 block_rows=64 block_cols=64 threads_per_row=8 rows_per_thread=4
 // Derived: row_groups=16 threads=128 smem_bytes=49152
 
-// attention_flash_window_fde799c6: attention_flash / attention / f32 / mask = window
+// attention_flash_window_fde799c64ed512d7: attention_flash / attention / f32 / mask = window
 //   block_cols = 64
 //   block_rows = 64
 //   head_dim = 64
@@ -172,7 +172,7 @@ struct NoSwizzle {          // V rows
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_flash_window_fde799c6_main(float* out, const float* q, const float* k, const float* v,
+attention_flash_window_fde799c64ed512d7_main(float* out, const float* q, const float* k, const float* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     __shared__ float4 Qs[BR * CHUNKS];
     __shared__ float4 KPs[KP_FLOAT4];  // K tile, then P tile

@@ -5,7 +5,7 @@
 // Derived: warps=4 threads=128 smem_bytes=34816 tile_registers=144
 
 // ---------------------------------------------------------------------------------------------
-// attention_flash_3xtf32 / attention_flash_3xtf32_full_540c6fcc  (op attention, dtype f32, mask full)
+// attention_flash_3xtf32 / attention_flash_3xtf32_full_540c6fcc2a3c6bfc  (op attention, dtype f32, mask full)
 // params: block_kv=32 block_q=64 head_dim=64 stages=2
 //
 // f32 attention at f32 accuracy on the tensor cores. q, k, v and out are f32; the f32 bar
@@ -164,7 +164,7 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const float* head, int 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_flash_3xtf32_full_540c6fcc_main(float* out, const float* q, const float* k, const float* v,
+attention_flash_3xtf32_full_540c6fcc2a3c6bfc_main(float* out, const float* q, const float* k, const float* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     extern __shared__ __align__(128) float smem[];
     const unsigned k_smem = smem_address(smem);                         // STAGES x [BLOCK_KV][PITCH]

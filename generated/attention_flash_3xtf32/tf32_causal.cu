@@ -5,7 +5,7 @@
 // Derived: warps=4 threads=128 smem_bytes=34816 tile_registers=144
 
 // ---------------------------------------------------------------------------------------------
-// attention_flash_3xtf32 / attention_flash_3xtf32_causal_347e3f1c  (op attention, dtype tf32, mask causal)
+// attention_flash_3xtf32 / attention_flash_3xtf32_causal_347e3f1c306b0b4b  (op attention, dtype tf32, mask causal)
 // params: block_kv=32 block_q=64 head_dim=64 stages=2
 //
 // f32 attention in TF32, the precision `--dtype tf32` asks of every matmul-like op (relative L2
@@ -158,7 +158,7 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const float* head, int 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_flash_3xtf32_causal_347e3f1c_main(float* out, const float* q, const float* k, const float* v,
+attention_flash_3xtf32_causal_347e3f1c306b0b4b_main(float* out, const float* q, const float* k, const float* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     extern __shared__ __align__(128) float smem[];
     const unsigned k_smem = smem_address(smem);                         // STAGES x [BLOCK_KV][PITCH]

@@ -5,7 +5,7 @@
 // Derived: warps=4 threads=128 smem_bytes=34816 tile_registers=144
 
 // ---------------------------------------------------------------------------------------------
-// attention_flash_3xtf32 / attention_flash_3xtf32_window_f76dd9dd  (op attention, dtype tf32, mask window)
+// attention_flash_3xtf32 / attention_flash_3xtf32_window_f76dd9dd906456b3  (op attention, dtype tf32, mask window)
 // params: block_kv=32 block_q=64 head_dim=64 stages=2
 //
 // f32 attention in TF32, the precision `--dtype tf32` asks of every matmul-like op (relative L2
@@ -158,7 +158,7 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const float* head, int 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_flash_3xtf32_window_f76dd9dd_main(float* out, const float* q, const float* k, const float* v,
+attention_flash_3xtf32_window_f76dd9dd906456b3_main(float* out, const float* q, const float* k, const float* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     extern __shared__ __align__(128) float smem[];
     const unsigned k_smem = smem_address(smem);                         // STAGES x [BLOCK_KV][PITCH]

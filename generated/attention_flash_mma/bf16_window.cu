@@ -5,7 +5,7 @@
 // Derived: warps=4 threads=128 smem_bytes=40960 tile_registers=64
 
 // ---------------------------------------------------------------------------------------------
-// attention_flash_mma / attention_flash_mma_window_da24c662  (op attention, dtype bf16, mask window)
+// attention_flash_mma / attention_flash_mma_window_da24c6627b2369bb  (op attention, dtype bf16, mask window)
 // params: block_kv=32 block_q=64 head_dim=64 m_tiles=1 stages=4
 //
 // FlashAttention-2 on the tensor cores. q, k, v are bf16 [B, NH, T, HS]; out is
@@ -287,7 +287,7 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const storage_t* head, 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_flash_mma_window_da24c662_main(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
+attention_flash_mma_window_da24c6627b2369bb_main(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     extern __shared__ __align__(128) unsigned char smem[];
     storage_t* const q_tile = reinterpret_cast<storage_t*>(smem);        // [BLOCK_Q][HEAD_DIM]

@@ -5,7 +5,7 @@
 // Derived: warps=4 threads=128 smem_bytes=40960 tile_registers=64
 
 // ---------------------------------------------------------------------------------------------
-// attention_flash_mma / attention_flash_mma_causal_e90b9e6c  (op attention, dtype f16, mask causal)
+// attention_flash_mma / attention_flash_mma_causal_e90b9e6cc20c0363  (op attention, dtype f16, mask causal)
 // params: block_kv=32 block_q=64 head_dim=64 m_tiles=1 stages=4
 //
 // FlashAttention-2 on the tensor cores. q, k, v are f16 [B, NH, T, HS]; out is
@@ -282,7 +282,7 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const storage_t* head, 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_flash_mma_causal_e90b9e6c_main(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
+attention_flash_mma_causal_e90b9e6cc20c0363_main(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     extern __shared__ __align__(128) unsigned char smem[];
     storage_t* const q_tile = reinterpret_cast<storage_t*>(smem);        // [BLOCK_Q][HEAD_DIM]

@@ -4,7 +4,7 @@
 // Variant: dtype=f32 mask=full block_size=256
 // Derived: threads=256
 
-// attention_naive_full_20f1d570: attention_naive / attention / f32 / mask = full
+// attention_naive_full_20f1d57016e51627: attention_naive / attention / f32 / mask = full
 //   block_size = 256
 //
 // Naive attention, three kernels launched one after the other:
@@ -82,7 +82,7 @@ __device__ __forceinline__ void key_range(int i, int T, int window, int& lo, int
 // Pass 1. grid = (ceil_div(T, BLOCK_SIZE), T, B*NH): blockIdx.y is the query row i, the threads
 // of a block take consecutive keys j. Every thread reads the same q_i (a broadcast) and its own
 // k_j row; the writes of a block are one contiguous stretch of the score row.
-extern "C" __global__ void attention_naive_full_20f1d570_scores(float* out, const float* q, const float* k,
+extern "C" __global__ void attention_naive_full_20f1d57016e51627_scores(float* out, const float* q, const float* k,
         const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     const int j = blockIdx.x * BLOCK_SIZE + threadIdx.x;
     const int i = blockIdx.y;
@@ -103,7 +103,7 @@ extern "C" __global__ void attention_naive_full_20f1d570_scores(float* out, cons
 
 // Pass 2. grid = (B*NH*T): one block per score row, BLOCK_SIZE threads striding along it.
 // Two block-wide reductions (max, then sum) and three sweeps over the row.
-extern "C" __global__ void attention_naive_full_20f1d570_softmax(float* out, const float* q, const float* k,
+extern "C" __global__ void attention_naive_full_20f1d57016e51627_softmax(float* out, const float* q, const float* k,
         const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     float* row = workspace + (size_t)blockIdx.x * T;
     float row_max = __int_as_float(0xff800000);
@@ -125,7 +125,7 @@ extern "C" __global__ void attention_naive_full_20f1d570_softmax(float* out, con
 // Consecutive threads take consecutive d, so the reads of v[j, :] and the writes of out are
 // coalesced and P[i, j] is a broadcast. Only the allowed keys are visited (P is 0 elsewhere):
 // for causal masks this halves the work of this pass.
-extern "C" __global__ void attention_naive_full_20f1d570_values(float* out, const float* q, const float* k,
+extern "C" __global__ void attention_naive_full_20f1d57016e51627_values(float* out, const float* q, const float* k,
         const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale) {
     const int idx = blockIdx.x * BLOCK_SIZE + threadIdx.x;
     const int bh = blockIdx.y;

@@ -5,7 +5,7 @@
 // Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=12288
 
 // ---------------------------------------------------------------------------------------------
-// decode_megakernel / decode_megakernel_97f46cdc
+// decode_megakernel / decode_megakernel_97f46cdc93d2afd3
 // params: blocks_per_sm=1 bulk_copy=1 cols_per_warp=2 fuse_mlp=0 head_dim=64 max_rows=8 min_chunk_keys=64 slot_kib=32 slots=3 tensor_cores=0 threads=512
 //
 // The whole GPT-2 decode step (embedding, every layer, the LM head and the greedy argmax) as ONE
@@ -1097,7 +1097,7 @@ __device__ __forceinline__ unsigned dynamic_smem_address() {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-decode_megakernel_97f46cdc_main(const int* stage_table, int n_stages, unsigned* counters, float* workspace,
+decode_megakernel_97f46cdc93d2afd3_main(const int* stage_table, int n_stages, unsigned* counters, float* workspace,
                        const int* tokens, int* next_ids, unsigned long long* timeline,
                        int B, int pos, int NH, int max_T, int V, float scale) {
     storage_t* ring = reinterpret_cast<storage_t*>(dynamic_smem);                   // SLOTS x SLOT_BYTES

@@ -5,7 +5,7 @@
 // Derived: threads=128
 
 // ---------------------------------------------------------------------------------------------
-// encoder_block / encoder_block_a1ad60f7  (op encoder, dtype f16)
+// encoder_block / encoder_block_a1ad60f71c5a17e4  (op encoder, dtype f16)
 // params: block_size=128 vector_width=4
 //
 // GPT-2 encoder (token + position embedding):
@@ -114,7 +114,7 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-encoder_block_a1ad60f7_main(storage_t* out, const int* tokens, const storage_t* wte, const storage_t* wpe,
+encoder_block_a1ad60f71c5a17e4_main(storage_t* out, const int* tokens, const storage_t* wte, const storage_t* wpe,
                        int B, int T, int C, int pos_offset) {
     const int bt = blockIdx.x;        // token index b*T + t
     if (bt >= B * T) return;          // edge guard (the grid is exactly B*T; no barrier follows)

@@ -5,7 +5,7 @@
 // Derived: threads=512
 
 // ---------------------------------------------------------------------------------------------
-// encoder_gridstride / encoder_gridstride_c5413993  (op encoder, dtype bf16)
+// encoder_gridstride / encoder_gridstride_c541399368ece75b  (op encoder, dtype bf16)
 // params: block_size=512 blocks_per_sm=4
 //
 // GPT-2 encoder (token + position embedding):
@@ -120,7 +120,7 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-encoder_gridstride_c5413993_main(storage_t* out, const int* tokens, const storage_t* wte, const storage_t* wpe,
+encoder_gridstride_c541399368ece75b_main(storage_t* out, const int* tokens, const storage_t* wte, const storage_t* wpe,
                        int B, int T, int C, int pos_offset) {
     // 64-bit: B*T*C overflows int for large batches.
     const long long total = (long long)B * T * C;

@@ -5,7 +5,7 @@
 // Derived: threads=256 per_block=1024
 
 // ---------------------------------------------------------------------------------------------
-// gelu / gelu_4a1e8674  (op gelu, dtype f16)
+// gelu / gelu_4a1e867491d55979  (op gelu, dtype f16)
 // params: block_size=256 vector_width=4
 //
 // Elementwise GELU (tanh approximation): out[i] = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -126,7 +126,7 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-gelu_4a1e8674_main(storage_t* out, const storage_t* inp, int N) {
+gelu_4a1e867491d55979_main(storage_t* out, const storage_t* inp, int N) {
     // 64-bit index: i * VECTOR_WIDTH can pass 2^31 when N is close to it.
     const long long i = ((long long)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VECTOR_WIDTH;
     if (i >= N) return;  // edge guard: the grid is rounded up to whole blocks

@@ -5,7 +5,7 @@
 // Derived: per_block=2048
 
 // ---------------------------------------------------------------------------------------------
-// kv_append / kv_append_3b409c6f  (dtype f32)
+// kv_append / kv_append_3b409c6fdf2b96ea  (dtype f32)
 //
 // Generation keeps every layer's keys and values in a cache [B, NH, max_T, HS] so a decode
 // step only computes K and V for the new token. The QKV projection writes the new rows as
@@ -49,7 +49,7 @@ __device__ __forceinline__ void copy_vec(storage_t* dst, const storage_t* src) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-kv_append_3b409c6f_main(storage_t* k_cache, storage_t* v_cache, const storage_t* k, const storage_t* v,
+kv_append_3b409c6fdf2b96ea_main(storage_t* k_cache, storage_t* v_cache, const storage_t* k, const storage_t* v,
                  int B, int NH, int T, int max_T, int HS, int pos) {
     // One index per VEC elements of the new rows, [B*NH][T][HS] flattened.
     const long long first = ((long long)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC;

@@ -5,7 +5,7 @@
 // Derived: threads=64
 
 // ---------------------------------------------------------------------------------------------
-// layernorm_block / layernorm_block_b7aa37c1  (op layernorm, dtype bf16)
+// layernorm_block / layernorm_block_b7aa37c198d66409  (op layernorm, dtype bf16)
 // params: block_size=64 const_params=0 vector_width=1
 //
 // LayerNorm over rows of C:  out = (x - mean) * rstd * gamma + beta,
@@ -176,7 +176,7 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-layernorm_block_b7aa37c1_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
+layernorm_block_b7aa37c198d66409_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
     const int row = blockIdx.x;
     // Edge guard; row is uniform across the block, so either every thread returns or none

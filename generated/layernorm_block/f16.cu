@@ -5,7 +5,7 @@
 // Derived: threads=64
 
 // ---------------------------------------------------------------------------------------------
-// layernorm_block / layernorm_block_d0ba525a  (op layernorm, dtype f16)
+// layernorm_block / layernorm_block_d0ba525a7d5ee07e  (op layernorm, dtype f16)
 // params: block_size=64 const_params=0 vector_width=1
 //
 // LayerNorm over rows of C:  out = (x - mean) * rstd * gamma + beta,
@@ -171,7 +171,7 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-layernorm_block_d0ba525a_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
+layernorm_block_d0ba525a7d5ee07e_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
     const int row = blockIdx.x;
     // Edge guard; row is uniform across the block, so either every thread returns or none

@@ -5,7 +5,7 @@
 // Derived: threads=64
 
 // ---------------------------------------------------------------------------------------------
-// layernorm_block / layernorm_block_c7a820ba  (op layernorm, dtype f32)
+// layernorm_block / layernorm_block_c7a820bac41198b7  (op layernorm, dtype f32)
 // params: block_size=64 const_params=0 vector_width=1
 //
 // LayerNorm over rows of C:  out = (x - mean) * rstd * gamma + beta,
@@ -144,7 +144,7 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-layernorm_block_c7a820ba_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
+layernorm_block_c7a820bac41198b7_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
     const int row = blockIdx.x;
     // Edge guard; row is uniform across the block, so either every thread returns or none

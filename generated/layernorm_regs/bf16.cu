@@ -5,7 +5,7 @@
 // Derived: threads=256
 
 // ---------------------------------------------------------------------------------------------
-// layernorm_regs / layernorm_regs_67cf8461  (op layernorm, dtype bf16)
+// layernorm_regs / layernorm_regs_67cf8461323274b6  (op layernorm, dtype bf16)
 // params: block_size=256 items=2 vector_width=4
 //
 // LayerNorm over rows of C:  out = (x - mean) * rstd * gamma + beta,
@@ -166,7 +166,7 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-layernorm_regs_67cf8461_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
+layernorm_regs_67cf8461323274b6_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
     const long long row = blockIdx.x;
     const storage_t* x = inp + row * C;

@@ -5,7 +5,7 @@
 // Derived: threads=256
 
 // ---------------------------------------------------------------------------------------------
-// layernorm_regs / layernorm_regs_0caefa9f  (op layernorm, dtype f32)
+// layernorm_regs / layernorm_regs_0caefa9fb435770b  (op layernorm, dtype f32)
 // params: block_size=256 items=2 vector_width=4
 //
 // LayerNorm over rows of C:  out = (x - mean) * rstd * gamma + beta,
@@ -134,7 +134,7 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-layernorm_regs_0caefa9f_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
+layernorm_regs_0caefa9fb435770b_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
     const long long row = blockIdx.x;
     const storage_t* x = inp + row * C;

@@ -5,7 +5,7 @@
 // Derived: threads=128
 
 // ---------------------------------------------------------------------------------------------
-// layernorm_warp / layernorm_warp_d7f86003  (op layernorm, dtype f16)
+// layernorm_warp / layernorm_warp_d7f860032663a63b  (op layernorm, dtype f16)
 // params: cached_items=0 const_params=0 rows_per_block=4 vector_width=1
 //
 // LayerNorm over rows of C:  out = (x - mean) * rstd * gamma + beta,
@@ -144,7 +144,7 @@ __device__ __forceinline__ float warp_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-layernorm_warp_d7f86003_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
+layernorm_warp_d7f860032663a63b_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;

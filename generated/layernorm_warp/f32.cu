@@ -5,7 +5,7 @@
 // Derived: threads=128
 
 // ---------------------------------------------------------------------------------------------
-// layernorm_warp / layernorm_warp_00e88910  (op layernorm, dtype f32)
+// layernorm_warp / layernorm_warp_00e8891039633ac4  (op layernorm, dtype f32)
 // params: cached_items=0 const_params=0 rows_per_block=4 vector_width=1
 //
 // LayerNorm over rows of C:  out = (x - mean) * rstd * gamma + beta,
@@ -117,7 +117,7 @@ __device__ __forceinline__ float warp_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-layernorm_warp_00e88910_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
+layernorm_warp_00e8891039633ac4_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;

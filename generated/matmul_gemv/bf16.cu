@@ -5,7 +5,7 @@
 // Derived: threads=256 columns_per_block=4
 
 // ---------------------------------------------------------------------------------------------
-// matmul_gemv / matmul_gemv_00e0a607  (epilogue none)
+// matmul_gemv / matmul_gemv_00e0a607b28e1200  (epilogue none)
 // params: columns_per_warp=2 k_split=4 max_rows=8 warps=8
 //
 // Matmul for a handful of rows: out[m,n] = epilogue(sum_k inp[m,k] * weight[n,k] + bias[n]),
@@ -198,7 +198,7 @@ __device__ __forceinline__ void accumulate(float (&sums)[COLUMNS_PER_WARP][MAX_R
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-matmul_gemv_00e0a607_main(storage_t* out, const storage_t* inp, const storage_t* weight, const storage_t* bias,
+matmul_gemv_00e0a607b28e1200_main(storage_t* out, const storage_t* inp, const storage_t* weight, const storage_t* bias,
                   const storage_t* residual, float* workspace, int M, int N, int K, int T, int n_head) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;

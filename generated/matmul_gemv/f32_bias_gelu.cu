@@ -5,7 +5,7 @@
 // Derived: threads=256 columns_per_block=4
 
 // ---------------------------------------------------------------------------------------------
-// matmul_gemv / matmul_gemv_bias_gelu_c59429b6  (epilogue bias_gelu)
+// matmul_gemv / matmul_gemv_bias_gelu_c59429b632d39f01  (epilogue bias_gelu)
 // params: columns_per_warp=2 k_split=4 max_rows=8 warps=8
 //
 // Matmul for a handful of rows: out[m,n] = epilogue(sum_k inp[m,k] * weight[n,k] + bias[n]),
@@ -105,7 +105,7 @@ __device__ __forceinline__ void store_output(float* out, const float* bias, cons
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-matmul_gemv_bias_gelu_c59429b6_main(float* out, const float* inp, const float* weight, const float* bias,
+matmul_gemv_bias_gelu_c59429b632d39f01_main(float* out, const float* inp, const float* weight, const float* bias,
                   const float* residual, float* workspace, int M, int N, int K, int T, int n_head) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;

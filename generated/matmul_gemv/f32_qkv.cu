@@ -5,7 +5,7 @@
 // Derived: threads=256 columns_per_block=4
 
 // ---------------------------------------------------------------------------------------------
-// matmul_gemv / matmul_gemv_qkv_42c8179d  (epilogue qkv)
+// matmul_gemv / matmul_gemv_qkv_42c8179d9ae9d8c7  (epilogue qkv)
 // params: columns_per_warp=2 k_split=4 max_rows=8 warps=8
 //
 // Matmul for a handful of rows: out[m,n] = epilogue(sum_k inp[m,k] * weight[n,k] + bias[n]),
@@ -104,7 +104,7 @@ __device__ __forceinline__ void store_output(float* out, const float* bias, cons
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-matmul_gemv_qkv_42c8179d_main(float* out, const float* inp, const float* weight, const float* bias,
+matmul_gemv_qkv_42c8179d9ae9d8c7_main(float* out, const float* inp, const float* weight, const float* bias,
                   const float* residual, float* workspace, int M, int N, int K, int T, int n_head) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;

@@ -5,7 +5,7 @@
 // Derived: threads=128 warp_m=32 warp_n=128 tiles_m=2 tiles_n=16 chunks_per_row=4 pitch=32 a_chunks=4 b_chunks=4 pipe_bytes=65536 c_pitch=136 c_bytes=34816 smem_bytes=65536
 
 // ---------------------------------------------------------------------------------------------
-// matmul_mma / matmul_mma_bias_residual_6f3c5fb4  (op matmul, dtype f16, epilogue bias_residual)
+// matmul_mma / matmul_mma_bias_residual_6f3c5fb460f0d0df  (op matmul, dtype f16, epilogue bias_residual)
 // params: block_k=32 block_m=128 block_n=128 min_blocks=2 prefetch=1 stages=4 swizzle=1 warps_m=4 warps_n=1
 //
 // FP16/BF16 tensor-core GEMM written against the PTX instructions themselves:
@@ -320,7 +320,7 @@ __device__ __forceinline__ void mma_tiles(float (&acc)[TILES_M][TILES_N][4], con
 // 65536 / (2 * THREADS) per thread so two blocks fit on an SM (one block's epilogue and
 // prologue then overlap the other's MMAs), at the price of a smaller register budget.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-matmul_mma_bias_residual_6f3c5fb4_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
+matmul_mma_bias_residual_6f3c5fb460f0d0df_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
                        const storage_t* bias, const storage_t* residual, float* workspace,
                        int M, int N, int K, int T, int n_head) {
     // Dynamic shared memory: STAGES x [BLOCK_M][PITCH] halves of inp, then STAGES x

@@ -5,7 +5,7 @@
 // Derived: threads=64
 
 // ---------------------------------------------------------------------------------------------
-// matmul_naive / matmul_naive_bias_90495f82  (op matmul, dtype f32, epilogue bias)
+// matmul_naive / matmul_naive_bias_90495f8208af790e  (op matmul, dtype f32, epilogue bias)
 // params: block_x=16 block_y=4
 //
 // Naive matmul: out[m,n] = epilogue(sum_k inp[m,k] * weight[n,k] (+ bias[n])).
@@ -38,7 +38,7 @@ __device__ __forceinline__ void store_output(float* out, const float* bias, cons
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_X * BLOCK_Y)
-matmul_naive_bias_90495f82_main(float* out, const float* inp, const float* weight, const float* bias,
+matmul_naive_bias_90495f8208af790e_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
     const int n = blockIdx.x * BLOCK_X + threadIdx.x;

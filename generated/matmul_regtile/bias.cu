@@ -5,7 +5,7 @@
 // Derived: threads=256 stages=2 smem_bytes=25600
 
 // ---------------------------------------------------------------------------------------------
-// matmul_regtile / matmul_regtile_bias_db94e992  (op matmul, dtype f32, epilogue bias)
+// matmul_regtile / matmul_regtile_bias_db94e9929e6d1127  (op matmul, dtype f32, epilogue bias)
 // params: block_k=16 block_m=128 block_n=64 double_buffer=1 thread_m=8 thread_n=4 vector_width=4
 //
 // Register-tiled ("thread-coarsened") matmul:
@@ -179,7 +179,7 @@ __device__ __forceinline__ void compute_tile(const float (*As)[PITCH_A], const f
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-matmul_regtile_bias_db94e992_main(float* out, const float* inp, const float* weight, const float* bias,
+matmul_regtile_bias_db94e9929e6d1127_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
     // 16-byte alignment for the float4 reads; each k row is PITCH floats (a multiple of 4).

@@ -5,7 +5,7 @@
 // Derived: lanes_m=4 warp_m=32 warp_n=96 warps_m=4 warps_n=1 threads=128 wm_iter=2 wn_iter=3 wsub_m=16 wsub_n=32 smem_bytes=14848
 
 // ---------------------------------------------------------------------------------------------
-// matmul_simt / matmul_simt_bias_residual_1eac589f  (op matmul, dtype f32, epilogue bias_residual)
+// matmul_simt / matmul_simt_bias_residual_1eac589f0c8d07d9  (op matmul, dtype f32, epilogue bias_residual)
 // params: block_k=8 block_m=128 block_n=96 group_m=8 lanes_n=8 min_blocks=2 thread_m=8 thread_n=12
 //
 // FP32 SGEMM on the FFMA pipes (no tensor cores, no TF32), in the structure of the fastest
@@ -282,7 +282,7 @@ __device__ __forceinline__ void outer_product(const float4 (&a)[WM_ITER], const 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-matmul_simt_bias_residual_1eac589f_main(float* out, const float* inp, const float* weight, const float* bias,
+matmul_simt_bias_residual_1eac589f0c8d07d9_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
     __shared__ __align__(16) float As[2 * STAGE_A];

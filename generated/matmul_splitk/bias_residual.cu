@@ -5,7 +5,7 @@
 // Derived: threads=128 smem_bytes=12800 reduce_threads=256
 
 // ---------------------------------------------------------------------------------------------
-// matmul_splitk / matmul_splitk_bias_residual_24449e2a  (op matmul, dtype f32, epilogue bias_residual)
+// matmul_splitk / matmul_splitk_bias_residual_24449e2a6098d6b6  (op matmul, dtype f32, epilogue bias_residual)
 // params: block_k=16 block_m=64 block_n=128 splits=4 thread_m=8 thread_n=8 vector_width=4
 //
 // Split-K matmul: out[m,n] = epilogue(sum_k inp[m,k] * weight[n,k] (+ bias[n])), two kernels.
@@ -136,7 +136,7 @@ struct TileLoader {
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-matmul_splitk_bias_residual_24449e2a_partial(float* out, const float* inp, const float* weight, const float* bias,
+matmul_splitk_bias_residual_24449e2a6098d6b6_partial(float* out, const float* inp, const float* weight, const float* bias,
                           const float* residual, float* workspace, int M, int N, int K, int T,
                           int n_head) {
     __shared__ __align__(16) float As[BLOCK_K][PITCH_A];  // As[k][m] = inp[m0+m, k0+k]
@@ -211,7 +211,7 @@ matmul_splitk_bias_residual_24449e2a_partial(float* out, const float* inp, const
 }
 
 extern "C" __global__ void __launch_bounds__(REDUCE_THREADS)
-matmul_splitk_bias_residual_24449e2a_reduce(float* out, const float* inp, const float* weight, const float* bias,
+matmul_splitk_bias_residual_24449e2a6098d6b6_reduce(float* out, const float* inp, const float* weight, const float* bias,
                          const float* residual, float* workspace, int M, int N, int K, int T,
                          int n_head) {
     // One thread per output element; consecutive threads take consecutive elements, so each

@@ -5,7 +5,7 @@
 // Derived: threads=1024 smem_bytes=8448
 
 // ---------------------------------------------------------------------------------------------
-// matmul_tiled / matmul_tiled_9f86666a  (op matmul, dtype f32, epilogue none)
+// matmul_tiled / matmul_tiled_9f86666a9b04c3d7  (op matmul, dtype f32, epilogue none)
 // params: tile=32
 //
 // Shared-memory tiled matmul: out[m,n] = epilogue(sum_k inp[m,k] * weight[n,k] (+ bias[n])).
@@ -44,7 +44,7 @@ __device__ __forceinline__ void store_output(float* out, const float* bias, cons
 }
 
 extern "C" __global__ void __launch_bounds__(TILE * TILE)
-matmul_tiled_9f86666a_main(float* out, const float* inp, const float* weight, const float* bias,
+matmul_tiled_9f86666a9b04c3d7_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
     __shared__ float As[TILE][PITCH];  // As[i][k] = inp[m0 + i, k0 + k]

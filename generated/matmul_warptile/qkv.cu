@@ -5,7 +5,7 @@
 // Derived: warps_m=2 warps_n=2 threads=128 lanes_m=4 lanes_n=8 wm_iter=2 wn_iter=1 wsub_m=16 wsub_n=32 staging=32 smem_bytes=34816
 
 // ---------------------------------------------------------------------------------------------
-// matmul_warptile / matmul_warptile_qkv_72c1a998  (op matmul, dtype f32, epilogue qkv)
+// matmul_warptile / matmul_warptile_qkv_72c1a998a8ff2eef  (op matmul, dtype f32, epilogue qkv)
 // params: block_k=32 block_m=64 block_n=64 thread_m=8 thread_n=4 warp_m=32 warp_n=32
 //
 // Warp-tiled FP32 SGEMM (plain FFMA: no tensor cores, no TF32):
@@ -226,7 +226,7 @@ __device__ __forceinline__ void compute_stage(const float (*As)[PITCH_A], const 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-matmul_warptile_qkv_72c1a998_main(float* out, const float* inp, const float* weight, const float* bias,
+matmul_warptile_qkv_72c1a998a8ff2eef_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
     // 16-byte alignment for the float4 reads; every k row is PITCH floats (a multiple of 4).

@@ -5,7 +5,7 @@
 // Derived: threads=256 copy_threads=256 wg_m=64 m_tiles=1 acc_regs=48 row_bytes=128 stage_bytes=28672 prefetch=3 launch_regs=128 producer_regs=24 consumer_regs=112 smem_bytes=115712
 
 // ---------------------------------------------------------------------------------------------
-// matmul_wgmma / matmul_wgmma_bias_56769761  (op matmul, dtype tf32, epilogue bias)
+// matmul_wgmma / matmul_wgmma_bias_5676976193cb94c6  (op matmul, dtype tf32, epilogue bias)
 // params: block_m=128 block_n=96 in_flight=0 min_blocks=2 panels=1 producer=0 stages=4 warpgroups=2
 //
 // Hopper GEMM with warpgroup MMA (wgmma, compiled for sm_90a):
@@ -390,7 +390,7 @@ __device__ __forceinline__ void store_accumulators(const float (&acc)[M_TILES][A
 // blocks share an SM and one's main loop runs while the other fills its pipeline or stores its
 // epilogue: a non-persistent kernel's way of hiding both.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-matmul_wgmma_bias_56769761_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
+matmul_wgmma_bias_5676976193cb94c6_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
                        const storage_t* bias, const storage_t* residual, float* workspace,
                        int M, int N, int K, int T, int n_head) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];

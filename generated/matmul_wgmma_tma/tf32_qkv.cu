@@ -5,7 +5,7 @@
 // Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=192 acc_regs=96 stage_bytes=40960 epi_bytes=128 group_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=199296
 
 // ---------------------------------------------------------------------------------------------
-// matmul_wgmma_tma / matmul_wgmma_tma_qkv_29895e53  (op matmul, dtype tf32, epilogue qkv)
+// matmul_wgmma_tma / matmul_wgmma_tma_qkv_29895e538eeec1fa  (op matmul, dtype tf32, epilogue qkv)
 // params: cluster_m=1 consumers=2 grouped_stores=0 m_tiles=1 min_blocks=1 mma_n=192 panels=1 pingpong=0 raster_m=0 split_k=1 split_n=0 staged_epilogue=1 stages=4
 //
 // Hopper GEMM built like cuBLAS's own (compiled for sm_90a):
@@ -631,7 +631,7 @@ __device__ __forceinline__ void unit_origin(int unit, int units_m, int tiles_n, 
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-matmul_wgmma_tma_qkv_29895e53_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
+matmul_wgmma_tma_qkv_29895e538eeec1fa_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
                        const storage_t* bias, const storage_t* residual, float* workspace,
                        int M, int N, int K, int T, int n_head,
                        const __grid_constant__ TensorMap inp_map, const __grid_constant__ TensorMap weight_map,

@@ -5,7 +5,7 @@
 // Derived: threads=256 per_block=1024
 
 // ---------------------------------------------------------------------------------------------
-// residual / residual_64f9bdd5  (op residual, dtype f16)
+// residual / residual_64f9bdd54508398d  (op residual, dtype f16)
 // params: block_size=256 vector_width=4
 //
 // Residual add: out[i] = a[i] + b[i], in f32, rounded once to the storage type.
@@ -84,7 +84,7 @@ __device__ __forceinline__ void store8(storage_t* ptr, const float (&v)[8]) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-residual_64f9bdd5_main(storage_t* out, const storage_t* a, const storage_t* b, int N) {
+residual_64f9bdd54508398d_main(storage_t* out, const storage_t* a, const storage_t* b, int N) {
     // 64-bit index: i * VECTOR_WIDTH can pass 2^31 when N is close to it.
     const long long i = ((long long)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VECTOR_WIDTH;
     if (i >= N) return;  // edge guard: the grid is rounded up to whole blocks

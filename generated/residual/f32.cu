@@ -5,7 +5,7 @@
 // Derived: threads=256 per_block=1024
 
 // ---------------------------------------------------------------------------------------------
-// residual / residual_c16ba62c  (op residual, dtype f32)
+// residual / residual_c16ba62c8a549235  (op residual, dtype f32)
 // params: block_size=256 vector_width=4
 //
 // Residual add: out[i] = a[i] + b[i], in f32, rounded once to the storage type.
@@ -54,7 +54,7 @@ __device__ __forceinline__ void store8(storage_t* ptr, const float (&v)[8]) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-residual_c16ba62c_main(storage_t* out, const storage_t* a, const storage_t* b, int N) {
+residual_c16ba62c8a549235_main(storage_t* out, const storage_t* a, const storage_t* b, int N) {
     // 64-bit index: i * VECTOR_WIDTH can pass 2^31 when N is close to it.
     const long long i = ((long long)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VECTOR_WIDTH;
     if (i >= N) return;  // edge guard: the grid is rounded up to whole blocks

@@ -5,7 +5,7 @@
 // Derived: threads=128
 
 // ---------------------------------------------------------------------------------------------
-// softmax_row / softmax_row_7afbd0f3  (op softmax, dtype f16)
+// softmax_row / softmax_row_7afbd0f3d0661a4e  (op softmax, dtype f16)
 // params: block_size=128 online=0
 //
 // Row softmax over C:  out[r,c] = exp(x[r,c] - max_r) / sum_c' exp(x[r,c'] - max_r).
@@ -150,7 +150,7 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-softmax_row_7afbd0f3_main(storage_t* out, const storage_t* inp, int N, int C) {
+softmax_row_7afbd0f3d0661a4e_main(storage_t* out, const storage_t* inp, int N, int C) {
     const float NEG_INF = __int_as_float(0xff800000);  // -inf (NVRTC has no <math.h> INFINITY)
     const int row = blockIdx.x;
     // Edge guard; uniform across the block, so no thread is left waiting at a barrier.

@@ -155,10 +155,13 @@ impl Variant {
         parts.join(" ")
     }
 
-    /// Deterministic kernel-name prefix: family, epilogue or mask, 8 hex digits of the key's hash.
+    /// Deterministic kernel-name prefix: family, epilogue or mask, 16 hex digits of the key's
+    /// hash. 64 bits, because a family has up to ~10^5 variants: at 32 bits two of them shared
+    /// a name as soon as `decode_megakernel` gained a parameter (68,400 variants, a birthday
+    /// collision), and the name is what the tuner de-duplicates candidates by.
     pub fn kernel_name(&self) -> String {
         let digest = Sha256::digest(format!("{}:{}", self.family.name, self.key()).as_bytes());
-        let hash: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
+        let hash: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
         let mut name = self.family.name.clone();
         if self.epilogue != Epilogue::None {
             name = format!("{name}_{}", self.epilogue.as_str());
