@@ -119,8 +119,7 @@ bench_matvec(const storage_t* weight, const storage_t* bias, const storage_t* in
         const unsigned long long t2 = clock64();
         unsigned long long t3 = t2;
 #ifdef MLP_TASK
-        float* sums = reinterpret_cast<float*>(xs + (k + ROW_PAD / STORAGE_BYTES));
-        mlp_project(st, task, 1, slot + SLOT_BYTES / 2, tile, sums, i == 0 || atomics_every_task,
+        mlp_project(st, task, 1, slot + SLOT_BYTES / 2, tile, mlp_sums(xs, k), i == 0 || atomics_every_task,
                     i == rounds - 1 || atomics_every_task);
         __syncthreads();
         t3 = clock64();

@@ -258,10 +258,11 @@ fn megakernel_matches_kernel_by_kernel_decode_on_deeper_wider_and_gpt2_shapes() 
     compare("124M bf16 B=8", &gpt2, 8, Dtype::Bf16, 16, 64);
 }
 
-/// Each layer's fc and fc projection as one stage (`fuse_mlp = 1`: the tasks add their shares
-/// of the projection into an f32 residual stream by atomics), against the kernel-by-kernel path:
-/// f32 and 16-bit, one row and several, FMAs and tensor cores, the copy engine and cp.async, a
-/// model whose hidden units cut unevenly into tasks (C = 320: 1,280 of them) and GPT-2 small.
+/// Each layer's fc and fc projection as one stage (`fuse_mlp = 1`: each block sums its tasks'
+/// shares of the projection and adds them into an f32 residual stream by atomics), against the
+/// kernel-by-kernel path: f32 and 16-bit, one row and several, FMAs and tensor cores, the copy
+/// engine and cp.async, a model whose hidden units cut unevenly into tasks (C = 320: 1,280 of
+/// them), one with many tasks a block (C = 1,152) and GPT-2 small.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn megakernel_with_fused_mlps_matches_kernel_by_kernel_decode() {

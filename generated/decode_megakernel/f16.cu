@@ -321,10 +321,11 @@ enum Epilogue { EPI_NONE = 0, EPI_BIAS = 1, EPI_BIAS_GELU = 2, EPI_BIAS_RESIDUAL
 // The MLP as one stage (FLAG_MLP, spec parameter fuse_mlp = 1): each task takes a slice of
 // fc's hidden units, computes them (layernorm, fc, GELU) into `tile`, multiplies them by the
 // same slice of the projection's rows of Wfcproj^T (weight2) and adds the partial result into
-// `acc`, an f32 copy of the residual stream, by atomic adds. The attention projection before
-// it starts `acc` at x' + the projection's bias (FLAG_INIT_ACC), and the stages after it read
-// x'' from `acc` (FLAG_INPUT_ACC: the layernorm's input; FLAG_RESIDUAL_ACC: the residual),
-// rounded to storage as the kernel-by-kernel path stores it. One stage a layer fewer.
+// `acc`, an f32 copy of the residual stream (a block's tasks of the stage summed first, then
+// added by atomics: see mlp_project). The attention projection before it starts `acc` at x' +
+// the projection's bias (FLAG_INIT_ACC), and the stages after it read x'' from `acc`
+// (FLAG_INPUT_ACC: the layernorm's input; FLAG_RESIDUAL_ACC: the residual), rounded to storage
+// as the kernel-by-kernel path stores it. One stage a layer fewer.
 enum StageFlags {
     FLAG_LAYERNORM = 1, FLAG_ARGMAX = 2, FLAG_MLP = 4, FLAG_INIT_ACC = 8, FLAG_INPUT_ACC = 16, FLAG_RESIDUAL_ACC = 32
 };
@@ -551,7 +552,7 @@ struct LayernormParams { uint4 gamma, beta; };  // raw: VEC elements of each
 
 // Where value (b, n) of the f32 residual stream `acc` ([B, width] values) lives: groups of 4
 // consecutive values, each group at the start of its own 128-byte line (ACC_SPREAD floats
-// apart), so that the MLP tasks' atomic adds, every task's to the whole row, spread over many L2
+// apart), so that the MLP stages' atomic adds, every block's to the whole row, spread over many L2
 // slices instead of queueing at the few that a dense row's 24 lines (GPT-2 small) map to.
 // Measured on the H100 against a dense row (one call): GPT-2 small bf16 0.249 -> 0.242 ms a
 // step, after 1,000 tokens 0.286 -> 0.272 (the signal after the MLP stage 1.49 -> 0.91 us);
