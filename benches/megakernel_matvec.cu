@@ -18,7 +18,7 @@
 // wait), the stream's bandwidth, and the outputs' largest error against a double-precision
 // reference on the host. The task is the source's matvec_task with one row and the bias
 // epilogue; -DMATVEC_TASK=name runs another function of the same signature instead (the
-// tensor-core matvec_task_mma, matvec_task_kslice below for tasks of at most 16 columns, or a
+// tensor-core matvec_task_mma, matvec_task_kslice of a source rendered at kslice = 1, or a
 // probe: a copy with steps taken out), and a probe that
 // counts its phases' cycles into a __device__ array named by -DMATVEC_PHASES=array
 // ([block][4], summed) gets them printed too.
@@ -48,84 +48,6 @@
             exit(1);                                                                          \
         }                                                                                     \
     } while (0)
-
-// A probe of another cut of a one-row task (MATVEC_TASK=matvec_task_kslice): every warp takes all
-// of the task's columns (at most KSLICE_COLS) for its pieces of K, one 16-byte piece a thread at a
-// time, where matvec_task gives each warp two columns and at most a few warps' share of K. For
-// tasks of few columns and a long K (GPT-2 1.5B's MLP task: 13 x 1,600), whose time is latency:
-// here a thread's loads are all independent, the sums leave a warp by halving exchanges (one
-// shuffle a column over the five steps, where a butterfly per column takes five), and the warps'
-// sums meet once in shared memory, in a fixed order.
-#ifndef KSLICE_COLS
-#define KSLICE_COLS 16
-#endif
-// One halving exchange: lanes with bit OFFSET set keep columns HALF .. 2 HALF - 1 (moved down to
-// 0 .. HALF - 1), the others columns 0 .. HALF - 1; each sends the half it does not keep.
-template <int HALF, int OFFSET, int N>
-__device__ __forceinline__ void halve(float (&acc)[N], int lane) {
-    const bool upper = lane & OFFSET;
-    #pragma unroll
-    for (int c = 0; c < HALF; ++c) {
-        const float keep = upper ? acc[c + HALF] : acc[c], send = upper ? acc[c] : acc[c + HALF];
-        acc[c] = keep + __shfl_xor_sync(0xffffffffu, send, OFFSET);
-    }
-}
-
-template <int COLS>
-__device__ void matvec_task_kslice_n(const Stage& stage, int task, int B, unsigned slot_addr, unsigned xs_addr,
-                                     const float* bias_s, float* tile, float* partials, int pos, int NH, int max_T) {
-    static_assert(MAX_ROWS == 1, "the probe computes one row");
-    static_assert(COLS == 16, "the halving exchanges below are written for 16 columns");
-    const Stage s = stage;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int n0 = task * s.cols, cols = min(s.cols, s.n - n0), k = s.k;
-    if (s.cols > COLS) __trap();  // wider tasks are not what it is for (the bench reports the error)
-    const int pieces = k / VEC;  // 16-byte pieces of a row
-    float acc[COLS];
-    #pragma unroll
-    for (int c = 0; c < COLS; ++c) acc[c] = 0.0f;
-    for (int p = threadIdx.x; p < pieces; p += THREADS) {
-        float x[VEC];
-        load_shared_vec(xs_addr + p * 16, x);
-        uint4 w_raw[COLS];
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c)  // a column past the task's reads its last one (dropped)
-            w_raw[c] = load_shared_raw(slot_addr + (min(c, cols - 1) * k + p * VEC) * STORAGE_BYTES);
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            float w[VEC];
-            unpack_vec(w_raw[c], w);
-            float even = 0.0f, odd = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < VEC; j += 2) {
-                even = fmaf(w[j], x[j], even);
-                odd = fmaf(w[j + 1], x[j + 1], odd);
-            }
-            acc[c] += even + odd;
-        }
-    }
-    // Halving exchanges: at offset 16 a lane keeps the 8 columns of its half (lanes 0-15 the
-    // first 8) and sends the other 8, then 4 of those at offset 8, 2 at 4, 1 at 2; offset 1 adds
-    // the pair. Lane l ends with the warp's sum of column 8 b4 + 4 b3 + 2 b2 + b1 (b: the bits
-    // of l), which is l / 2.
-    halve<8, 16>(acc, lane);
-    halve<4, 8>(acc, lane);
-    halve<2, 4>(acc, lane);
-    halve<1, 2>(acc, lane);
-    acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], 1);
-    const int col = lane / 2;
-    const int warps = (min(pieces, THREADS) + 31) / 32;  // the warps that had pieces
-    if (warp < warps && (lane & 1) == 0) partials[warp * COLS + col] = acc[0];
-    __syncthreads();
-    if (threadIdx.x < cols) {
-        const int c = threadIdx.x;
-        float sum = 0.0f;
-        for (int w = 0; w < warps; ++w) sum += partials[w * COLS + c];
-        const float v = finish_output(s, 0, n0 + c, sum, epilogue_inputs(s, 0, n0 + c, bias_s, c), pos, NH, max_T);
-        if ((s.flags & FLAG_ARGMAX) || fused_flag(s, FLAG_MLP)) tile[c] = to_float(from_float(v));
-    }
-}
-#define matvec_task_kslice matvec_task_kslice_n<KSLICE_COLS>
 
 // stats[block] = {tasks, compute cycles, wait cycles, MLP projection cycles}; clk[0..1] = block
 // 0's cycles and ns over its whole run (the SM clock it ran at). `weight2` and `acc` are the MLP

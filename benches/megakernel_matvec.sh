@@ -4,7 +4,8 @@
 # and runs it over the tasks of a GPT-2 small and a GPT-2 1.5B decode step at batch 1.
 #   [KERNELFORGE=BIN] [DTYPE=bf16] benches/megakernel_matvec.sh [--param NAME=VALUE ...]
 # The point is the default with one row, two slots of 96 KiB and the given --param on top (for
-# example --param cols_per_warp=4, or --param tensor_cores=1 with MATVEC_TASK=matvec_task_mma).
+# example --param cols_per_warp=4, or --param tensor_cores=1 with MATVEC_TASK=matvec_task_mma, or
+# --param kslice=1 with MATVEC_TASK=matvec_task_kslice: tasks of at most 16 columns).
 # MLP=1 times fused MLP tasks instead (GPT-2 small's and 1.5B's, the point at fuse_mlp = 1), each
 # with its sums added once a block and added every task.
 # Needs nvcc (CUDA_HOME, else /usr/local/cuda) and a GPU with the copy engine of sm_90.

@@ -233,6 +233,15 @@ fn megakernel_small_for_the_sanitizer() {
         3,
         &[("fuse_mlp", 1), ("max_rows", 1), ("threads", 256), ("slot_kib", 16)],
     );
+    compare_at(
+        "sanitizer bf16 B=1, K cut between threads",
+        &wide,
+        1,
+        Dtype::Bf16,
+        140,
+        3,
+        &[("fuse_mlp", 1), ("max_rows", 1), ("kslice", 1), ("slot_kib", 16)],
+    );
     let mut g = backend(&tiny, 1, Dtype::Bf16, DecodeEngine::Megakernel);
     g.set_megakernel_point(vec![("bulk_copy".to_string(), 0), ("max_rows".to_string(), 1)]);
     let first = g
@@ -323,6 +332,21 @@ fn megakernel_with_fused_mlps_matches_kernel_by_kernel_decode() {
         24,
         32,
         &many_f32,
+    );
+    // K cut between all threads for the tasks of at most 16 columns (kslice = 1): every MLP task
+    // here, the attention projection's, and the rest on the column cut
+    let kslice = [("fuse_mlp", 1), ("max_rows", 1), ("kslice", 1), ("slot_kib", 16)];
+    compare_at("fused L2 C1152 bf16 B=1 kslice", &wide, 1, Dtype::Bf16, 24, 64, &kslice);
+    compare_at("fused L2 C1152 f32 B=1 kslice", &wide, 1, Dtype::F32, 24, 32, &kslice);
+    let unfused = [("max_rows", 1), ("kslice", 1)];
+    compare_at(
+        "L2 C1152 bf16 B=1 kslice unfused",
+        &wide,
+        1,
+        Dtype::Bf16,
+        24,
+        32,
+        &unfused,
     );
     let gpt2 = model(12, 12, 768, 1024, 50257, 41);
     let one_row = [("fuse_mlp", 1), ("max_rows", 1), ("slots", 2), ("slot_kib", 96)];
