@@ -20,9 +20,14 @@ trap 'rm -rf "$work"' EXIT
 cat "$here/megakernel_matvec.cu" >> "$work/task.cu"
 "$cuda/bin/nvcc" -arch=sm_90a -O3 -std=c++17 ${MATVEC_TASK:+-DMATVEC_TASK=$MATVEC_TASK} ${MLP:+-DMLP_TASK} \
   -o "$work/task" "$work/task.cu"
+# matvec_task_kslice computes at most 16 columns (KSLICE_COLS): wider tasks are not its to run
+fits() {
+  [ "${MATVEC_TASK:-}" != matvec_task_kslice ] || [ "${1%x*}" -le 16 ] || { echo "$1: wider than kslice's 16 columns, skipped"; return 1; }
+}
 if [ -n "${MLP:-}" ]; then
   # hidden units x C of one MLP task: GPT-2 small's (128 tasks a stage), 1.5B's (493)
   for task in 24x768 13x1600; do
+    fits "$task" || continue
     for every in 0 1; do "$work/task" "${task#*x}" "${task%x*}" $every || true; done
   done
   exit 0
@@ -30,5 +35,6 @@ fi
 # rows x K of one task: GPT-2 small's qkv, fc, attention and fc projections (128 tasks a stage),
 # then GPT-2 1.5B's (253, 256, 124 and 229 tasks); a task larger than a slot is refused
 for task in 18x768 24x768 6x768 6x3072 19x1600 25x1600 13x1600 7x6400; do
+  fits "$task" || continue
   "$work/task" "${task#*x}" "${task%x*}" || true
 done

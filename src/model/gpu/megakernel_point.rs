@@ -106,6 +106,16 @@ pub fn fitted_default(family: &Arc<Family>, shape: &Shape, dtype: Dtype, limits:
     if values("fuse_mlp").contains(&1) {
         point.push(("fuse_mlp".to_string(), i64::from(rows == Some(1))));
     }
+    // One row on the FMAs, 16-bit storage, rows of 1,024 and more: a task of at most 16 columns
+    // cuts K between all its warps instead of its columns (`matvec_task_kslice`). Measured on
+    // the H100, bf16 batch 1 (one call, two rounds each): GPT-2 1.5B 1.898 / 1.901 -> 1.854 /
+    // 1.854 ms a step (its fused MLP task of 13 x 1,600 alone: 4,496 -> 3,823 cycles), large
+    // 1.075 / 1.079 -> 1.070 / 1.070, medium 0.575 / 0.573 -> 0.566 / 0.564; GPT-2 small 0.237
+    // / 0.237 -> 0.240 / 0.239, after 1,000 tokens 0.275 -> 0.278, and in f32 0.326 -> 0.330.
+    if values("kslice").contains(&1) {
+        let kslice = rows == Some(1) && !tensor_cores && elem_bytes == 2 && c >= 1024;
+        point.push(("kslice".to_string(), i64::from(kslice)));
+    }
     let accepts = |kib: i64| {
         let mut with = point.clone();
         with.push(("slot_kib".to_string(), kib));
@@ -159,6 +169,10 @@ mod tests {
     }
 
     fn fitted(batch: usize, elem_bytes: usize) -> std::collections::BTreeMap<String, i64> {
+        fitted_wide(batch, 768, 12, elem_bytes)
+    }
+
+    fn fitted_wide(batch: usize, c: usize, heads: i64, elem_bytes: usize) -> std::collections::BTreeMap<String, i64> {
         let catalog = catalog();
         let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
         let dtype = if elem_bytes == 2 {
@@ -168,7 +182,7 @@ mod tests {
         };
         fitted_default(
             family,
-            &gpt2_shape(batch, 768, 12, 12, elem_bytes),
+            &gpt2_shape(batch, c, heads, 12, elem_bytes),
             dtype,
             &DeviceLimits::default(),
         )
@@ -186,6 +200,9 @@ mod tests {
         assert!(!bf16.contains_key("threads"), "one row keeps the default 512 threads");
         assert_eq!(bf16["tensor_cores"], 0, "one row runs on the FMAs");
         assert_eq!(bf16["fuse_mlp"], 1, "one row fuses the MLP");
+        assert_eq!(bf16["kslice"], 0, "GPT-2 small cuts its narrow tasks by columns");
+        assert_eq!(fitted_wide(1, 1600, 25, 2)["kslice"], 1, "1.5B cuts them along K");
+        assert_eq!(fitted_wide(1, 1600, 25, 4)["kslice"], 0, "f32 by columns");
         let f32 = fitted(1, 4);
         assert_eq!((f32["max_rows"], f32["cols_per_warp"], f32["tensor_cores"]), (1, 1, 0));
         let batch = fitted(5, 2);
@@ -197,6 +214,7 @@ mod tests {
         );
         assert_eq!(fitted(5, 4)["tensor_cores"], 0, "f32 keeps exact FMAs");
         assert_eq!(batch["fuse_mlp"], 0, "several rows keep fc and its projection apart");
+        assert_eq!(batch["kslice"], 0, "the K cut is for one row");
         // 2 slots of 96 KiB, 8 rows of 4 * 768 bf16 and the static 16 KiB exceed 227 KiB
         assert_eq!((batch["slots"], batch["slot_kib"]), (2, 64));
         assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
