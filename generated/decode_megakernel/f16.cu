@@ -669,13 +669,14 @@ __device__ __forceinline__ EpilogueInputs epilogue_inputs(const Stage& s, int b,
     return in;
 }
 
-// One finished output element: the epilogue, then the store (kernel-by-kernel order of the
-// additions: (acc + bias) + residual). Returns the value before rounding to storage.
+// One finished output element, column n of the matrix and c_task of the task: the epilogue, then
+// the store (kernel-by-kernel order of the additions: (acc + bias) + residual); an argmax or
+// MLP task also keeps the value, rounded to storage, in `tile` for what follows the task.
 // Tests, not a switch: ptxas makes a switch over the epilogues an indirect branch through a
 // jump table in constant memory (benches/megakernel_matvec.cu, H100: a GPT-2 small qkv task
 // 2,070 cycles with the switch, 2,031 with the tests).
-__device__ __forceinline__ float finish_output(const Stage& s, int b, int n, float acc, EpilogueInputs in,
-                                               int pos, int NH, int max_T) {
+__device__ __forceinline__ void finish_output(const Stage& s, int b, int n, int c_task, float acc, EpilogueInputs in,
+                                              float* tile, int pos, int NH, int max_T) {
     const int epilogue = s.epilogue;
     if (epilogue == EPI_BIAS_GELU) {
         acc = gelu_precise(acc + in.bias);
@@ -700,7 +701,7 @@ __device__ __forceinline__ float finish_output(const Stage& s, int b, int n, flo
         // the MLP after this attention projection adds its partial results to x' + its bias
         if (fused_flag(s, FLAG_INIT_ACC)) s.acc[acc_slot(b, n, s.n)] = to_float(from_float(acc)) + in.bias2;
     }
-    return acc;
+    if ((s.flags & FLAG_ARGMAX) || fused_flag(s, FLAG_MLP)) tile[b * MAX_TASK_COLS + c_task] = to_float(from_float(acc));
 }
 
 // ---- matrix-vector tasks: the dot products ---------------------------------------------------
@@ -797,8 +798,8 @@ __device__ __forceinline__ void load_epilogue_inputs(const Stage& s, int B, int 
     }
 }
 
-// The epilogue and store of the outputs lane p holds the sums of (see warp_sums); with
-// FLAG_ARGMAX the rounded logits also go to `tile` for the task's argmax.
+// The epilogue and store of the outputs lane p holds the sums of (see warp_sums), each by
+// finish_output (which also keeps an argmax or MLP task's values in `tile`).
 __device__ __forceinline__ void finish_columns(const Stage& s, int B, int n0, int c0, int cols,
                                                const float (&mine)[OUTPUTS_PER_LANE],
                                                const EpilogueInputs (&in)[OUTPUTS_PER_LANE], float* tile,
@@ -807,11 +808,8 @@ __device__ __forceinline__ void finish_columns(const Stage& s, int B, int n0, in
     #pragma unroll
     for (int q = 0; q < OUTPUTS_PER_LANE; ++q) {
         const int p = lane + 32 * q, c = p / MAX_ROWS, b = p % MAX_ROWS;
-        if (p < OUTPUTS && b < B && c0 + c < cols) {
-            const float v = finish_output(s, b, n0 + c0 + c, mine[q], in[q], pos, NH, max_T);
-            if ((s.flags & FLAG_ARGMAX) || fused_flag(s, FLAG_MLP))
-                tile[b * MAX_TASK_COLS + c0 + c] = to_float(from_float(v));
-        }
+        if (p < OUTPUTS && b < B && c0 + c < cols)
+            finish_output(s, b, n0 + c0 + c, c0 + c, mine[q], in[q], tile, pos, NH, max_T);
     }
 }
 
