@@ -102,7 +102,7 @@ pub struct Family {
 }
 
 /// Parameter values and derived values of one point, each in spec order.
-type Point = (IndexMap<String, i64>, IndexMap<String, i64>);
+pub(super) type Point = (IndexMap<String, i64>, IndexMap<String, i64>);
 
 /// Variable scope for one evaluation: params, derived values, shape, device limits.
 #[derive(Debug, Clone, Default)]
@@ -110,7 +110,16 @@ pub struct Vars(BTreeMap<String, i64>);
 
 impl Vars {
     pub(super) fn set(&mut self, name: &str, value: i64) {
-        self.0.insert(name.to_string(), value);
+        match self.0.get_mut(name) {
+            Some(slot) => *slot = value,
+            None => {
+                self.0.insert(name.to_string(), value);
+            }
+        }
+    }
+
+    pub(super) fn unset(&mut self, name: &str) {
+        self.0.remove(name);
     }
 }
 
@@ -312,7 +321,7 @@ impl Family {
     /// scope for the whole point, each derived value added as it is computed (a derived value
     /// may use the ones before it): building it anew per value made loading the catalog, which
     /// evaluates every point of every family, take seconds.
-    fn evaluate_in_scope(
+    pub(super) fn evaluate_in_scope(
         &self,
         point: &IndexMap<String, i64>,
         limits: &DeviceLimits,
@@ -339,7 +348,7 @@ impl Family {
         self.failed_in_scope(&self.point_scope(params, derived, limits))
     }
 
-    fn failed_in_scope(&self, vars: &Vars) -> Result<Option<&Expr>, SpecError> {
+    pub(super) fn failed_in_scope(&self, vars: &Vars) -> Result<Option<&Expr>, SpecError> {
         for (i, c) in self.require.iter().enumerate() {
             if !c
                 .holds(vars)
@@ -349,18 +358,6 @@ impl Family {
             }
         }
         Ok(None)
-    }
-
-    /// Valid points (params + derived) under `limits`.
-    pub(super) fn points(&self, limits: &DeviceLimits) -> Result<Vec<Point>, SpecError> {
-        let mut out = Vec::new();
-        for point in self.all_points() {
-            let (point, vars) = self.evaluate_in_scope(&point, limits)?;
-            if self.failed_in_scope(&vars)?.is_none() {
-                out.push(point);
-            }
-        }
-        Ok(out)
     }
 
     /// Number of valid parameter points (not counting dtypes, epilogues, masks).

@@ -6,15 +6,16 @@
 //! values, the problem shape and the device limits) and *where to start* (the default point).
 //!
 //! `parse` reads a spec file into a [`Family`] (`family` holds what a family computes from a
-//! point), `variant` expands a family into [`Variant`]s and evaluates their launches, `catalog`
-//! loads a project's families, `target` holds the device side ([`ArchTarget`],
-//! [`DeviceLimits`]) and `expr` the expression language. This file keeps what all of them share:
-//! [`Dtype`] and [`SpecError`].
+//! point), `space` finds its valid points, `variant` expands a family into [`Variant`]s and
+//! evaluates their launches, `catalog` loads a project's families, `target` holds the device
+//! side ([`ArchTarget`], [`DeviceLimits`]) and `expr` the expression language. This file keeps
+//! what all of them share: [`Dtype`] and [`SpecError`].
 
 mod catalog;
 pub mod expr;
 mod family;
 mod parse;
+mod space;
 mod target;
 mod variant;
 

@@ -47,13 +47,15 @@ pub trait Climber {
     }
 
     /// The fastest timed candidate of each of the `n` fastest families, fastest first: the
-    /// climb starts from different families rather than from two neighbours in one.
+    /// climb starts from different families rather than from two neighbours in one. A family
+    /// whose best takes more than [`search::CLIMB_WITHIN`] times the best time is left out.
     fn leaders(&self, n: usize) -> Vec<&Variant> {
         let mut timed = self.timed();
         timed.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let best = timed.first().map_or(f64::INFINITY, |(_, ms)| *ms);
         let mut leaders: Vec<&Variant> = Vec::with_capacity(n);
-        for (v, _) in timed {
-            if leaders.len() == n {
+        for (v, ms) in timed {
+            if leaders.len() == n || ms > best * search::CLIMB_WITHIN {
                 break;
             }
             if leaders.iter().all(|l| l.family.name != v.family.name) {
@@ -90,9 +92,11 @@ pub fn run_rounds<C: Climber, E>(
 }
 
 /// The next round of the climb for each workload still climbing: one-parameter steps from its
-/// best point in each of its [`search::CLIMB_FROM`] fastest families, taken in turn from each
-/// (at most [`search::MAX_STEPS`]), then the best point of each sibling workload (same op; its
-/// nearest point in this pool; at most [`search::MAX_SIBLINGS`]), those not measured yet. A
+/// best point in each of its [`search::CLIMB_FROM`] fastest families (those within
+/// [`search::CLIMB_WITHIN`] of its best), taken in turn from each (at most
+/// [`search::MAX_STEPS`]), then the best point of each sibling workload (same op; its nearest
+/// point in this pool, in a family within [`search::CLIMB_WITHIN`] here; at most
+/// [`search::MAX_SIBLINGS`]), those not measured yet. A
 /// round that gained less than [`search::MIN_GAIN`] ends the climb only once every step from
 /// the best point has been measured (a local optimum for one-parameter moves); until then the
 /// climb goes on with those steps alone. A lone workload (`tune --op`: no siblings) also steps
@@ -145,12 +149,23 @@ pub fn climb_steps<C: Climber>(states: &mut [C], limits: &DeviceLimits) -> Vec<V
             .collect();
         let mut fresh = search::next_steps(per_leader, stalled, stalled_leaders);
         if !stalled {
+            // A sibling's point is tried only in a family that could still win here.
+            let mut family_best: HashMap<&str, f64> = HashMap::new();
+            for (v, ms) in s.timed() {
+                let at = family_best.entry(v.family.name.as_str()).or_insert(f64::INFINITY);
+                *at = at.min(ms);
+            }
+            let promising = |family: &str| {
+                family_best
+                    .get(family)
+                    .is_none_or(|ms| *ms <= best * search::CLIMB_WITHIN)
+            };
             let siblings: Vec<Variant> = leaders
                 .iter()
                 .enumerate()
                 .filter(|(j, _)| *j != i)
                 .filter_map(|(_, leader)| leader.as_ref())
-                .filter(|(op, _, _)| op == s.op())
+                .filter(|(op, family, _)| op == s.op() && promising(family))
                 .filter_map(|(_, family, params)| search::nearest_in_pool(s.pool(), family, params))
                 .filter(|v| !fresh.iter().any(|f| f.kernel_name() == v.kernel_name()))
                 .cloned()
