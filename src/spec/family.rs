@@ -319,8 +319,8 @@ impl Family {
 
     /// The derived values of one point, and the point's scope (limits, params, derived). One
     /// scope for the whole point, each derived value added as it is computed (a derived value
-    /// may use the ones before it): building it anew per value made loading the catalog, which
-    /// evaluates every point of every family, take seconds.
+    /// may use the ones before it). The walk over a family's space (`space.rs`) keeps one scope
+    /// for the whole walk instead, and comes here only for points it could not evaluate itself.
     pub(super) fn evaluate_in_scope(
         &self,
         point: &IndexMap<String, i64>,
