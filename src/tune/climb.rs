@@ -55,7 +55,7 @@ pub trait Climber {
         let best = timed.first().map_or(f64::INFINITY, |(_, ms)| *ms);
         let mut leaders: Vec<&Variant> = Vec::with_capacity(n);
         for (v, ms) in timed {
-            if leaders.len() == n || ms > best * search::CLIMB_WITHIN {
+            if leaders.len() == n || !search::in_reach(ms, best) {
                 break;
             }
             if leaders.iter().all(|l| l.family.name != v.family.name) {
@@ -155,11 +155,7 @@ pub fn climb_steps<C: Climber>(states: &mut [C], limits: &DeviceLimits) -> Vec<V
                 let at = family_best.entry(v.family.name.as_str()).or_insert(f64::INFINITY);
                 *at = at.min(ms);
             }
-            let promising = |family: &str| {
-                family_best
-                    .get(family)
-                    .is_none_or(|ms| *ms <= best * search::CLIMB_WITHIN)
-            };
+            let promising = |family: &str| family_best.get(family).is_none_or(|ms| search::in_reach(*ms, best));
             let siblings: Vec<Variant> = leaders
                 .iter()
                 .enumerate()

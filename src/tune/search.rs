@@ -271,6 +271,13 @@ pub const CLIMB_FROM: usize = 2;
 /// best, `matmul_splitk` at 1.3-2.9x, the 3xTF32 GEMM at 1.4-3.5x where `matmul_gemv` won)
 /// took 400 of the 1,100 matmul candidates and won none.
 pub const CLIMB_WITHIN: f64 = 1.25;
+
+/// Whether a family whose best screen time is `family_ms` can still win against `best_ms`
+/// (within [`CLIMB_WITHIN`]): the one test of that rule, for the climb's leaders and for the
+/// siblings' points it takes.
+pub fn in_reach(family_ms: f64, best_ms: f64) -> bool {
+    family_ms <= best_ms * CLIMB_WITHIN
+}
 pub const MAX_STEPS: usize = 16;
 /// Sibling workloads' best points a workload tries per round at most (see `climb::climb_steps`).
 pub const MAX_SIBLINGS: usize = 4;
