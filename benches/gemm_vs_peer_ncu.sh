@@ -5,7 +5,9 @@
 # peer: their names carry cuBLASLt's tile, stages and cluster); with POINT, a second run keeps
 # our kernel at that point of matmul_wgmma_tma (a project copy whose spec keeps only the values
 # POINT gives; give all of them for one point). One line a kernel: time, SM clock, share of the
-# cycles the tensor pipe was busy, L2 and DRAM bytes, grid and cluster.
+# cycles the tensor pipe was busy, bytes the crossbar delivered into the SMs (what bounds a
+# GEMM whose tiles stream from L2: multicast does not lower it), L2 and DRAM bytes, grid and
+# cluster.
 #
 #   [WORKLOADS="dtype:M,N,K:epilogue ..."] [POINT='{"mma_n": 160, "m_tiles": 2, ...}'] \
 #     benches/gemm_vs_peer_ncu.sh
@@ -38,7 +40,7 @@ for name, value in point.items():
 open(path, "w").write(head + "[default]" + default)
 PY
 fi
-metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__cluster_dim_x,launch__cluster_dim_y
+metrics=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,l1tex__m_xbar2l1tex_read_bytes.sum,lts__t_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__cluster_dim_x,launch__cluster_dim_y
 # One profile of a `tune --op` run: the first COUNT kernels whose names match REGEX.
 profile() {  # log regex count shape epilogue dtype root
   KERNELFORGE_CACHE=$(mktemp -d) timeout 300 ncu --clock-control none --csv --metrics "$metrics" \
@@ -61,7 +63,7 @@ scale = {"": 1, "%": 1, "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "ns
          "hz": 1, "Khz": 1e3, "Mhz": 1e6, "Ghz": 1e9, "cycle/second": 1, "cycle/usecond": 1e6,
          "cycle/nsecond": 1e9}
 names = sys.argv[1].split(",")
-print(f"{'us':>8} {'GHz':>5} {'tensor%':>7} {'L2 MB':>7} {'DRAM r/w MB':>13} {'grid':>5} cluster  kernel")
+print(f"{'us':>8} {'GHz':>5} {'tensor%':>7} {'to SMs MB':>9} {'L2 MB':>7} {'DRAM r/w MB':>13} {'grid':>5} cluster  kernel")
 for side, path in enumerate(sys.argv[2:]):
     # ncu's CSV rows (one per kernel and metric) among the tuner's output: a dict per launch.
     launches = {}
@@ -75,7 +77,7 @@ for side, path in enumerate(sys.argv[2:]):
     for name, m in rows:
         print(f"{m['gpu__time_duration.sum'] * 1e6:8.1f} {m['sm__cycles_elapsed.avg.per_second'] / 1e9:5.2f} "
               f"{m['sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed']:7.1f} "
-              f"{m['lts__t_bytes.sum'] / 1e6:7.0f} {m['dram__bytes_read.sum'] / 1e6:6.0f}/{m['dram__bytes_write.sum'] / 1e6:<6.0f} "
+              f"{m['l1tex__m_xbar2l1tex_read_bytes.sum'] / 1e6:9.0f} {m['lts__t_bytes.sum'] / 1e6:7.0f} {m['dram__bytes_read.sum'] / 1e6:6.0f}/{m['dram__bytes_write.sum'] / 1e6:<6.0f} "
               f"{m['launch__grid_size']:5.0f} {m['launch__cluster_dim_x']:.0f}x{m['launch__cluster_dim_y']:.0f}      {name[:90]}")
 PY
 done | tee "$out/summary.txt"
