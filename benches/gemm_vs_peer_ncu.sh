@@ -5,9 +5,9 @@
 # peer: their names carry cuBLASLt's tile, stages and cluster); with POINT, a second run keeps
 # our kernel at that point of matmul_wgmma_tma (a project copy whose spec keeps only the values
 # POINT gives; give all of them for one point). One line a kernel: time, SM clock, share of the
-# cycles the tensor pipe was busy, bytes the crossbar delivered into the SMs (what bounds a
-# GEMM whose tiles stream from L2: multicast does not lower it), L2 and DRAM bytes, grid and
-# cluster.
+# cycles the tensor pipe was busy, bytes the crossbar delivered into the SMs (a tile's operand
+# bytes: multicast does not lower them; over the time and SMs, how fast the feed runs), L2 and
+# DRAM bytes, grid and cluster.
 #
 #   [WORKLOADS="dtype:M,N,K:epilogue ..."] [POINT='{"mma_n": 160, "m_tiles": 2, ...}'] \
 #     benches/gemm_vs_peer_ncu.sh
