@@ -118,7 +118,7 @@ fn gpu_peer_matches_the_reference_in_every_dtype_and_epilogue() {
 }
 
 /// The check on a head of the rows, the timing API, and `measure_matmul` (what `tune` records),
-/// for every dtype and epilogue.
+/// for every dtype and epilogue (the ln_ ones: the standardization pass, then the plain peer).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_peer_check_and_timing() {
@@ -132,8 +132,9 @@ fn gpu_peer_check_and_timing() {
     };
     let mut failures = Vec::new();
     for dtype in Dtype::ALL {
-        for e in FUSED.into_iter().chain([Epilogue::Qkv]) {
-            let pairs = if e == Epilogue::Qkv {
+        let standardized = [Epilogue::LnBias, Epilogue::LnBiasGelu, Epilogue::LnQkv];
+        for e in FUSED.into_iter().chain([Epilogue::Qkv]).chain(standardized) {
+            let pairs = if e.after_product() == Epilogue::Qkv {
                 vec![("M", 260), ("N", 2304), ("K", 768), ("T", 130), ("n_head", 12)]
             } else {
                 vec![("M", 130), ("N", 3072), ("K", 768)]
@@ -186,7 +187,8 @@ fn gpu_peer_refuses_a_problem_in_the_wrong_storage() {
     assert!(e.to_string().contains("matmul bf16 bias M=37 N=100 K=72"), "{e}");
 }
 
-/// `tune` records the peer by name beside its time, for a fused epilogue and for qkv.
+/// `tune` records the peer by name beside its time, for a fused epilogue, for qkv and (on an
+/// H100, where matmul_wgmma_tma runs) for a layernorm folded into the GEMM.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_tune_records_the_peer() {
@@ -206,7 +208,15 @@ fn gpu_tune_records_the_peer() {
             Dtype::F32,
             vec![("M", 64), ("N", 192), ("K", 64), ("T", 32), ("n_head", 2)],
         ),
+        (
+            Epilogue::LnBiasGelu,
+            Dtype::Bf16,
+            vec![("M", 300), ("N", 384), ("K", 256)],
+        ),
     ] {
+        if e.standardizes_input() && gpu.info.compute_capability != (9, 0) {
+            continue; // only matmul_wgmma_tma (sm_90a) folds the layernorm in
+        }
         let mut s = shape(&pairs);
         ops::op_by_name("matmul")
             .unwrap()

@@ -268,6 +268,36 @@ fn gpu_matmul_wgmma_tma_qkv_heads() {
     );
 }
 
+/// matmul_wgmma_tma with the layernorm folded in (ln_bias, ln_bias_gelu, ln_qkv): each consumer
+/// thread sums its rows from the stages as they pass and standardizes its accumulators before
+/// the epilogue. The points change who holds which rows: two consumers splitting a tile's rows
+/// (default), each its own tile (ping-pong; with two m64 tiles and a 2-CTA multicast cluster: the
+/// fc point), splitting its columns (both sum the same rows), one consumer of 64 rows with
+/// 128-wide K stages, one of 192 rows. Shapes: GPT-2's qkv, K not a multiple of the K stage (the
+/// zero-filled end of a row), partial tiles both ways, T % 64 != 0 (qkv copied out by threads).
+/// The rows are shifted by random offsets (ops/matmul.rs), so a dropped mean fails.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_layernorm_folded() {
+    verify_tma_points(
+        "matmul_wgmma_tma",
+        &[
+            &[],
+            &[("pingpong", 1)],
+            &[("mma_n", 160), ("m_tiles", 2), ("pingpong", 1), ("cluster_m", 2)],
+            &[("split_n", 1), ("mma_n", 128)],
+            &[("consumers", 1), ("mma_n", 64), ("panels", 2)],
+            &[("consumers", 1), ("mma_n", 96), ("m_tiles", 3)],
+        ],
+        &[Epilogue::LnBias, Epilogue::LnBiasGelu, Epilogue::LnQkv],
+        &[
+            [2048, 2304, 768, 1024, 12],
+            [300, 384, 136, 100, 2],
+            [130, 1152, 72, 65, 6],
+        ],
+    );
+}
+
 /// matmul_wgmma_tma_3xtf32: f32 at f32 accuracy (the f32 bar, relative L2 < 1e-5) from three
 /// TF32 MMAs per product, the low parts written by the producer warpgroup's idle warps into a
 /// ring of their own. Every epilogue, at the points that change how that ring is walked: the

@@ -1,8 +1,8 @@
 //! The GPU GPT-2 backend against the f32 CPU reference on a tiny random model (L=2, NH=2,
 //! C=128 so the head size is 64 as flash and decode attention need, V=300, n_ctx=128, every
 //! bias and layernorm parameter perturbed): prefill logits, KV-cached decode steps, greedy
-//! generation, a batch of three prompts, the unfused path, tf32 matmuls, f16/bf16 storage, and
-//! both checkpoint formats.
+//! generation, a batch of three prompts, the unfused path, tf32 matmuls, f16/bf16 storage,
+//! layernorms folded into the prefill's matmuls, and both checkpoint formats.
 //!
 //! GPU tests are `#[ignore = "needs a CUDA GPU"]`; run them on a GPU machine from the project
 //! folder (they find specs/ and templates/ there) with `-- --ignored`. They take a lock so they
@@ -17,7 +17,7 @@ use kernelforge::gpu::device::driver_present;
 use kernelforge::model::config::GPT2Config;
 use kernelforge::model::cpu::CpuBackend;
 use kernelforge::model::generate::{generate, Backend, GenerateOptions, Logits};
-use kernelforge::model::gpu::GpuBackend;
+use kernelforge::model::gpu::{GpuBackend, LayernormFolding};
 use kernelforge::model::sampling::{argmax, SamplingParams};
 use kernelforge::model::weights::{load_model, write_hf_folder, write_llmc, GPT2Model, GPT2Weights, LlmcVersion};
 use kernelforge::spec::Dtype;
@@ -371,6 +371,94 @@ fn the_unfused_path_matches_too() {
     assert!(labels.iter().any(|l| l.contains("attention_naive")), "{labels:?}");
     assert!(labels.iter().any(|l| l.starts_with("gelu")), "{labels:?}");
     assert!(labels.iter().any(|l| l.starts_with("residual")), "{labels:?}");
+}
+
+/// Layernorms folded into the prefill's matmuls (`ln_1` into qkv, `ln_2` into fc, `ln_f` into
+/// the LM head: the `ln_` epilogues of the Hopper family `matmul_wgmma_tma`), forced with
+/// `LayernormFolding::Always` since no tuning database says it pays for the tiny model: in bf16
+/// and tf32 the prefill logits stay close to the CPU reference and to the same backend with
+/// every layernorm on its own; `prefill_last` (its LM head reads the last rows of ln_f's output,
+/// so only qkv and fc fold) and decode steps after a folded prefill (K and V cached by the
+/// folded qkv projection) match too; a full forward launches no layernorm at all.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn folded_layernorms_match_the_cpu() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let mut cpu = CpuBackend::new(model.clone());
+    for (dtype, bar) in [(Dtype::Bf16, 2e-2), (Dtype::Tf32, 1e-2)] {
+        let mut folded = gpu_in(&model, 2, false, dtype);
+        if folded.gpu().info.compute_capability != (9, 0) {
+            eprintln!("skipping: the ln_ matmuls are sm_90 kernels");
+            return;
+        }
+        folded.set_layernorm_folding(LayernormFolding::Always);
+        let mut plain = gpu_in(&model, 2, false, dtype);
+        plain.set_layernorm_folding(LayernormFolding::Never);
+        for p in [
+            vec![prompt(100, 3)],
+            vec![prompt(37, 5), prompt(37, 6)],
+            vec![prompt(128, 7)],
+        ] {
+            let what = format!("{dtype} folded prefill {}x{}", p.len(), p[0].len());
+            let got = folded.prefill(&p).unwrap();
+            let e = rel_l2(&got.data, &cpu.prefill(&p).unwrap().data);
+            eprintln!("{what}: relative L2 {e:.3e} against the CPU");
+            assert!(e < bar, "{what}: relative L2 error {e:.3e} >= {bar:e}");
+            let e = rel_l2(&got.data, &plain.prefill(&p).unwrap().data);
+            eprintln!("{what}: relative L2 {e:.3e} against the unfolded GPU path");
+            assert!(e < bar, "{what} vs unfolded: relative L2 error {e:.3e} >= {bar:e}");
+        }
+        let choices = folded.kernel_choices();
+        for (role, epilogue) in [("qkv", "[ln_qkv]"), ("fc", "[ln_bias_gelu]"), ("lm_head", "[ln_bias]")] {
+            assert!(
+                choices
+                    .iter()
+                    .any(|(r, label, _, shape)| r == role && label.contains(epilogue) && shape.contains("M=100 ")),
+                "{dtype}: no folded {role} kernel at M=100 (notes: {:?}): {choices:?}",
+                folded.notes()
+            );
+        }
+        // The last rows' LM head stays unfolded; qkv and fc fold; decoding goes on from the
+        // cache the folded qkv projection filled.
+        let p = vec![prompt(90, 8), prompt(90, 9)];
+        let want = cpu.prefill_last(&p).unwrap();
+        let e = rel_l2(&folded.prefill_last(&p).unwrap().data, &want.data);
+        eprintln!("{dtype} folded prefill_last: relative L2 {e:.3e}");
+        assert!(
+            e < bar,
+            "{dtype} folded prefill_last: relative L2 error {e:.3e} >= {bar:e}"
+        );
+        let mut next: Vec<u32> = (0..2).map(|b| argmax(want.last(b)).unwrap()).collect();
+        for step in 0..4 {
+            let want = cpu.decode(&next).unwrap();
+            let e = rel_l2(&folded.decode(&next).unwrap().data, &want.data);
+            eprintln!("{dtype} decode step {step} after a folded prefill: relative L2 {e:.3e}");
+            assert!(
+                e < bar,
+                "{dtype} decode step {step}: relative L2 error {e:.3e} >= {bar:e}"
+            );
+            next = (0..2).map(|b| argmax(want.last(b)).unwrap()).collect();
+        }
+        // A full forward with all three folded launches no layernorm.
+        let p = vec![prompt(100, 3)];
+        folded.set_profiling(true);
+        folded.forward_on_device(&p).unwrap();
+        let rows = folded.take_profile().unwrap();
+        folded.set_profiling(false);
+        let calls = |role: &str| rows.iter().filter(|r| r.role == role).map(|r| r.calls).sum::<usize>();
+        assert_eq!(
+            calls("layernorm"),
+            0,
+            "{dtype}: {:?}",
+            rows.iter().map(|r| (&r.role, &r.kernel)).collect::<Vec<_>>()
+        );
+        assert_eq!(calls("qkv"), model.config.n_layer);
+        assert_eq!(calls("lm_head"), 1);
+        for n in folded.notes() {
+            eprintln!("note: {n}");
+        }
+    }
 }
 
 #[test]

@@ -73,6 +73,16 @@
 //    still outrun FP32 FMA (cuBLAS's SGEMM) more than twice over. The low parts are written by
 //    the producer warpgroup's three idle warps into a ring of their own, LOW_STAGES [0] stages
 //    of the same layout, with their own full / empty mbarriers (see split_stages).
+// 8. The layernorm folded in (epilogues ln_bias, ln_bias_gelu, ln_qkv). A layernorm before
+//    a GEMM is a pass of its own that reads and writes every row, yet the GEMM streams all K
+//    values of its rows through shared memory anyway. So each consumer thread sums the rows
+//    whose outputs it holds (and their squares) from every stage as it passes, while that
+//    stage's MMAs run (sum_rows), and before the epilogue turns the sums into each row's mean
+//    and rstd and its accumulators into
+//        rstd * (acc - mean * wsum[n]),   wsum[n] = sum_k weight[n,k]   (bias[N + n])
+//    = ((inp - mean) * rstd) @ weight^T: the product of the standardized rows
+//    (standardize_accumulators). The layernorm's gamma and beta are in weight and bias already
+//    (the model folds them in once, at load).
 //
 // Tile: BLOCK_M x BLOCK_N [128 x 192]; each consumer holds WG_M x MMA_N [64 x 192] = M_TILES
 // [1] m64n192 accumulators of 96 floats per thread (SPLIT_N [0] = 1: the consumers
@@ -413,6 +423,8 @@ constexpr unsigned CONSUMER_STAGING_BYTES = 2 * EPI_GROUP * EPI_CHUNK_BYTES;
 constexpr unsigned STAGING_BYTES = STAGED_EPILOGUE ? CONSUMERS * CONSUMER_STAGING_BYTES : 0;
 // ... and per consumer the bias of its MMA_N columns, as floats.
 constexpr unsigned BIAS_BYTES = STAGED_EPILOGUE ? CONSUMERS * MMA_N * 4 : 0;
+// ... and for the ln_ epilogues (point 8) the weight rows' sums of those columns, as floats.
+constexpr unsigned WSUM_BYTES = 0;
 constexpr int CHUNK_COLS = EPI_BYTES / STORAGE_BYTES;
 constexpr int CHUNKS_PER_M64 = MMA_N / CHUNK_COLS;          // chunks across one m64 tile's columns
 constexpr int CHUNKS_PER_TILE = M_TILES * CHUNKS_PER_M64;   // chunks of one consumer's part of a tile
@@ -679,7 +691,8 @@ matmul_wgmma_tma_bias_residual_f085a83d40e7fa18_main(storage_t* out, const stora
     const unsigned low_ring = smem_base + STAGES * STAGE_BYTES;      // 3xTF32: the low parts
     const unsigned staging = low_ring + LOW_STAGES * STAGE_BYTES;   // the staged epilogue's buffers
     const unsigned bias_smem = staging + STAGING_BYTES;   // the staged epilogue's bias: [consumer][MMA_N]
-    const unsigned full_bar = bias_smem + BIAS_BYTES;
+    const unsigned wsum_smem = bias_smem + BIAS_BYTES;    // ln_: the weight rows' sums, [consumer][MMA_N]
+    const unsigned full_bar = wsum_smem + WSUM_BYTES;
     const unsigned empty_bar = full_bar + STAGES * 8;
     const unsigned turn_bar = empty_bar + STAGES * 8;   // ping-pong: turn[c], c = 0, 1
     const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]

@@ -12,10 +12,24 @@
 //! `HS = C/n_head`, `B = M/T`; element `(m = b*T + t, n = which*C + h*HS + d)` goes to
 //! `which*M*C + ((b*n_head + h)*T + t)*HS + d`).
 //!
+//! `ln_bias`, `ln_bias_gelu`, `ln_qkv`: the same three after the rows of `inp` are standardized
+//! (a layernorm without gamma and beta): `out = epilogue(rstd[m] * (sum_k inp[m,k] *
+//! weight[n,k] - mean[m] * wsum[n]) + bias[n])`, `mean[m]` and `rstd[m] = 1 / sqrt(var[m] +
+//! 1e-5)` over the K values of row m (biased variance), `bias` holding `2N` values: the bias,
+//! then `wsum`. With `wsum[n] = sum_k weight[n,k]` that is `((inp - mean) * rstd) @ weight^T +
+//! bias`, and with the layernorm's gamma folded into `weight` (`weight[n,k] * gamma[k]`) and
+//! its beta into the bias (`bias[n] + sum_k weight[n,k] * beta[k]`) it is `layernorm(inp) @
+//! weight^T + bias`: what the model runs, without the layernorm's own pass over the rows (see
+//! `model/gpu/fold.rs`). A kernel has all of a row's K values in hand anyway; it sums them (and
+//! their squares) as they pass.
+//!
 //! Tensors: `out [M*N]` (output), `inp [M,K]` uniform in `[-1, 1]`, `weight [N,K]` uniform in
 //! `[-1, 1] / sqrt(K)` (outputs stay O(1) so GELU is tested where it bends), `bias [N]` uniform
 //! in `[-1, 1]` (also for `none`, to catch kernels that add it anyway), `residual` `[M,N]` uniform
-//! in `[-1, 1]` for `bias_residual`, else a 1-element dummy. Workspace: the variant's own.
+//! in `[-1, 1]` for `bias_residual`, else a 1-element dummy. Workspace: the variant's own. For
+//! the `ln_` epilogues each row of `inp` is shifted by its own offset, uniform in `[-0.5, 0.5]`
+//! (a kernel that drops the mean's term is off by about half the output), and `wsum` is the
+//! weight rows' sums.
 
 use rand::rngs::StdRng;
 use rayon::prelude::*;
@@ -33,6 +47,23 @@ pub fn qkv_index(m: usize, n: usize, big_m: usize, big_n: usize, t_len: usize, n
     let (which, rem) = (n / c, n % c);
     let (h, d) = (rem / hs, rem % hs);
     which * big_m * c + ((b * n_head + h) * t_len + t) * hs + d
+}
+
+/// The sums of the rows of `weight` (`[N, K]`), the `wsum` half of an `ln_` epilogue's bias.
+pub fn weight_sums(weight: &[f32], k: usize) -> Vec<f32> {
+    weight
+        .chunks(k.max(1))
+        .map(|row| row.iter().map(|&w| f64::from(w)).sum::<f64>() as f32)
+        .collect()
+}
+
+/// A row's mean and `1 / sqrt(var + 1e-5)` (biased variance), as the `ln_` epilogues and the
+/// layernorm op define them.
+fn mean_rstd(row: &[f64]) -> (f64, f64) {
+    let n = row.len() as f64;
+    let mean = row.iter().sum::<f64>() / n;
+    let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
+    (mean, 1.0 / (var + super::layernorm::EPS).sqrt())
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -56,7 +87,7 @@ impl OpContract for Matmul {
         "matmul"
     }
     fn summary(&self) -> &'static str {
-        "out[M,N] = inp[M,K] @ weight[N,K]^T with a fused epilogue (bias, gelu, residual, qkv split)"
+        "out[M,N] = inp[M,K] @ weight[N,K]^T with a fused epilogue (bias, gelu, residual, qkv split; each but residual also after standardizing inp's rows: ln_)"
     }
     fn signature(&self) -> &'static str {
         "float* out, const float* inp, const float* weight, const float* bias, const float* residual, float* workspace, int M, int N, int K, int T, int n_head"
@@ -78,6 +109,9 @@ impl OpContract for Matmul {
             Epilogue::BiasGelu,
             Epilogue::BiasResidual,
             Epilogue::Qkv,
+            Epilogue::LnBias,
+            Epilogue::LnBiasGelu,
+            Epilogue::LnQkv,
         ]
     }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
@@ -85,7 +119,7 @@ impl OpContract for Matmul {
         let m = get_dim(self, shape, "M")?;
         let n = get_dim(self, shape, "N")?;
         let k = get_dim(self, shape, "K")?;
-        if epilogue == Epilogue::Qkv {
+        if epilogue.after_product() == Epilogue::Qkv {
             for var in ["T", "n_head"] {
                 if !shape.contains_key(var) {
                     return Err(OpError::MissingVar {
@@ -129,7 +163,7 @@ impl OpContract for Matmul {
         )
     }
     fn test_shapes(&self, epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        if epilogue == Epilogue::Qkv {
+        if epilogue.after_product() == Epilogue::Qkv {
             // (M, N, K, T, n_head)
             [
                 (4, 12, 3, 1, 2),
@@ -172,11 +206,20 @@ impl OpContract for Matmul {
         } else {
             vec![0.5]
         };
+        let mut inp = uniform(rng, m * k, -1.0, 1.0);
+        let mut bias = uniform(rng, n, -1.0, 1.0);
+        if epilogue.standardizes_input() {
+            let offsets = uniform(rng, m, -0.5, 0.5);
+            for (row, offset) in inp.chunks_mut(k).zip(offsets) {
+                row.iter_mut().for_each(|x| *x += offset);
+            }
+            bias.extend(weight_sums(&weight, k));
+        }
         let tensors = vec![
             TensorArg::output_f32("out", m * n),
-            TensorArg::input_f32("inp", uniform(rng, m * k, -1.0, 1.0)),
+            TensorArg::input_f32("inp", inp),
             TensorArg::input_f32("weight", weight),
-            TensorArg::input_f32("bias", uniform(rng, n, -1.0, 1.0)),
+            TensorArg::input_f32("bias", bias),
             TensorArg::input_f32("residual", residual),
         ];
         let args = vec![
@@ -200,7 +243,14 @@ impl OpContract for Matmul {
         let weight = to_f64(problem.f32s("weight"));
         let bias = problem.f32s("bias");
         let residual = problem.f32s("residual");
-        let epilogue = problem.epilogue;
+        let standardize = problem.epilogue.standardizes_input();
+        let epilogue = problem.epilogue.after_product();
+        // Each row's (mean, rstd) for the `ln_` epilogues, and the weight sums they subtract.
+        let row_stats: Vec<(f64, f64)> = if standardize {
+            inp.chunks(k.max(1)).map(mean_rstd).collect()
+        } else {
+            Vec::new()
+        };
         let mut out = vec![0.0f64; m * n];
         // Blocks of rows share each weight row while it is in cache; at least as many blocks as
         // threads (the tuner checks the LM head on only ~50 rows).
@@ -215,6 +265,10 @@ impl OpContract for Matmul {
                     for r in 0..rows {
                         let mm = m0 + r;
                         let mut x = dot(&inp[mm * k..][..k], w);
+                        if standardize {
+                            let (mean, rstd) = row_stats[mm];
+                            x = rstd * (x - mean * bias[n + j] as f64);
+                        }
                         if epilogue != Epilogue::None {
                             x += bias[j] as f64;
                         }
@@ -269,6 +323,69 @@ mod tests {
         assert!((g[1] - 0.8411919906).abs() < 1e-9);
         for (x, want) in g.iter().zip([1.5, 1.0, 5.0, 3.5, 3.0, 9.0]) {
             assert!((x - gelu_f64(want)).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn ln_bias_by_hand() {
+        // Rows [1,2] and [3,4] of hand_problem both standardize to [-0.5, 0.5] * rstd, rstd =
+        // 1 / sqrt(0.25 + 1e-5) (about 2); @ weight^T = [-0.5, 0.5, 0] * rstd, + bias [0.5, -1, 2].
+        let mut p = hand_problem(Epilogue::LnBias);
+        p.tensors[3].data = HostData::F32(vec![0.5, -1.0, 2.0, 1.0, 1.0, 2.0]);
+        let rstd = 1.0 / (0.25f64 + 1e-5).sqrt();
+        let want = [-0.5 * rstd + 0.5, 0.5 * rstd - 1.0, 2.0];
+        let got = Matmul.reference(&p)[0].1.clone();
+        for (g, w) in got.iter().zip(want.iter().chain(want.iter())) {
+            assert!((g - w).abs() < 1e-12, "{got:?}");
+        }
+    }
+
+    /// Each `ln_` epilogue is its plain epilogue applied to the explicitly standardized rows,
+    /// when the bias's second half holds the weight rows' sums (as the problems are built).
+    #[test]
+    fn ln_epilogues_are_their_epilogue_on_standardized_rows() {
+        let plain = shape_of(&[("M", 7), ("N", 12), ("K", 9)]);
+        let qkv = shape_of(&[("M", 6), ("N", 12), ("K", 9), ("T", 3), ("n_head", 2)]);
+        for e in [Epilogue::LnBias, Epilogue::LnBiasGelu, Epilogue::LnQkv] {
+            let shape = if e == Epilogue::LnQkv { &qkv } else { &plain };
+            let p = Matmul
+                .problem(shape, e, Mask::None, &mut StdRng::seed_from_u64(5))
+                .unwrap();
+            let (m, n, k) = (p.dim("M"), p.dim("N"), p.dim("K"));
+            assert_eq!(p.f32s("bias").len(), 2 * n);
+            assert_eq!(&p.f32s("bias")[n..], &weight_sums(p.f32s("weight"), k)[..]);
+            let mut q = Matmul
+                .problem(shape, e.after_product(), Mask::None, &mut StdRng::seed_from_u64(5))
+                .unwrap();
+            let standardized: Vec<f32> = p
+                .f32s("inp")
+                .chunks(k)
+                .flat_map(|row| {
+                    let (mean, rstd) = mean_rstd(&to_f64(row));
+                    row.iter()
+                        .map(move |&x| ((x as f64 - mean) * rstd) as f32)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            q.tensors[1].data = HostData::F32(standardized);
+            q.tensors[2].data = p.tensors[2].data.clone();
+            q.tensors[3].data = HostData::F32(p.f32s("bias")[..n].to_vec());
+            let (got, want) = (&Matmul.reference(&p)[0].1, &Matmul.reference(&q)[0].1);
+            assert_eq!(got.len(), m * n);
+            let err = relative_l2_error(&got.iter().map(|&x| x as f32).collect::<Vec<_>>(), want);
+            assert!(err < 1e-6, "{e}: {err}");
+            // The row offsets matter: without the mean's term the result is far off.
+            let mut dropped = p.clone();
+            dropped.tensors[3].data = HostData::F32([&p.f32s("bias")[..n], &vec![0.0; n][..]].concat());
+            let err = relative_l2_error(
+                &Matmul.reference(&dropped)[0]
+                    .1
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect::<Vec<_>>(),
+                want,
+            );
+            assert!(err > 0.05, "{e}: {err}");
         }
     }
 

@@ -43,6 +43,11 @@ pub enum Epilogue {
     BiasGelu,
     BiasResidual,
     Qkv,
+    /// `bias`, `bias_gelu` and `qkv` of the rows of `inp` standardized first (the layernorm
+    /// folded into the matmul; see `ops/matmul.rs`).
+    LnBias,
+    LnBiasGelu,
+    LnQkv,
 }
 
 /// Attention mask (`none` for other ops).
@@ -56,12 +61,15 @@ pub enum Mask {
 }
 
 impl Epilogue {
-    pub const ALL: [Epilogue; 5] = [
+    pub const ALL: [Epilogue; 8] = [
         Epilogue::None,
         Epilogue::Bias,
         Epilogue::BiasGelu,
         Epilogue::BiasResidual,
         Epilogue::Qkv,
+        Epilogue::LnBias,
+        Epilogue::LnBiasGelu,
+        Epilogue::LnQkv,
     ];
 
     /// The spec / CLI spelling (`bias_gelu`).
@@ -72,7 +80,34 @@ impl Epilogue {
             Epilogue::BiasGelu => "bias_gelu",
             Epilogue::BiasResidual => "bias_residual",
             Epilogue::Qkv => "qkv",
+            Epilogue::LnBias => "ln_bias",
+            Epilogue::LnBiasGelu => "ln_bias_gelu",
+            Epilogue::LnQkv => "ln_qkv",
         }
+    }
+
+    /// Whether the rows of the matmul's input are standardized (a layernorm without its
+    /// gamma and beta, which the model folds into the weight and bias) before the product.
+    pub fn standardizes_input(self) -> bool {
+        matches!(self, Epilogue::LnBias | Epilogue::LnBiasGelu | Epilogue::LnQkv)
+    }
+
+    /// What is applied to the product: the epilogue itself, or for the `ln_` ones the epilogue
+    /// they add standardization to (`ln_qkv` → `qkv`).
+    pub fn after_product(self) -> Epilogue {
+        match self {
+            Epilogue::LnBias => Epilogue::Bias,
+            Epilogue::LnBiasGelu => Epilogue::BiasGelu,
+            Epilogue::LnQkv => Epilogue::Qkv,
+            e => e,
+        }
+    }
+
+    /// The `ln_` epilogue that standardizes the input and then applies this one, if there is one.
+    pub fn with_standardized_input(self) -> Option<Epilogue> {
+        Epilogue::ALL
+            .into_iter()
+            .find(|e| e.standardizes_input() && e.after_product() == self)
     }
 }
 

@@ -265,7 +265,7 @@ pub fn strip_plot(
 /// variant is a faint dot; the line joins the best time reached with each value, so a flat
 /// line means the knob did not matter. `y_range` is shared by a page's small plots.
 pub fn param_plot(title: &str, values: &[(i64, Vec<f64>)], y_range: (f64, f64), colour: usize) -> String {
-    let (w, h, left, right, top, bottom) = (230.0, 150.0, 46.0, 10.0, 20.0, 112.0);
+    let (w, h, left, right, top, bottom) = (230.0, 132.0, 46.0, 10.0, 20.0, 112.0);
     let x = |i: usize| left + 14.0 + (w - left - right - 28.0) * (i as f64 + 0.5) / values.len().max(1) as f64;
     let y = Scale {
         lo: y_range.0,
@@ -276,7 +276,8 @@ pub fn param_plot(title: &str, values: &[(i64, Vec<f64>)], y_range: (f64, f64), 
     };
     let mut c = Canvas::new(w, h, &format!("{title}: time against the parameter's values"));
     c.text(left, 13.0, "small-title", title);
-    c.y_axis(&y, left, w - right, &y.ticks(4), "ms");
+    // The unit and what the line means are said once above the plots, not in each of them.
+    c.y_axis(&y, left, w - right, &y.ticks(4), "");
     c.line(left, bottom, w - right, bottom, "axis");
     let mut best = Vec::new();
     for (i, (value, times)) in values.iter().enumerate() {
@@ -286,11 +287,13 @@ pub fn param_plot(title: &str, values: &[(i64, Vec<f64>)], y_range: (f64, f64), 
         if i % label_every == 0 || i + 1 == step {
             c.text(px, bottom + 14.0, "tick mid", &value.to_string());
         }
-        c.group(&format!("faint c{}", colour % COLOURS));
-        for (j, t) in times.iter().enumerate() {
-            let jitter = ((j * 31) % 9) as f64 - 4.0;
-            c.circle(px + jitter, y.px(*t), 2.0, "", None);
-        }
+        c.group("faint");
+        let dots: Vec<(f64, f64)> = times
+            .iter()
+            .enumerate()
+            .map(|(j, t)| (px + ((j * 31) % 9) as f64 - 4.0, y.px(*t)))
+            .collect();
+        c.dots(&dots, 2.0, &format!("s{}", colour % COLOURS));
         c.end_group();
         if let Some(b) = times.iter().copied().reduce(f64::min) {
             best.push((px, y.px(b)));
@@ -304,12 +307,6 @@ pub fn param_plot(title: &str, values: &[(i64, Vec<f64>)], y_range: (f64, f64), 
     if best.len() > 1 {
         c.polyline(&best, &format!("best s{}", colour % COLOURS));
     }
-    c.text(
-        (left + w - right) / 2.0,
-        h - 6.0,
-        "label mid",
-        "value (line: best time per value)",
-    );
     c.finish()
 }
 

@@ -302,9 +302,11 @@ impl Family {
             vars.set(k, *v);
         }
         // What the epilogue reads and writes beyond a plain matrix: a kernel may take a tensor
-        // map of the residual only when there is one, and views qkv's output as per-head rows.
+        // map of the residual only when there is one, views qkv's output as per-head rows, and
+        // an ln_ epilogue's kernel holds whole rows of the input.
         vars.set("epilogue_residual", i64::from(epilogue == Epilogue::BiasResidual));
-        vars.set("epilogue_qkv", i64::from(epilogue == Epilogue::Qkv));
+        vars.set("epilogue_qkv", i64::from(epilogue.after_product() == Epilogue::Qkv));
+        vars.set("epilogue_ln", i64::from(epilogue.standardizes_input()));
         vars
     }
 

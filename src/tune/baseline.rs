@@ -72,6 +72,8 @@ pub(super) fn set_math_mode(blas: &CudaBlas, dtype: Dtype) -> Result<(), RunErro
 pub struct CublasBaseline {
     blas: CudaBlas,
     split: Vec<(Storage, CudaFunction)>,
+    /// The standardization pass the `ln_` epilogues' peers run first, one per storage type.
+    standardize: Vec<(Storage, CudaFunction)>,
     lt: Result<CublasLt, String>,
 }
 
@@ -84,6 +86,8 @@ struct PeerBuffers {
     out: CudaSlice<u8>,
     /// The GEMM result the split kernel reads (QKV only).
     scratch: Option<CudaSlice<u8>>,
+    /// The standardized rows of `inp` the GEMM reads (`ln_` epilogues only).
+    standardized: Option<CudaSlice<u8>>,
 }
 
 impl PeerBuffers {
@@ -118,13 +122,23 @@ impl PeerBuffers {
             } else {
                 None
             },
+            standardized: if case.epilogue.standardizes_input() {
+                Some(
+                    gpu.stream
+                        .alloc_zeros::<u8>(case.m * case.k * problem.storage.bytes())
+                        .map_err(gpu_err(case, "allocating the peer's standardized input"))?,
+                )
+            } else {
+                None
+            },
         })
     }
 
     fn operands(&self, gpu: &Gpu) -> Operands {
         let ptr = |s: &CudaSlice<u8>| s.device_ptr(&gpu.stream).0;
         Operands {
-            inp: ptr(&self.inp),
+            // The ln_ peers' GEMM reads the standardized rows.
+            inp: ptr(self.standardized.as_ref().unwrap_or(&self.inp)),
             weight: ptr(&self.weight),
             bias: ptr(&self.bias),
             residual: ptr(&self.residual),
@@ -156,6 +170,9 @@ impl Session<'_> {
     /// Enqueues the peer on copy `i`.
     fn enqueue(&self, gpu: &Gpu, i: usize) -> Result<(), PeerError> {
         let ops = &self.operands[i];
+        if let Some(standardized) = &self.copies[i].standardized {
+            self.enqueue_standardize(gpu, standardized, &self.copies[i].inp)?;
+        }
         match &self.how {
             How::Lt { plan, choice } => Ok(plan.enqueue(gpu, ops, &choice.algo)?),
             How::Split { kernel } => {
@@ -217,6 +234,39 @@ impl Session<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// The `ln_` peers' first pass: the rows of `inp` standardized into `standardized`.
+    fn enqueue_standardize(
+        &self,
+        gpu: &Gpu,
+        standardized: &CudaSlice<u8>,
+        inp: &CudaSlice<u8>,
+    ) -> Result<(), PeerError> {
+        let case = self.case;
+        let kernel = self
+            .baseline
+            .standardize
+            .iter()
+            .find(|(s, _)| *s == self.storage)
+            .map(|(_, f)| f)
+            .ok_or_else(|| PeerError::Problem {
+                case,
+                message: "no standardization kernel for this storage type".into(),
+            })?;
+        const WARPS: u32 = 8; // rows per block, one warp each
+        let cfg = LaunchConfig {
+            grid_dim: ((case.m as u32).div_ceil(WARPS), 1, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (out, inp) = (standardized.device_ptr(&gpu.stream).0, inp.device_ptr(&gpu.stream).0);
+        let (m, k) = (case.m as i32, case.k as i32);
+        let mut b = gpu.stream.launch_builder(kernel);
+        b.arg(&out).arg(&inp).arg(&m).arg(&k);
+        // SAFETY: inp holds M*K values and standardized M*K, both of the storage type.
+        unsafe { b.launch(cfg) }.map_err(gpu_err(case, "launching the standardization kernel"))?;
+        Ok(())
     }
 
     /// Runs the peer once on copy 0 and downloads the first `len` output values as f32; those
@@ -292,39 +342,47 @@ fn case_of(problem: &Problem, dtype: Dtype) -> LtCase {
 impl CublasBaseline {
     /// Creates the cuBLAS handle, opens cuBLASLt (a machine without it still gets the QKV peer;
     /// every fused row then says why it has no peer) and compiles the QKV split kernels from
-    /// `templates/baseline/epilogue.cu.tera`, for every storage type.
+    /// `templates/baseline/epilogue.cu.tera` and the `ln_` peers' standardization from
+    /// `templates/baseline/standardize.cu.tera`, for every storage type.
     pub fn new(gpu: &Gpu, compiler: &Compiler, renderer: &Renderer) -> Result<CublasBaseline, RunError> {
         let blas = CudaBlas::new(gpu.stream.clone())
             .map_err(|e| launch_err("cuBLAS")(format!("cannot create a handle: {e:?}")))?;
         // Default math: the split peer's cublasGemmEx says its compute type (TF32 or not) itself.
         set_math_mode(&blas, Dtype::F32)?;
-        let mut split = Vec::new();
+        let (mut split, mut standardize) = (Vec::new(), Vec::new());
         for storage in [Storage::F32, Storage::F16, Storage::Bf16] {
             let dtype = storage_dtype(storage);
-            let code = renderer
-                .render_template(
-                    "baseline/epilogue.cu.tera",
-                    &[("epilogue", Epilogue::Qkv.as_str()), ("dtype", dtype)],
-                )
-                .map_err(|err| launch_err("baseline epilogue")(err.to_string()))?;
-            let source = Source {
-                kernel_name: format!("baseline_epilogue_qkv_{dtype}"),
-                code,
+            let load = |template: &str, kernel_name: String, function: &str| -> Result<CudaFunction, RunError> {
+                let vars = [("epilogue", Epilogue::Qkv.as_str()), ("dtype", dtype)];
+                let code = renderer
+                    .render_template(template, &vars)
+                    .map_err(|err| launch_err(function)(err.to_string()))?;
+                let compiled = compiler
+                    .compile(&Source { kernel_name, code })
+                    .map_err(|err| launch_err(function)(err.to_string()))?;
+                let module = gpu
+                    .ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+                    .map_err(GpuError::cuda(format!("loading {function}")))?;
+                Ok(module
+                    .load_function(function)
+                    .map_err(GpuError::cuda(format!("finding {function}")))?)
             };
-            let compiled = compiler
-                .compile(&source)
-                .map_err(|err| launch_err("baseline epilogue")(err.to_string()))?;
-            let module = gpu
-                .ctx
-                .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
-                .map_err(GpuError::cuda("loading the baseline epilogue"))?;
-            let f = module
-                .load_function("baseline_epilogue")
-                .map_err(GpuError::cuda("finding baseline_epilogue"))?;
-            split.push((storage, f));
+            let qkv = format!("baseline_epilogue_qkv_{dtype}");
+            split.push((storage, load("baseline/epilogue.cu.tera", qkv, "baseline_epilogue")?));
+            let name = format!("baseline_standardize_{dtype}");
+            standardize.push((
+                storage,
+                load("baseline/standardize.cu.tera", name, "baseline_standardize")?,
+            ));
         }
         let lt = CublasLt::new(gpu).map_err(|e| e.to_string());
-        Ok(CublasBaseline { blas, split, lt })
+        Ok(CublasBaseline {
+            blas,
+            split,
+            standardize,
+            lt,
+        })
     }
 
     /// Uploads `copies` copies of `problem` and sets its peer up (for cuBLASLt: the algorithm).

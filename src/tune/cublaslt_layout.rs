@@ -17,7 +17,8 @@ pub struct Fused {
     pub residual_as_c: bool,
 }
 
-/// The cuBLASLt epilogue for `epilogue`, or `None` when cuBLASLt has none (the QKV split).
+/// The cuBLASLt epilogue for `epilogue`, or `None` when cuBLASLt has none (the QKV split). For
+/// the `ln_` epilogues: the one of the GEMM that follows the peer's standardization pass.
 pub fn fused(epilogue: Epilogue) -> Option<Fused> {
     use sys::cublasLtEpilogue_t as E;
     let (epilogue, bias, residual_as_c) = match epilogue {
@@ -27,6 +28,7 @@ pub fn fused(epilogue: Epilogue) -> Option<Fused> {
         // D = A·B + 1·C + bias: the bias is added after alpha·A·B + beta·C.
         Epilogue::BiasResidual => (E::CUBLASLT_EPILOGUE_BIAS, true, true),
         Epilogue::Qkv => return None,
+        Epilogue::LnBias | Epilogue::LnBiasGelu | Epilogue::LnQkv => return fused(epilogue.after_product()),
     };
     Some(Fused {
         epilogue,

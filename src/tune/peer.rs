@@ -27,6 +27,9 @@ pub fn peer_name(epilogue: Epilogue) -> &'static str {
         Epilogue::BiasGelu => "cuBLASLt bias+gelu (fused)",
         Epilogue::BiasResidual => "cuBLASLt bias+residual (fused, C=residual)",
         Epilogue::Qkv => "cuBLAS + qkv split kernel (unfused)",
+        Epilogue::LnBias => "standardize kernel + cuBLASLt bias (fused)",
+        Epilogue::LnBiasGelu => "standardize kernel + cuBLASLt bias+gelu (fused)",
+        Epilogue::LnQkv => "standardize kernel + cuBLAS + qkv split kernel (unfused)",
     }
 }
 
@@ -130,7 +133,7 @@ fn dim(problem: &Problem, name: &str) -> usize {
 pub fn head_rows(problem: &Problem, rows: usize) -> usize {
     let m = dim(problem, "M");
     let mut rows = rows.clamp(1, m.max(1));
-    if problem.epilogue == Epilogue::Qkv {
+    if problem.epilogue.after_product() == Epilogue::Qkv {
         rows = rows.min(dim(problem, "T").max(1));
     }
     rows
@@ -139,7 +142,7 @@ pub fn head_rows(problem: &Problem, rows: usize) -> usize {
 /// Output elements the first `rows` rows occupy at the start of the output (for the QKV split,
 /// the whole output: its rows are spread over the head-major layout).
 pub fn head_len(problem: &Problem, rows: usize) -> usize {
-    if problem.epilogue == Epilogue::Qkv {
+    if problem.epilogue.after_product() == Epilogue::Qkv {
         dim(problem, "M") * dim(problem, "N")
     } else {
         head_rows(problem, rows) * dim(problem, "N")
@@ -186,7 +189,7 @@ pub fn head_problem(problem: &Problem, rows: usize) -> Result<Problem, String> {
 pub fn gather_head<T: Copy + Default>(problem: &Problem, out: &[T], rows: usize) -> Vec<T> {
     let rows = head_rows(problem, rows);
     let (m, n) = (dim(problem, "M"), dim(problem, "N"));
-    if problem.epilogue != Epilogue::Qkv {
+    if problem.epilogue.after_product() != Epilogue::Qkv {
         return out[..(rows * n).min(out.len())].to_vec();
     }
     let (t, nh) = (dim(problem, "T"), dim(problem, "n_head"));
@@ -244,6 +247,9 @@ mod tests {
             (Epilogue::BiasGelu, &plain[..]),
             (Epilogue::BiasResidual, &plain[..]),
             (Epilogue::Qkv, &qkv[..]),
+            (Epilogue::LnBias, &plain[..]),
+            (Epilogue::LnBiasGelu, &plain[..]),
+            (Epilogue::LnQkv, &qkv[..]),
         ] {
             let p = problem(e, dims);
             let full = Matmul.reference(&p)[0].1.clone();
@@ -280,6 +286,18 @@ mod tests {
             assert_eq!(
                 peer_name(e).starts_with("cuBLASLt"),
                 super::super::cublaslt::fused(e).is_some(),
+                "{e}"
+            );
+        }
+        // The ln_ epilogues' peer standardizes the rows first, then runs the plain one's peer.
+        for e in [Epilogue::LnBias, Epilogue::LnBiasGelu, Epilogue::LnQkv] {
+            assert_eq!(
+                peer_name(e),
+                format!("standardize kernel + {}", peer_name(e.after_product()))
+            );
+            assert_eq!(
+                super::super::cublaslt::fused(e),
+                super::super::cublaslt::fused(e.after_product()),
                 "{e}"
             );
         }

@@ -125,7 +125,7 @@ pub fn verification_shape(w: &Workload) -> Shape {
         "matmul" => {
             let work = get(&s, "N") * get(&s, "K");
             let rows = (2_000_000_000 / work.max(1)).clamp(16, 512);
-            if w.epilogue == ops::Epilogue::Qkv {
+            if w.epilogue.after_product() == ops::Epilogue::Qkv {
                 let t = get(&s, "T").min(rows).max(1);
                 s.insert("T".into(), t);
                 s.insert("M".into(), t);

@@ -121,6 +121,23 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
         mm("LM head (tied wte)", Epilogue::None, cfg.padded_vocab_size as i64, c, 1),
     ];
     if seq > 1 {
+        // The prefill's GEMMs after a layernorm, with the layernorm folded in (an ln_
+        // epilogue): the model runs them instead of layernorm + GEMM where they are faster
+        // than the two (see model/gpu/fold_select.rs). Offers, not needs: `tune` drops them
+        // where no family can run them (SpreadPlan::new). Not the LM head's: summing each row
+        // in the K loop costs its consumers more instructions than the MMAs leave them time
+        // for, and it measured 1.32 against 0.95 + 0.015 ms (bf16, M = 8192, H100;
+        // benches/RESULTS.md); `ln_bias` stays for `tune --op` and the model's forced folding.
+        out.extend([
+            mm(
+                "qkv projection (layernorm folded, QKV split)",
+                Epilogue::LnQkv,
+                3 * c,
+                c,
+                l,
+            ),
+            mm("fc (layernorm folded, bias+GELU)", Epilogue::LnBiasGelu, 4 * c, c, l),
+        ]);
         out.insert(
             3,
             Workload {
@@ -180,7 +197,9 @@ mod tests {
                 (768, 768, Epilogue::BiasResidual),
                 (3072, 768, Epilogue::BiasGelu),
                 (768, 3072, Epilogue::BiasResidual),
-                (50304, 768, Epilogue::None)
+                (50304, 768, Epilogue::None),
+                (2304, 768, Epilogue::LnQkv),
+                (3072, 768, Epilogue::LnBiasGelu),
             ]
         );
         assert!(w.iter().filter(|w| w.op == "matmul").all(|w| w.shape["M"] == 8192));

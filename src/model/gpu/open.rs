@@ -10,7 +10,7 @@ use anyhow::{anyhow, bail, Context, Result as AnyResult};
 
 use super::buffers::ReplicaMemory;
 use super::exec::LaunchMode;
-use super::{ptr, GpuBackend, LayerPtrs, ATTENTION_DECODE_OP, KV_APPEND_OP};
+use super::{ptr, GpuBackend, LayerPtrs, LayernormFolding, ATTENTION_DECODE_OP, FOLD_LAYERNORMS_ENV, KV_APPEND_OP};
 use crate::gpu::{Compiler, Gpu, GpuError};
 use crate::model::engine::DecodeEngine;
 use crate::model::weights::GPT2Model;
@@ -167,6 +167,11 @@ impl GpuBackend {
         let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
         gpu.synchronize()?;
         let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
+        let fold_env = std::env::var(FOLD_LAYERNORMS_ENV).ok();
+        let ln_folding = LayernormFolding::from_env_value(fold_env.as_deref()).unwrap_or_else(|why| {
+            notes.push(why);
+            LayernormFolding::default()
+        });
         let mut backend = GpuBackend {
             model,
             name,
@@ -200,6 +205,8 @@ impl GpuBackend {
             megakernel: None,
             megakernel_point: Vec::new(),
             mlp_weights: Vec::new(),
+            ln_folding,
+            folded: Default::default(),
             decode_graphs: HashMap::new(),
             prepared: None,
             buffers_generation: 0,

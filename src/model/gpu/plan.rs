@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result as AnyResult};
 
+use super::fold::FoldRole;
 use super::select::{Kernel, Kernels};
 use super::{i32_arg, ptr, with, GpuBackend, ARGMAX_OP};
 use crate::gpu::ArgValue;
@@ -184,8 +185,9 @@ impl GpuBackend {
         for (l, &(kc, vc)) in kv.iter().enumerate() {
             let lw = self.layers[l];
             plan.layer = Some(l);
-            self.layernorm(&mut plan, &ks.layernorm, ln, x, lw.ln1_w, lw.ln1_b)?;
-            self.matmul(&mut plan, &ks.qkv, qkv, ln, lw.qkv_w, lw.qkv_b, 0)?;
+            // ln_1 and the qkv projection, or the projection with ln_1 folded in, reading x.
+            let (inp, weight, bias) = self.after_layernorm(&mut plan, ks, FoldRole::Qkv, Some(l), x)?;
+            self.matmul(&mut plan, &ks.qkv, qkv, inp, weight, bias, 0)?;
             if let (Some(k), Some((s, launches))) = (&ks.kv_append, &kv_plan) {
                 let args = [
                     ArgValue::Ptr(kc),
@@ -245,11 +247,11 @@ impl GpuBackend {
                 ln,
             )?;
             std::mem::swap(&mut x, &mut y);
-            self.layernorm(&mut plan, &ks.layernorm, ln, x, lw.ln2_w, lw.ln2_b)?;
+            let (inp, weight, bias) = self.after_layernorm(&mut plan, ks, FoldRole::Fc, Some(l), x)?;
             match &ks.gelu {
-                None => self.matmul(&mut plan, &ks.fc, fc, ln, lw.fc_w, lw.fc_b, 0)?,
+                None => self.matmul(&mut plan, &ks.fc, fc, inp, weight, bias, 0)?,
                 Some(gelu) => {
-                    self.matmul(&mut plan, &ks.fc, fc_pre, ln, lw.fc_w, lw.fc_b, 0)?;
+                    self.matmul(&mut plan, &ks.fc, fc_pre, inp, weight, bias, 0)?;
                     let args = [ArgValue::Ptr(fc), ArgValue::Ptr(fc_pre), i32_arg(rows * 4 * c, "N")?];
                     plan.launch(gelu, &args);
                 }
@@ -259,8 +261,12 @@ impl GpuBackend {
         }
 
         plan.layer = None;
-        self.layernorm(&mut plan, &ks.layernorm, ln, x, self.lnf_w, self.lnf_b)?;
-        let (head_in, head_rows) = if head == HeadRows::Last && t > 1 {
+        let last_rows = head == HeadRows::Last && t > 1;
+        if last_rows && ks.folded.lm_head {
+            bail!("the LM head of the last rows reads copies of ln_f's output; its kernel set must not fold ln_f");
+        }
+        let (head_in, head_weight, head_bias) = self.after_layernorm(&mut plan, ks, FoldRole::LmHead, None, x)?;
+        let (head_in, head_rows) = if last_rows {
             for s in 0..b {
                 plan.steps.push(Step::Copy {
                     dst: last + (s * c * e) as u64,
@@ -270,10 +276,10 @@ impl GpuBackend {
             }
             (last, b)
         } else {
-            (ln, rows)
+            (head_in, rows)
         };
         debug_assert_eq!(ks.lm_head.shape["M"] as usize, head_rows);
-        self.matmul(&mut plan, &ks.lm_head, logits, head_in, self.wte, 0, 0)?;
+        self.matmul(&mut plan, &ks.lm_head, logits, head_in, head_weight, head_bias, 0)?;
         if decode && head == HeadRows::Greedy {
             plan.steps.push(self.argmax_step(ks, b)?);
         }
@@ -281,6 +287,45 @@ impl GpuBackend {
             steps: plan.steps,
             head_rows,
         })
+    }
+
+    /// What the matmul of `role` after a layernorm reads, as (input, weight, bias): with the
+    /// layernorm folded in (see `ks.folded`), the residual stream `x` itself and the folded
+    /// operands of `layer`; else the layernorm of `x` into `act.ln`, launched here, and the
+    /// model's own weight and bias (the LM head: the tied `wte`, no bias).
+    fn after_layernorm(
+        &mut self,
+        plan: &mut Builder,
+        ks: &Kernels,
+        role: FoldRole,
+        layer: Option<usize>,
+        x: u64,
+    ) -> AnyResult<(u64, u64, u64)> {
+        if ks.folded.get(role) {
+            let Some(f) = self.folded.get(role, layer) else {
+                bail!(
+                    "{} runs with {} folded in, but the folded weights were not uploaded",
+                    role.matmul(),
+                    role.layernorm()
+                );
+            };
+            return Ok((x, f.weight, f.bias));
+        }
+        let ((gamma, beta), (weight, bias)) = match (role, layer) {
+            (FoldRole::Qkv, Some(l)) => {
+                let lw = self.layers[l];
+                ((lw.ln1_w, lw.ln1_b), (lw.qkv_w, lw.qkv_b))
+            }
+            (FoldRole::Fc, Some(l)) => {
+                let lw = self.layers[l];
+                ((lw.ln2_w, lw.ln2_b), (lw.fc_w, lw.fc_b))
+            }
+            (FoldRole::LmHead, None) => ((self.lnf_w, self.lnf_b), (self.wte, 0)),
+            (role, layer) => bail!("{} has no layernorm before it in layer {layer:?}", role.matmul()),
+        };
+        let ln = self.act.ln.ptr(&self.gpu);
+        self.layernorm(plan, &ks.layernorm, ln, x, gamma, beta)?;
+        Ok((ln, weight, bias))
     }
 
     /// `out = residual + inp @ W^T + bias`: fused (`bias_residual`) or, unfused, a `bias`

@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result as AnyResult};
 
+use super::fold::{FoldRole, FoldedLayernorms};
 use super::{shape, GpuBackend, ARGMAX_OP, ATTENTION_DECODE_OP, KV_APPEND_OP, UNFUSED_ATTENTION_FAMILY};
 use crate::gpu::{GpuError, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask, Shape};
-use crate::spec::{expand, shape_text, Launch, Points, Variant};
+use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
 use crate::tune::registry::{variant_kind, Choice};
 use crate::tune::workloads::{kernel_dtype, op_dtype};
 
@@ -43,6 +44,18 @@ pub(super) struct Kernels {
     pub lm_head: Kernel,
     /// Decode steps only: greedy choice of the next tokens on the device.
     pub argmax: Option<Kernel>,
+    /// The layernorms this prefill runs folded into the matmul after them (their kernels are
+    /// `ln_` ones; `fold_select.rs`). None for decode steps and the unfused path.
+    pub folded: FoldedLayernorms,
+}
+
+/// What a kernel is chosen by: see [`GpuBackend::selection_of`].
+pub(super) struct Selection {
+    /// The completed shape it runs on.
+    pub shape: Shape,
+    /// The shape it is chosen for (the tuning key's).
+    pub select_shape: Shape,
+    pub dtype: Dtype,
 }
 
 impl GpuBackend {
@@ -69,18 +82,18 @@ impl GpuBackend {
         op: &str,
         epilogue: Epilogue,
         mask: Mask,
-        mut shape: Shape,
+        shape: Shape,
         force_family: Option<&str>,
         point: &[(String, i64)],
     ) -> AnyResult<Kernel> {
-        let contract = ops::op_by_name(op).ok_or_else(|| anyhow!("op `{op}` does not exist in this build"))?;
-        contract
-            .complete_shape(&mut shape, epilogue, mask)
-            .with_context(|| format!("{role}: shape {}", shape_text(&shape)))?;
-        // The shape kernels are chosen for: this one, or the whole batch's when this backend
-        // runs a slice of it (see `set_selection_batch`).
-        let select_shape = self.selection_shape(contract, epilogue, &shape);
-        let dtype = kernel_dtype(op, select_shape.get("M").copied(), self.dtype);
+        let Selection {
+            shape,
+            select_shape,
+            dtype,
+            ..
+        } = self
+            .selection_of(op, epilogue, mask, shape)
+            .with_context(|| role.to_string())?;
         let key = format!(
             "{role}|{op}|{dtype}|{}|{}|{}|{:?}|{}|{}",
             epilogue.as_str(),
@@ -177,6 +190,29 @@ impl GpuBackend {
         Ok(k)
     }
 
+    /// For (op, epilogue, mask, shape): the completed shape, the shape
+    /// kernels are chosen for (this one, or the whole batch's when this backend runs a slice of
+    /// it: see `set_selection_batch`) and the dtype the kernel runs in.
+    pub(super) fn selection_of(
+        &self,
+        op: &str,
+        epilogue: Epilogue,
+        mask: Mask,
+        mut shape: Shape,
+    ) -> AnyResult<Selection> {
+        let contract = ops::op_by_name(op).ok_or_else(|| anyhow!("op `{op}` does not exist in this build"))?;
+        contract
+            .complete_shape(&mut shape, epilogue, mask)
+            .with_context(|| format!("shape {}", shape_text(&shape)))?;
+        let select_shape = self.selection_shape(contract, epilogue, &shape);
+        let dtype = kernel_dtype(op, select_shape.get("M").copied(), self.dtype);
+        Ok(Selection {
+            shape,
+            select_shape,
+            dtype,
+        })
+    }
+
     /// `shape` with its row dimensions scaled from this backend's batch to the selection batch
     /// (set by [`GpuBackend::kernels`] from [`GpuBackend::set_selection_batch`]); the qkv
     /// matmul's `T` is the sequence length, not a row count, and stays.
@@ -187,7 +223,7 @@ impl GpuBackend {
             return s;
         }
         for dim in contract.row_dims() {
-            if *dim == "T" && epilogue == Epilogue::Qkv {
+            if *dim == "T" && epilogue.after_product() == Epilogue::Qkv {
                 continue;
             }
             if let Some(v) = s.get_mut(*dim) {
@@ -265,7 +301,19 @@ impl GpuBackend {
             shape(&[("N", m), ("C", c)]),
             None,
         )?;
-        let qkv = self.kernel("qkv", "matmul", Epilogue::Qkv, Mask::None, mm(3 * c, c, m, ti), None)?;
+        // A prefill may fold each layernorm into the matmul after it (not the LM head of the
+        // last rows only, which reads copies of the layernorm's output).
+        let foldable = !decode && !unfused;
+        let mut folded = FoldedLayernorms::default();
+        let mut fold_report = Vec::new();
+        let (qkv, qkv_folded) = self.matmul_after_layernorm(
+            FoldRole::Qkv,
+            Epilogue::Qkv,
+            mm(3 * c, c, m, ti),
+            foldable,
+            &mut fold_report,
+        )?;
+        folded.set(FoldRole::Qkv, qkv_folded);
         let kv_append = if self.decode_missing.is_none() {
             Some(self.kernel(
                 "kv_append",
@@ -309,7 +357,9 @@ impl GpuBackend {
             )?
         };
         let attn_proj = self.kernel("attn_proj", "matmul", bias_res, Mask::None, mm(c, c, m, ti), None)?;
-        let fc = self.kernel("fc", "matmul", bias_gelu, Mask::None, mm(4 * c, c, m, ti), None)?;
+        let (fc, fc_folded) =
+            self.matmul_after_layernorm(FoldRole::Fc, bias_gelu, mm(4 * c, c, m, ti), foldable, &mut fold_report)?;
+        folded.set(FoldRole::Fc, fc_folded);
         let fc_proj = self.kernel("fc_proj", "matmul", bias_res, Mask::None, mm(c, 4 * c, m, ti), None)?;
         let (gelu, residual) = if unfused {
             (
@@ -333,12 +383,20 @@ impl GpuBackend {
         } else {
             (None, None)
         };
-        let head_shape = if last_only && t > 1 {
-            mm(vp, c, bi, 1)
-        } else {
-            mm(vp, c, m, ti)
-        };
-        let lm_head = self.kernel("lm_head", "matmul", Epilogue::None, Mask::None, head_shape, None)?;
+        let last_rows = last_only && t > 1;
+        let head_shape = if last_rows { mm(vp, c, bi, 1) } else { mm(vp, c, m, ti) };
+        let (lm_head, head_folded) = self.matmul_after_layernorm(
+            FoldRole::LmHead,
+            Epilogue::None,
+            head_shape,
+            foldable && !last_rows,
+            &mut fold_report,
+        )?;
+        folded.set(FoldRole::LmHead, head_folded);
+        if !fold_report.is_empty() {
+            self.notes
+                .push(format!("prefill of {b}x{t}: {}", fold_report.join("; ")));
+        }
         let argmax_available =
             ops::op_by_name(ARGMAX_OP).is_some() && self.registry.catalog.has_dtype(ARGMAX_OP, op_dtype(self.dtype));
         let argmax = if decode && argmax_available {
@@ -360,6 +418,7 @@ impl GpuBackend {
             residual,
             lm_head,
             argmax,
+            folded,
         })
     }
 }

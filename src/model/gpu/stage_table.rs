@@ -326,6 +326,11 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                     stage.gamma = norm.gamma;
                     stage.beta = norm.beta;
                 }
+                if node.epilogue.standardizes_input() {
+                    return Err(unsupported(
+                        "an ln_ matmul (a layernorm folded into a prefill GEMM) is not a decode stage",
+                    ));
+                }
                 stage.epilogue = epilogue_code(node.epilogue);
                 if node.epilogue == Epilogue::Qkv {
                     // k_cache, v_cache, k, v, B, NH, T, max_T, HS, pos

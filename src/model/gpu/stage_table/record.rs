@@ -122,5 +122,7 @@ pub(super) fn epilogue_code(epilogue: Epilogue) -> i32 {
         Epilogue::BiasGelu => 2,
         Epilogue::BiasResidual => 3,
         Epilogue::Qkv => 4,
+        // Refused before (a decode stage standardizes its input with its own layernorm pass).
+        Epilogue::LnBias | Epilogue::LnBiasGelu | Epilogue::LnQkv => epilogue_code(epilogue.after_product()),
     }
 }
