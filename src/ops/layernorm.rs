@@ -18,6 +18,15 @@ pub struct LayerNorm;
 /// Layernorm epsilon.
 pub const EPS: f64 = 1e-5;
 
+/// A row's mean and `rstd = 1 / sqrt(var + EPS)` (biased variance), in f64: the statistics of
+/// this op's reference and of the matmul's `ln_` epilogues.
+pub(crate) fn mean_rstd<T: Copy + Into<f64>>(row: &[T]) -> (f64, f64) {
+    let n = row.len() as f64;
+    let mean = row.iter().map(|&x| x.into()).sum::<f64>() / n;
+    let var = row.iter().map(|&x| (x.into() - mean).powi(2)).sum::<f64>() / n;
+    (mean, 1.0 / (var + EPS).sqrt())
+}
+
 impl OpContract for LayerNorm {
     fn name(&self) -> &'static str {
         "layernorm"
@@ -87,9 +96,7 @@ impl OpContract for LayerNorm {
         let beta = problem.f32s("beta");
         let mut out = Vec::with_capacity(problem.f32s("inp").len());
         for row in problem.f32s("inp").chunks(c) {
-            let mean = row.iter().map(|&x| x as f64).sum::<f64>() / c as f64;
-            let var = row.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / c as f64;
-            let rstd = 1.0 / (var + EPS).sqrt();
+            let (mean, rstd) = mean_rstd(row);
             out.extend(
                 row.iter()
                     .zip(gamma.iter().zip(beta))

@@ -34,6 +34,7 @@
 use rand::rngs::StdRng;
 use rayon::prelude::*;
 
+use super::layernorm::mean_rstd;
 use super::*;
 
 #[derive(Debug)]
@@ -55,15 +56,6 @@ pub fn weight_sums(weight: &[f32], k: usize) -> Vec<f32> {
         .chunks(k.max(1))
         .map(|row| row.iter().map(|&w| f64::from(w)).sum::<f64>() as f32)
         .collect()
-}
-
-/// A row's mean and `1 / sqrt(var + 1e-5)` (biased variance), as the `ln_` epilogues and the
-/// layernorm op define them.
-fn mean_rstd(row: &[f64]) -> (f64, f64) {
-    let n = row.len() as f64;
-    let mean = row.iter().sum::<f64>() / n;
-    let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
-    (mean, 1.0 / (var + super::layernorm::EPS).sqrt())
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -361,7 +353,7 @@ mod tests {
                 .f32s("inp")
                 .chunks(k)
                 .flat_map(|row| {
-                    let (mean, rstd) = mean_rstd(&to_f64(row));
+                    let (mean, rstd) = mean_rstd(row);
                     row.iter()
                         .map(move |&x| ((x as f64 - mean) * rstd) as f32)
                         .collect::<Vec<_>>()

@@ -102,13 +102,6 @@ impl Epilogue {
             e => e,
         }
     }
-
-    /// The `ln_` epilogue that standardizes the input and then applies this one, if there is one.
-    pub fn with_standardized_input(self) -> Option<Epilogue> {
-        Epilogue::ALL
-            .into_iter()
-            .find(|e| e.standardizes_input() && e.after_product() == self)
-    }
 }
 
 /// An epilogue name that is not one of [`Epilogue::ALL`].

@@ -182,14 +182,18 @@ impl SpreadPlan {
             .iter()
             .map(|&ordinal| identify(ordinal).map_err(|source| SpreadError::Identify { ordinal, source }))
             .collect::<Result<Vec<_>, _>>()?;
+        let groups = group_by_kind(&devices);
         // The ln_ rows (a layernorm folded into the GEMM after it) are offers, not needs: where
         // a family cannot run them the model runs the layernorm and the plain GEMM. Kept only
-        // when every GPU of the run has candidates for them.
+        // when every kind of GPU in the run has candidates for them.
         let offers: Vec<&Workload> = workloads.iter().filter(|w| w.epilogue.standardizes_input()).collect();
-        let runnable: Vec<bool> = devices.iter().fold(vec![true; offers.len()], |keep, d| {
-            let counts = candidate_counts(catalog, &offers, &d.limits);
-            keep.iter().zip(counts).map(|(k, n)| *k && n > 0).collect()
-        });
+        let runnable: Vec<bool> = groups
+            .iter()
+            .map(|g| &devices[g[0]])
+            .fold(vec![true; offers.len()], |keep, d| {
+                let counts = candidate_counts(catalog, &offers, &d.limits);
+                keep.iter().zip(counts).map(|(k, n)| *k && n > 0).collect()
+            });
         let dropped: Vec<&Workload> = offers
             .iter()
             .zip(&runnable)
@@ -202,7 +206,6 @@ impl SpreadPlan {
             .cloned()
             .collect();
         let workloads = &workloads[..];
-        let groups = group_by_kind(&devices);
         if let (Some(path), true) = (db, groups.len() > 1) {
             return Err(SpreadError::DbForSeveralKinds {
                 path: path.to_path_buf(),

@@ -133,25 +133,6 @@ impl GpuBackend {
         self.ln_folding
     }
 
-    /// Where the registry's kernel for the matmul (epilogue, shape) would come from; `None`
-    /// when it has none.
-    fn registry_choice(&mut self, epilogue: Epilogue, shape: &Shape) -> AnyResult<Option<Choice>> {
-        let chosen = self.selection_of("matmul", epilogue, Mask::None, shape.clone())?;
-        let limits = self.gpu.info.limits;
-        Ok(self
-            .registry
-            .select(
-                "matmul",
-                chosen.dtype,
-                epilogue,
-                Mask::None,
-                &chosen.select_shape,
-                &limits,
-            )
-            .ok()
-            .map(|s| s.choice))
-    }
-
     /// The kernel of `role`'s matmul on `shape`, after its layernorm: the `ln_` one with the
     /// layernorm folded in (its operands uploaded) when `foldable` and the folding mode says
     /// so, else the plain one with `plain` as its epilogue. Returns it and whether the
@@ -170,15 +151,8 @@ impl GpuBackend {
         let why = match self.ln_folding {
             _ if !foldable => None,
             LayernormFolding::Never => None,
-            LayernormFolding::Always => match self.registry_choice(folded_epilogue, &shape)? {
-                Some(_) => Some("folding forced: always".to_string()),
-                None => {
-                    report.push(format!(
-                        "{ln} kept before {mm}: no {folded_epilogue} kernel runs this shape"
-                    ));
-                    None
-                }
-            },
+            // Where no ln_ kernel runs the shape, loading it below fails and says why.
+            LayernormFolding::Always => Some("folding forced: always".to_string()),
             LayernormFolding::WherePays => {
                 let chosen = self.selection_of("matmul", folded_epilogue, Mask::None, shape.clone())?;
                 let layernorm_dtype = kernel_dtype("layernorm", None, self.dtype);
@@ -208,20 +182,11 @@ impl GpuBackend {
                             ms_text(plain_ms),
                             ms_text(layernorm_ms)
                         );
-                        if !pays {
+                        if pays {
+                            Some(times)
+                        } else {
                             report.push(format!("{ln} kept before {mm} ({times})"));
                             None
-                        } else if !matches!(
-                            self.registry_choice(folded_epilogue, &shape)?,
-                            Some(Choice::Tuned | Choice::Nearest)
-                        ) {
-                            // the registry set the tuned entry aside (its note says why)
-                            report.push(format!(
-                                "{ln} kept before {mm}: its tuned {folded_epilogue} kernel is not usable ({times})"
-                            ));
-                            None
-                        } else {
-                            Some(times)
                         }
                     }
                 }
@@ -229,14 +194,24 @@ impl GpuBackend {
         };
         if let Some(why) = why {
             // The kernel first (compiling it can fail), then the copies it reads.
-            let folded = self
-                .kernel(mm, "matmul", folded_epilogue, Mask::None, shape.clone(), None)
-                .and_then(|k| self.ensure_folded(role).map(|()| k));
-            match folded {
-                Ok(k) => {
-                    report.push(format!("{ln} folded into {mm} ({why})"));
-                    return Ok((k, true));
+            match self.kernel(mm, "matmul", folded_epilogue, Mask::None, shape.clone(), None) {
+                // Timed from the database, the kernel must be the tuned one those times are of.
+                Ok(k)
+                    if self.ln_folding == LayernormFolding::WherePays
+                        && !matches!(k.choice, Choice::Tuned | Choice::Nearest) =>
+                {
+                    // the registry set the tuned entry aside (its note says why)
+                    report.push(format!(
+                        "{ln} kept before {mm}: its tuned {folded_epilogue} kernel is not usable ({why})"
+                    ));
                 }
+                Ok(k) => match self.ensure_folded(role) {
+                    Ok(()) => {
+                        report.push(format!("{ln} folded into {mm} ({why})"));
+                        return Ok((k, true));
+                    }
+                    Err(e) => report.push(format!("{ln} kept before {mm}: {e:#}")),
+                },
                 Err(e) => report.push(format!("{ln} kept before {mm}: {e:#}")),
             }
         }
