@@ -198,49 +198,50 @@ fn megakernel_matches_kernel_by_kernel_decode_on_the_tiny_model() {
 #[ignore = "needs a CUDA GPU"]
 fn megakernel_small_for_the_sanitizer() {
     let _lock = gpu_lock();
+    // Three steps after 140 positions, at 64 cache positions a chunk (the fitted point takes 128):
+    // the 141 to 143 positions split into two chunks.
+    let check = |what: &str, model: &Arc<GPT2Model>, batch: usize, dtype: Dtype, point: &[(&str, i64)]| {
+        let mut split = vec![("min_chunk_keys", 64)];
+        split.extend_from_slice(point);
+        compare_at(what, model, batch, dtype, 140, 3, &split);
+    };
     let tiny = model(2, 2, 128, 512, 300, 77);
-    compare("sanitizer f32 B=2", &tiny, 2, Dtype::F32, 140, 3);
-    compare("sanitizer f32 B=8 (inputs by cp.async)", &tiny, 8, Dtype::F32, 140, 3);
-    compare("sanitizer bf16 B=2 (tensor cores)", &tiny, 2, Dtype::Bf16, 140, 3);
-    compare_at(
+    check("sanitizer f32 B=2", &tiny, 2, Dtype::F32, &[]);
+    check("sanitizer f32 B=8 (inputs by cp.async)", &tiny, 8, Dtype::F32, &[]);
+    check("sanitizer bf16 B=2 (tensor cores)", &tiny, 2, Dtype::Bf16, &[]);
+    check(
         "sanitizer bf16 B=3, fused MLPs",
         &tiny,
         3,
         Dtype::Bf16,
-        140,
-        3,
         &[("fuse_mlp", 1)],
     );
-    compare_at(
+    check(
         "sanitizer bf16 B=1, keys past the slot",
         &tiny,
         1,
         Dtype::Bf16,
-        140,
-        3,
         &[("slot_kib", 16)],
     );
     // 1,152 wide: at 256 threads and 16 KiB slots an MLP task holds 3 hidden units, so each
     // block sums ~12 tasks of the stage before it adds them into the residual stream, in two
     // passes over the row (256 threads x 4 outputs a pass).
     let wide = model(1, 18, 1152, 160, 300, 78);
-    compare_at(
+    let many = [("fuse_mlp", 1), ("max_rows", 1), ("threads", 256), ("slot_kib", 16)];
+    check(
         "sanitizer bf16 B=1, fused MLPs of many tasks a block",
         &wide,
         1,
         Dtype::Bf16,
-        140,
-        3,
-        &[("fuse_mlp", 1), ("max_rows", 1), ("threads", 256), ("slot_kib", 16)],
+        &many,
     );
-    compare_at(
+    let kslice = [("fuse_mlp", 1), ("max_rows", 1), ("kslice", 1), ("slot_kib", 16)];
+    check(
         "sanitizer bf16 B=1, K cut between threads",
         &wide,
         1,
         Dtype::Bf16,
-        140,
-        3,
-        &[("fuse_mlp", 1), ("max_rows", 1), ("kslice", 1), ("slot_kib", 16)],
+        &kslice,
     );
     let mut g = backend(&tiny, 1, Dtype::Bf16, DecodeEngine::Megakernel);
     g.set_megakernel_point(vec![("bulk_copy".to_string(), 0), ("max_rows".to_string(), 1)]);
