@@ -206,6 +206,13 @@ fn megakernel_small_for_the_sanitizer() {
         compare_at(what, model, batch, dtype, 140, 3, &split);
     };
     let tiny = model(2, 2, 128, 512, 300, 77);
+    check(
+        "sanitizer f32 B=1 (attention takes eight rows a trip)",
+        &tiny,
+        1,
+        Dtype::F32,
+        &[],
+    );
     check("sanitizer f32 B=2", &tiny, 2, Dtype::F32, &[]);
     check("sanitizer f32 B=8 (inputs by cp.async)", &tiny, 8, Dtype::F32, &[]);
     check("sanitizer bf16 B=2 (tensor cores)", &tiny, 2, Dtype::Bf16, &[]);
