@@ -80,7 +80,6 @@ impl ReplicaMemory {
         if self.total() <= free {
             return Ok(());
         }
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         Err(format!(
             "{device} cannot hold the model: it needs {:.2} GiB (weights {:.2}, activations {:.2}, KV cache {:.2} for \
              {max_batch} sequences, {:.2} headroom) and has {:.2} GiB free; use a smaller --batch, a 16-bit --dtype, \
@@ -92,6 +91,45 @@ impl ReplicaMemory {
             gib(HEADROOM_BYTES),
             gib(free)
         ))
+    }
+}
+
+/// Bytes in GiB, for the figures of a memory error.
+pub(super) fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// `Err` naming `device` when an upload of `bytes`, with `margin` left for what follows it, does
+/// not fit in the device's `free` bytes; `explain(bytes, free)` words the rest from the two
+/// sizes in GiB.
+pub(super) fn upload_fits(
+    device: &str,
+    bytes: usize,
+    margin: usize,
+    free: usize,
+    explain: impl FnOnce(f64, f64) -> String,
+) -> Result<(), String> {
+    if bytes + margin <= free {
+        return Ok(());
+    }
+    Err(format!("{device}: {}", explain(gib(bytes), gib(free))))
+}
+
+impl GpuBackend {
+    /// The replica's device as errors name it: `cuda:0 (NVIDIA H100 80GB HBM3)`.
+    pub(super) fn device_label(&self) -> String {
+        format!("{} ({})", self.name, self.gpu.info.name)
+    }
+
+    /// The device's free bytes now, before an upload the start-up estimate did not count (copies
+    /// of weights that only some choices make); `before` says which in an error.
+    pub(super) fn free_memory(&self, before: &str) -> AnyResult<usize> {
+        let (free, _) = self
+            .gpu
+            .ctx
+            .mem_get_info()
+            .map_err(GpuError::cuda(format!("reading the free memory before {before}")))?;
+        Ok(free)
     }
 }
 

@@ -20,6 +20,7 @@ use anyhow::{anyhow, Result as AnyResult};
 use cudarc::driver::CudaSlice;
 use rayon::prelude::*;
 
+use super::buffers::upload_fits;
 use super::{ptr, GpuBackend};
 use crate::gpu::GpuError;
 use crate::ops::{Epilogue, Storage};
@@ -230,15 +231,9 @@ const FOLD_MARGIN_BYTES: usize = 256 << 20;
 /// `Err` with the figures when `bytes` of folded copies do not fit in the `free` bytes of
 /// `device` (the replica's estimate at start-up does not count them).
 fn folded_copies_fit(device: &str, what: &str, bytes: usize, free: usize) -> Result<(), String> {
-    if bytes + FOLD_MARGIN_BYTES <= free {
-        return Ok(());
-    }
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    Err(format!(
-        "{device}: folding {what} needs a {:.2} GiB copy of its weights and the GPU has {:.2} GiB free",
-        gib(bytes),
-        gib(free)
-    ))
+    upload_fits(device, bytes, FOLD_MARGIN_BYTES, free, |bytes, free| {
+        format!("folding {what} needs a {bytes:.2} GiB copy of its weights and the GPU has {free:.2} GiB free")
+    })
 }
 
 /// One matmul to fold, and the layernorm before it (the model's f32 master weights).
@@ -287,14 +282,9 @@ impl GpuBackend {
             FoldRole::LmHead => (cfg.padded_vocab_size, 1),
         };
         let bytes = count * (rows_per_matmul * c + 2 * rows_per_matmul) * storage.bytes();
-        let (free, _) = self
-            .gpu
-            .ctx
-            .mem_get_info()
-            .map_err(GpuError::cuda("reading the free memory before folding a layernorm"))?;
+        let free = self.free_memory("folding a layernorm")?;
         let what = format!("{} into {}", role.layernorm(), role.matmul());
-        folded_copies_fit(&format!("{} ({})", self.name, self.gpu.info.name), &what, bytes, free)
-            .map_err(|why| anyhow!(why))?;
+        folded_copies_fit(&self.device_label(), &what, bytes, free).map_err(|why| anyhow!(why))?;
         // Each matmul folded and uploaded in turn: the host holds one folded copy at a time.
         let wte = (role == FoldRole::LmHead).then(|| w.wte_padded(&cfg));
         let sources: Vec<FoldSource> = match role {

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use anyhow::{Context, Result as AnyResult};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::buffers::upload_fits;
 use super::megakernel_point::{fitted_default, most_rows, MegakernelSummary, MEGAKERNEL_FAMILY};
 use super::plan::{HeadRows, Plan};
 use super::select::{Kernel, Kernels};
@@ -252,17 +253,9 @@ impl GpuBackend {
             let c = self.model.config.n_embd;
             let storage = self.dtype.storage();
             let layers = &self.model.weights.layers;
-            let (free, _) = self
-                .gpu
-                .ctx
-                .mem_get_info()
-                .map_err(GpuError::cuda("reading the free memory before the fused MLP's weights"))?;
-            transposed_copy_fits(
-                &format!("{} ({})", self.name, self.gpu.info.name),
-                layers.len() * 4 * c * c * storage.bytes(),
-                free,
-            )
-            .map_err(|why| anyhow::anyhow!(why))?;
+            let free = self.free_memory("the fused MLP's weights")?;
+            transposed_copy_fits(&self.device_label(), layers.len() * 4 * c * c * storage.bytes(), free)
+                .map_err(|why| anyhow::anyhow!(why))?;
             // all layers or none: a failed upload leaves nothing behind for the next step to use
             let mut uploaded = Vec::with_capacity(layers.len());
             for (l, layer) in layers.iter().enumerate() {
@@ -414,17 +407,13 @@ impl GpuBackend {
 fn transposed_copy_fits(device: &str, bytes: usize, free: usize) -> Result<(), String> {
     // what the step still allocates after them: the stage table, counters and workspace
     const MARGIN: usize = 64 << 20;
-    if bytes + MARGIN <= free {
-        return Ok(());
-    }
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    Err(format!(
-        "{device}: the decode megakernel's fused MLP stages (fuse_mlp = 1) keep a transposed copy of every \
-         fc projection, {:.2} GiB, and the GPU has {:.2} GiB free; free memory on the GPU (fewer sequences, \
-         other processes) or run --decode-engine graph",
-        gib(bytes),
-        gib(free)
-    ))
+    upload_fits(device, bytes, MARGIN, free, |bytes, free| {
+        format!(
+            "the decode megakernel's fused MLP stages (fuse_mlp = 1) keep a transposed copy of every fc \
+             projection, {bytes:.2} GiB, and the GPU has {free:.2} GiB free; free memory on the GPU (fewer \
+             sequences, other processes) or run --decode-engine graph"
+        )
+    })
 }
 
 #[cfg(test)]
