@@ -37,35 +37,15 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
+#include "megakernel_sync.cuh"
 
 constexpr int THREADS = 512;
 constexpr int STAGES = 60;
 constexpr int SLICE = 8;                // floats of the next stage's vector each compute CTA writes
 constexpr int SLOT_MAX = 104 * 1024;    // one weight slot (two a CTA)
 constexpr int N_MAX = 132 * SLICE;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 
 __device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) { unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-__device__ __forceinline__ void red_release(unsigned* p, unsigned v) { asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
-__device__ __forceinline__ void mbar_init(unsigned long long* bar) { asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"(smem(bar)) : "memory"); }
-__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    unsigned done = 0;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(smem(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
-// A weight slot by the copy engine, under L2 evict-first (as the megakernel copies its weights).
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-                 :: "r"(smem(dst)), "l"(src), "r"(bytes), "r"(smem(bar)), "l"(policy) : "memory");
-}
 // The same shared-memory address in CTA `rank` of the cluster.
 __device__ __forceinline__ unsigned in_rank(const void* p, unsigned rank) {
     unsigned a;
@@ -101,13 +81,13 @@ __global__ void __launch_bounds__(THREADS, 1) classic(float* bufs, unsigned* cou
     __syncthreads();
     if (threadIdx.x == 0 && wbytes) {
         mbar_expect(&full[0], wbytes);
-        bulk_load(slot[0], stream_source(w, wsize, wbytes, epoch, 0, blockIdx.x, gridDim.x), wbytes, &full[0]);
+        bulk_copy(slot[0], stream_source(w, wsize, wbytes, epoch, 0, blockIdx.x, gridDim.x), wbytes, &full[0], evict_first_policy());
     }
     for (int s = 0; s < STAGES; ++s) {
         const int b = s % 2;
         if (threadIdx.x == 0 && wbytes && s + 1 < STAGES) {  // the next stage's slot, before the wait
             mbar_expect(&full[1 - b], wbytes);
-            bulk_load(slot[1 - b], stream_source(w, wsize, wbytes, epoch, s + 1, blockIdx.x, gridDim.x), wbytes, &full[1 - b]);
+            bulk_copy(slot[1 - b], stream_source(w, wsize, wbytes, epoch, s + 1, blockIdx.x, gridDim.x), wbytes, &full[1 - b], evict_first_policy());
         }
         if (s > 0 && threadIdx.x == THREADS - 32) { while (ld_acquire(&counters[s]) < gridDim.x * (epoch + 1)) {} }
         __syncthreads();
@@ -166,7 +146,7 @@ gateway(float* bufs, unsigned* counters, int N, unsigned epoch, const char* w, l
         const int me = cluster * (CL - 1) + rank - 1;
         if (threadIdx.x == 0 && wbytes) {
             mbar_expect(&full[0], wbytes);
-            bulk_load(slot[0], stream_source(w, wsize, wbytes, epoch, 0, me, computes), wbytes, &full[0]);
+            bulk_copy(slot[0], stream_source(w, wsize, wbytes, epoch, 0, me, computes), wbytes, &full[0], evict_first_policy());
         }
         float total = 0.f;
         for (int s = 0; s < STAGES; ++s) {
@@ -174,7 +154,7 @@ gateway(float* bufs, unsigned* counters, int N, unsigned epoch, const char* w, l
             if (threadIdx.x == 0) {
                 if (wbytes && s + 1 < STAGES) {
                     mbar_expect(&full[1 - b], wbytes);
-                    bulk_load(slot[1 - b], stream_source(w, wsize, wbytes, epoch, s + 1, me, computes), wbytes, &full[1 - b]);
+                    bulk_copy(slot[1 - b], stream_source(w, wsize, wbytes, epoch, s + 1, me, computes), wbytes, &full[1 - b], evict_first_policy());
                 }
                 mbar_expect(&in_bar[b], N * 4);
             }

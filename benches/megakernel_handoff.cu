@@ -33,38 +33,18 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
+#include "megakernel_sync.cuh"
 
 constexpr int THREADS = 512;
 constexpr int STAGES = 60;
 constexpr int P = 128;  // producer blocks per stage
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 
-__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) { unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) { unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
-__device__ __forceinline__ void red_release(unsigned* p, unsigned v) { asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
-__device__ __forceinline__ void st_release(unsigned* p, unsigned v) { asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 __device__ __forceinline__ void st_ll(uint4* p, uint4 v) { asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory"); }
 __device__ __forceinline__ uint4 ld_ll(const uint4* p) { uint4 v; asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory"); return v; }
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) { asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src)); }
 
 constexpr int POLLERS = 4;
 constexpr int COMPUTE = THREADS - 32 * POLLERS;  // threads of variants 5 and 6 that read and write
-__device__ __forceinline__ void mbar_init(unsigned long long* bar) { asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { asm volatile("{ .reg .b64 st; mbarrier.arrive.shared.b64 st, [%0]; }" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
-// Waits for the phase of `parity` to complete. SPIN: test_wait in a loop, so that the thread never
-// sleeps in a try_wait when the phase completes (the stream's loader warp).
-template <bool SPIN = false>
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    unsigned done = 0;
-    do {
-        if (SPIN)
-            asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                         : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
-        else
-            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                         : "=r"(done) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
 
 // The sum over the first N threads of the block (all of them, or the COMPUTE threads of variants
 // 5 and 6, which meet at named barrier 1 without the polling warps).
@@ -239,13 +219,6 @@ __global__ void __launch_bounds__(THREADS, 1) chain(float* bufs /*[STAGES+1][N]*
 //                  queued before every poll and every read of the activations.
 constexpr int SLOT_MAX = 96 * 1024;
 constexpr int PIECES_MAX = 48;   // pieces a slot (chunk >= 2 KB)
-__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar, unsigned long long policy) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes), "r"((unsigned)__cvta_generic_to_shared(bar)), "l"(policy) : "memory");
-}
 
 template <bool PACED, bool SYNC>
 __global__ void __launch_bounds__(THREADS, 1) stream_chain(float* bufs, unsigned* counters, int N, unsigned epoch,
@@ -259,8 +232,7 @@ __global__ void __launch_bounds__(THREADS, 1) stream_chain(float* bufs, unsigned
     auto source = [&](int s) {   // stage s's weights for this block: fresh bytes, never in L2
         return weights + ((((long long)(epoch * STAGES + s) * gridDim.x + blockIdx.x) * wbytes) % (wsize - wbytes) & ~15ll);
     };
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const unsigned long long policy = evict_first_policy();
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
             for (int c = 0; c < pieces; ++c) mbar_init(&full[b][c]);
