@@ -306,11 +306,13 @@ fn synthetic_db(batches: &[i64], dtypes: &[Dtype], per_family: usize) -> serde_j
                         spread_ms: (!rejected).then_some(ms * 0.02),
                         error: Some(1e-7 * (1 + h % 50) as f64),
                         rejected: rejected.then(|| "wrong result: relative L2 error 3.1e-2 (bar 1e-2)".to_string()),
-                        resources: f
-                            .kernels
+                        // The kernels the variant launches (a conditional one only where it runs).
+                        resources: v
+                            .launches(&w.shape, &limits)
+                            .unwrap()
                             .iter()
-                            .map(|k| Resources {
-                                kernel: k.name.clone(),
+                            .map(|l| Resources {
+                                kernel: f.kernels[l.kernel].name.clone(),
                                 registers,
                                 static_smem_bytes: v.derived.get("smem_bytes").copied().unwrap_or(0) as i32,
                                 local_bytes: if registers > 240 { 16 } else { 0 },

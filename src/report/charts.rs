@@ -3,6 +3,8 @@
 //! workload, one small plot per parameter, and horizontal bar charts for the model's time.
 //! Colours and faint points are CSS classes (`c0`..`c9`, `faint`) of the site's style sheet.
 
+use std::fmt::Write;
+
 use super::svg::{esc, legend_height, num, text_width, Canvas, LegendItem, Mark, Scale, P};
 use crate::tune::db::Ceilings;
 
@@ -261,11 +263,59 @@ pub fn strip_plot(
     c.finish()
 }
 
+/// The geometry of a small plot (`param_plot`): size and plot area.
+const SMALL: (f64, f64, f64, f64, f64, f64) = (230.0, 132.0, 46.0, 10.0, 20.0, 112.0);
+
+/// The id of the axes every small plot of a page draws with `<use>` (see [`param_plot_axes`]).
+pub const PARAM_AXES_ID: &str = "param-axes";
+
+/// The axes a page's small plots share (one `y_range`, one size): grid, ticks and the two axis
+/// lines, defined once per page in a hidden SVG and drawn by each plot with `<use>`: a page
+/// of 40 plots would otherwise repeat them 40 times. The style sheet's rules do not reach into
+/// a `<use>`'s copy, so the lines take their colours from the chart's custom properties
+/// (`--grid`, `--axis`) and the labels their font from the `use` element (style.css).
+pub fn param_plot_axes(y_range: (f64, f64)) -> String {
+    let (w, _, left, right, top, bottom) = SMALL;
+    let y = Scale {
+        lo: y_range.0,
+        hi: y_range.1,
+        log: true,
+        px0: bottom,
+        px1: top,
+    };
+    let ticks = y.ticks(4);
+    let mut grid = String::new();
+    let mut marks = String::new();
+    let mut labels = String::new();
+    for &t in &ticks {
+        let py = P(y.px(t));
+        let _ = write!(grid, "M{} {py}H{}", P(left), P(w - right));
+        let _ = write!(marks, "M{} {py}H{}", P(left - 4.0), P(left));
+        let _ = write!(
+            labels,
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>",
+            P(left - 6.0),
+            P(y.px(t) + 3.5),
+            esc(&num(t))
+        );
+    }
+    format!(
+        "<svg class=\"chart defs\" width=\"0\" height=\"0\" aria-hidden=\"true\"><defs><g id=\"{PARAM_AXES_ID}\">\
+         <path d=\"{grid}\" style=\"stroke:var(--grid)\"/><path d=\"{marks}M{l} {b}V{t}M{l} {b}H{r}\" style=\"stroke:var(--axis)\"/>{labels}\
+         </g></defs></svg>",
+        l = P(left),
+        b = P(bottom),
+        t = P(top),
+        r = P(w - right)
+    )
+}
+
 /// One small plot: kernel time against the values of one parameter of one family. Every
 /// variant is a faint dot; the line joins the best time reached with each value, so a flat
-/// line means the knob did not matter. `y_range` is shared by a page's small plots.
+/// line means the knob did not matter. `y_range` is shared by a page's small plots, which
+/// draw their axes from the page's [`param_plot_axes`].
 pub fn param_plot(title: &str, values: &[(i64, Vec<f64>)], y_range: (f64, f64), colour: usize) -> String {
-    let (w, h, left, right, top, bottom) = (230.0, 132.0, 46.0, 10.0, 20.0, 112.0);
+    let (w, h, left, right, top, bottom) = SMALL;
     let x = |i: usize| left + 14.0 + (w - left - right - 28.0) * (i as f64 + 0.5) / values.len().max(1) as f64;
     let y = Scale {
         lo: y_range.0,
@@ -276,9 +326,7 @@ pub fn param_plot(title: &str, values: &[(i64, Vec<f64>)], y_range: (f64, f64), 
     };
     let mut c = Canvas::new(w, h, &format!("{title}: time against the parameter's values"));
     c.text(left, 13.0, "small-title", title);
-    // The unit and what the line means are said once above the plots, not in each of them.
-    c.y_axis(&y, left, w - right, &y.ticks(4), "");
-    c.line(left, bottom, w - right, bottom, "axis");
+    let _ = write!(c.out, "<use href=\"#{PARAM_AXES_ID}\"/>");
     let mut best = Vec::new();
     for (i, (value, times)) in values.iter().enumerate() {
         let px = x(i);

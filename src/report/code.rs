@@ -96,7 +96,13 @@ fn word_class(word: &str) -> Option<&'static str> {
 
 fn span(out: &mut String, class: &str, text: &str) {
     // Unquoted one-letter classes: valid HTML, and a third of the bytes a listing adds.
-    let _ = write!(out, "<span class={class}>{}</span>", esc(text));
+    let _ = write!(out, "<span class={class}>{}</span>", esc_text(text));
+}
+
+/// Escapes text between tags: `&`, `<` and `>` only (quotes need no escape outside attributes,
+/// and CUDA's strings are full of them).
+fn esc_text(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
 /// Highlights `source`: one HTML string per line (block comments carry over line ends).
@@ -176,7 +182,7 @@ pub fn highlight(source: &str) -> Vec<String> {
                 {
                     j += 1;
                 }
-                out.push_str(&esc(&collect(&chars[i..j])));
+                out.push_str(&esc_text(&collect(&chars[i..j])));
                 i = j;
             }
         }
@@ -198,6 +204,14 @@ fn find(chars: &[char], from: usize, pat: &str) -> Option<usize> {
     (from..chars.len().saturating_sub(p.len() - 1)).find(|&i| chars[i..i + p.len()] == p[..])
 }
 
+/// The text of a highlighted line that is all comment (one `c` span), to carry the class on
+/// the element that holds the line instead: about a third of a template's lines are its notes.
+fn whole_comment(line: &str) -> Option<&str> {
+    line.strip_prefix("<span class=c>")
+        .and_then(|rest| rest.strip_suffix("</span>"))
+        .filter(|text| !text.contains("<span"))
+}
+
 /// A highlighted listing with line numbers (an ordered list: numbers are not copied with the
 /// code).
 pub fn listing(source: &str) -> String {
@@ -205,8 +219,16 @@ pub fn listing(source: &str) -> String {
     let mut out = String::with_capacity(source.len() * 2);
     out.push_str("<ol class=\"src\">");
     for l in &lines {
-        out.push_str("<li>");
-        out.push_str(l);
+        match whole_comment(l) {
+            Some(text) => {
+                out.push_str("<li class=c>");
+                out.push_str(text);
+            }
+            _ => {
+                out.push_str("<li>");
+                out.push_str(l);
+            }
+        }
         out.push('\n');
     }
     out.push_str("</ol>");
@@ -237,15 +259,18 @@ pub fn side_by_side(old: &str, new: &str, old_title: &str, new_title: &str, cont
         esc(old_title),
         esc(new_title)
     );
-    // `class`: "" for an unchanged line, else ` class=del` or ` class=ins`.
+    // `class`: "" for an unchanged line, else "del" or "ins"; a line that is all comment takes
+    // the comment's class on its cell.
     let cell = |out: &mut String, lines: &[String], i: Option<usize>, class: &str| match i {
         Some(i) => {
-            let _ = write!(
-                out,
-                "<td>{}</td><td{class}>{}</td>",
-                i + 1,
-                lines.get(i).map(String::as_str).unwrap_or("")
-            );
+            let line = lines.get(i).map(String::as_str).unwrap_or("");
+            let (classes, text) = match whole_comment(line) {
+                Some(text) if class.is_empty() => (" class=c".to_string(), text),
+                Some(text) => (format!(" class=\"{class} c\""), text),
+                None if class.is_empty() => (String::new(), line),
+                None => (format!(" class={class}"), line),
+            };
+            let _ = write!(out, "<td>{}</td><td{classes}>{text}</td>", i + 1);
         }
         None => out.push_str("<td></td><td class=none></td>"),
     };
@@ -277,8 +302,8 @@ pub fn side_by_side(old: &str, new: &str, old_title: &str, new_title: &str, cont
                     stats.added += n.len();
                     for k in 0..o.len().max(n.len()) {
                         out.push_str("<tr>");
-                        cell(&mut out, &old_hl, (k < o.len()).then(|| o.start + k), " class=del");
-                        cell(&mut out, &new_hl, (k < n.len()).then(|| n.start + k), " class=ins");
+                        cell(&mut out, &old_hl, (k < o.len()).then(|| o.start + k), "del");
+                        cell(&mut out, &new_hl, (k < n.len()).then(|| n.start + k), "ins");
                         out.push_str("</tr>");
                     }
                 }
@@ -310,7 +335,7 @@ mod tests {
         let lines = highlight(src);
         assert_eq!(lines.len(), 5);
         assert_eq!(lines[0], "<span class=p>#include &lt;cuda_fp16.h&gt;</span>");
-        assert!(lines[1].contains("<span class=s>&quot;C&quot;</span>"), "{}", lines[1]);
+        assert!(lines[1].contains("<span class=s>\"C\"</span>"), "{}", lines[1]);
         assert!(lines[1].contains("<span class=b>__global__</span>"));
         assert!(lines[1].contains("<span class=t>void</span>") && lines[1].contains("<span class=k>const</span>"));
         assert!(lines[1].ends_with("<span class=c>// hi</span>"));

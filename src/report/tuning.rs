@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use super::charts::{param_plot, strip_plot, StripRow, StripTimes};
+use super::charts::{param_plot, param_plot_axes, strip_plot, StripRow, StripTimes};
 use super::pages::{family_colour, params_text, resources_text, Page, Shared};
 use super::svg::num;
 use super::ReportError;
@@ -138,6 +138,7 @@ fn workload_page(s: &Shared, i: usize) -> Result<Page, ReportError> {
     let ctx = json!({
         "w": s.workload_row(i),
         "strip": strip,
+        "knob_axes": (!knobs.is_empty()).then(|| param_plot_axes(y_range)),
         "knobs": knobs,
         "rows": rows,
         "timed": timed.len(),
