@@ -118,18 +118,45 @@ fn kernel_names_are_deterministic_and_distinct() {
     }
 }
 
+/// Every kernel a variant launches is defined in its source (a kernel with a `when` at least
+/// where it runs on the op's test shapes).
 #[test]
 fn every_variant_renders_and_defines_its_kernels() {
     let c = catalog();
     let renderer = Renderer::new(&c.templates_dir).unwrap();
+    let limits = DeviceLimits::default();
+    let mut conditional_runs = 0;
     for f in &c.families {
         // every point would be slow for the biggest spaces; a seeded sample plus the default
-        for v in expand(f, Points::Sample { count: 12, seed: 7 }, &DeviceLimits::default()).unwrap() {
+        let mut variants = expand(f, Points::Sample { count: 12, seed: 7 }, &limits).unwrap();
+        // ... and for the conditional kernels, the points where they run
+        for (i, k) in f.kernels.iter().enumerate() {
+            if k.when.is_some() {
+                let runs: Vec<_> = expand(f, Points::All, &limits)
+                    .unwrap()
+                    .into_iter()
+                    .filter(|v| {
+                        f.op.test_shapes(v.epilogue, v.mask)
+                            .iter()
+                            .any(|s| v.launches(s, &limits).is_ok_and(|l| l.iter().any(|l| l.kernel == i)))
+                    })
+                    .take(4)
+                    .collect();
+                conditional_runs += runs.len();
+                variants.extend(runs);
+            }
+        }
+        for v in variants {
             let source = renderer.render(&v).unwrap_or_else(|e| panic!("{e}"));
-            for k in &f.kernels {
+            let shapes = f.op.test_shapes(v.epilogue, v.mask);
+            for (i, k) in f.kernels.iter().enumerate() {
+                let runs = k.when.is_none()
+                    || shapes
+                        .iter()
+                        .any(|s| v.launches(s, &limits).is_ok_and(|l| l.iter().any(|l| l.kernel == i)));
                 let signature = format!("{}_{}(", source.kernel_name, k.name);
                 assert!(
-                    source.code.contains(&signature),
+                    !runs || source.code.contains(&signature),
                     "{}: no `{signature}` in\n{}",
                     v.key(),
                     source.code
@@ -138,6 +165,10 @@ fn every_variant_renders_and_defines_its_kernels() {
             assert!(source.code.contains("extern \"C\" __global__"), "{}", v.key());
         }
     }
+    assert!(
+        conditional_runs > 0,
+        "no point of the catalog launches a conditional kernel"
+    );
 }
 
 #[test]

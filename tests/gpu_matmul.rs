@@ -298,6 +298,40 @@ fn gpu_matmul_wgmma_tma_layernorm_folded() {
     );
 }
 
+/// The same ln_ epilogues with each row's statistics from a pass of their own (`stats_pass = 1`:
+/// kernel `row_stats` writes every row's rstd and -mean * rstd to the workspace, and the
+/// consumers read their rows' pair when a tile starts): the points and shapes above, so that every
+/// way of holding rows reads the right pairs (rows past M included); at K = 136 and 72 a row is
+/// fewer 16-byte pieces than the pass's warp has lanes. The rows' random offsets (ops/matmul.rs)
+/// make a dropped or misplaced mean fail. Sized for compute-sanitizer (memcheck, racecheck,
+/// synccheck).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_matmul_wgmma_tma_layernorm_stats_pass() {
+    verify_tma_points(
+        "matmul_wgmma_tma",
+        &[
+            &[("stats_pass", 1)],
+            &[("stats_pass", 1), ("pingpong", 1)],
+            &[
+                ("stats_pass", 1),
+                ("mma_n", 160),
+                ("m_tiles", 2),
+                ("pingpong", 1),
+                ("cluster_m", 2),
+            ],
+            &[("stats_pass", 1), ("split_n", 1), ("mma_n", 128)],
+            &[("stats_pass", 1), ("consumers", 1), ("mma_n", 96), ("m_tiles", 3)],
+        ],
+        &[Epilogue::LnBias, Epilogue::LnBiasGelu, Epilogue::LnQkv],
+        &[
+            [512, 2304, 768, 256, 12],
+            [300, 384, 136, 100, 2],
+            [130, 1152, 72, 65, 6],
+        ],
+    );
+}
+
 /// matmul_wgmma_tma_3xtf32: f32 at f32 accuracy (the f32 bar, relative L2 < 1e-5) from three
 /// TF32 MMAs per product, the low parts written by the producer warpgroup's idle warps into a
 /// ring of their own. Every epilogue, at the points that change how that ring is walked: the

@@ -413,3 +413,43 @@ fn tensor_maps() {
         assert_eq!(n, (v.params["vector_width"] == 4) as usize, "{}", v.key());
     }
 }
+
+/// A `[[kernels]]` entry with `when` runs only for the variants and shapes where it holds: the
+/// others' launches leave it out, and each launch names its kernel's place in the spec (the
+/// loaded functions are looked up by it). A `when` with an unknown name is refused at load.
+#[test]
+fn conditional_kernels() {
+    let with_first = |when: &str| {
+        GOOD.replace(
+            "[[kernels]]\nname = \"main\"",
+            &format!(
+                "[[kernels]]\nname = \"first\"\nwhen = \"{when}\"\ngrid = [\"1\", \"1\", \"1\"]\nblock = [\"32\", \"1\", \"1\"]\n\n[[kernels]]\nname = \"main\""
+            ),
+        )
+    };
+    let t = templates();
+    let family = std::sync::Arc::new(parse(&with_first("vector_width == 4 && N > 100"), t.path()).unwrap());
+    let limits = DeviceLimits::default();
+    for n in [64, 1000] {
+        let shape: kernelforge::ops::Shape = [("N".to_string(), n)].into_iter().collect();
+        for v in expand(&family, Points::All, &limits).unwrap() {
+            let launches = v.launches(&shape, &limits).unwrap();
+            let names: Vec<(usize, &str)> = launches
+                .iter()
+                .map(|l| (l.kernel, l.function.rsplit('_').next().unwrap()))
+                .collect();
+            let first = v.params["vector_width"] == 4 && n > 100;
+            let want: &[(usize, &str)] = if first {
+                &[(0, "first"), (1, "main")]
+            } else {
+                &[(1, "main")]
+            };
+            assert_eq!(names, want, "{} N={n}", v.key());
+        }
+    }
+    let e = error_of(&with_first("no_such_param == 1"));
+    assert!(
+        e.contains("kernels[0].when") && e.contains("unknown variable `no_such_param`"),
+        "{e}"
+    );
+}

@@ -126,11 +126,24 @@ impl DeviceProblem {
 pub struct LoadedVariant {
     pub variant: Variant,
     module: Arc<CudaModule>,
-    functions: Vec<CudaFunction>,
+    /// In the spec's `[[kernels]]` order; `None` for a conditional kernel the template left out.
+    functions: Vec<Option<CudaFunction>>,
+}
+
+fn missing_function(variant: &Variant, name: &str, why: &str) -> RunError {
+    RunError::Launch {
+        kernel: name.to_string(),
+        message: format!(
+            "the template defines no `extern \"C\" __global__ void {name}` ({why}); every [[kernels]] \
+             entry of {} needs one where its `when` holds",
+            variant.family.file.display()
+        ),
+    }
 }
 
 impl LoadedVariant {
-    /// Loads the CUBIN and finds every kernel the spec names.
+    /// Loads the CUBIN and finds every kernel the spec names. A kernel with a `when` may be
+    /// absent (the template defines it only where it runs); one that a launch needs is not.
     pub fn load(gpu: &Gpu, variant: &Variant, compiled: &Compiled) -> Result<LoadedVariant, RunError> {
         let module = gpu
             .ctx
@@ -145,14 +158,11 @@ impl LoadedVariant {
             .iter()
             .map(|k| {
                 let name = format!("{}_{}", compiled.kernel_name, k.name);
-                module.load_function(&name).map_err(|e| RunError::Launch {
-                    kernel: name.clone(),
-                    message: format!(
-                        "the template defines no `extern \"C\" __global__ void {name}` ({e}); \
-                         every [[kernels]] entry of {} needs one",
-                        variant.family.file.display()
-                    ),
-                })
+                match module.load_function(&name) {
+                    Ok(f) => Ok(Some(f)),
+                    Err(_) if k.when.is_some() => Ok(None),
+                    Err(e) => Err(missing_function(variant, &name, &e.to_string())),
+                }
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(LoadedVariant {
@@ -162,18 +172,23 @@ impl LoadedVariant {
         })
     }
 
-    /// The loaded `__global__` functions, in the spec's `[[kernels]]` order.
-    pub fn functions(&self) -> &[CudaFunction] {
-        &self.functions
+    /// The loaded `__global__` function that `launch` runs.
+    pub fn function(&self, launch: &Launch) -> Result<&CudaFunction, RunError> {
+        self.functions
+            .get(launch.kernel)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| missing_function(&self.variant, &launch.function, "not in the module"))
     }
 
-    /// Registers, shared memory and local (spill) bytes of each kernel, as the driver reports them.
+    /// Registers, shared memory and local (spill) bytes of each kernel the module holds, as the
+    /// driver reports them.
     pub fn resources(&self) -> Result<Vec<KernelResources>, GpuError> {
         self.variant
             .family
             .kernels
             .iter()
             .zip(&self.functions)
+            .filter_map(|(k, f)| f.as_ref().map(|f| (k, f)))
             .map(|(k, f)| {
                 let err = GpuError::cuda("reading function attributes");
                 Ok(KernelResources {
@@ -244,7 +259,8 @@ impl LoadedVariant {
     pub fn plan(&self, gpu: &Gpu, shape: &Shape) -> Result<Vec<Launch>, RunError> {
         let limits = &gpu.info.limits;
         let launches = self.variant.launches(shape, limits)?;
-        for (l, function) in launches.iter().zip(&self.functions) {
+        for l in &launches {
+            let function = self.function(l)?;
             let threads: i64 = l.block.iter().map(|v| *v as i64).product();
             // After compilation the register count can lower the block size a kernel can run.
             let compiled_max = function
@@ -303,10 +319,10 @@ impl LoadedVariant {
 
     /// Raises the dynamic shared memory limit of the kernels that need more than the default
     /// 48 KiB for `launches` (before launching them directly or in a graph).
-    pub fn allow_shared_memory(&self, launches: &[Launch]) -> Result<(), GpuError> {
-        for (function, l) in self.functions.iter().zip(launches) {
+    pub fn allow_shared_memory(&self, launches: &[Launch]) -> Result<(), RunError> {
+        for l in launches {
             if l.smem_bytes > 48 * 1024 {
-                function
+                self.function(l)?
                     .set_attribute(
                         FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         l.smem_bytes as i32,
@@ -324,9 +340,9 @@ impl LoadedVariant {
     /// op's signature order): what the model uses on its own buffers.
     pub fn launch_args(&self, gpu: &Gpu, values: &[ArgValue], launches: &[Launch]) -> Result<(), RunError> {
         self.allow_shared_memory(launches)?;
-        for (function, l) in self.functions.iter().zip(launches) {
+        for l in launches {
             let args = tensor_map::kernel_args(values, l)?;
-            let mut builder = gpu.stream.launch_builder(function);
+            let mut builder = gpu.stream.launch_builder(self.function(l)?);
             for v in args.iter() {
                 match v {
                     ArgValue::Ptr(p) => builder.arg(p),

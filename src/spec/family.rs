@@ -19,6 +19,9 @@ pub struct KernelSpec {
     pub smem: Expr,
     /// TMA descriptors passed after the op's arguments, in this order.
     pub tensor_maps: Vec<TensorMapSpec>,
+    /// Launched only for the variants and shapes where this holds (the template defines the
+    /// function under the same condition); without one, always.
+    pub when: Option<Expr>,
 }
 
 /// `[[kernels.tensor_maps]]`: a TMA tensor map (`CUtensorMap`) the kernel takes as an extra
@@ -206,6 +209,9 @@ impl Family {
                 all.push((format!("kernels[{i}].block[{d}]"), &k.block[d]));
             }
             all.push((format!("kernels[{i}].smem"), &k.smem));
+            if let Some(w) = &k.when {
+                all.push((format!("kernels[{i}].when"), w));
+            }
             for (j, m) in k.tensor_maps.iter().enumerate() {
                 let field = |what: &str| format!("kernels[{i}].tensor_maps[{j}].{what}");
                 all.push((field("rows"), &m.rows));

@@ -77,6 +77,7 @@ struct RawKernel {
     smem: String,
     #[serde(default)]
     tensor_maps: Vec<RawTensorMap>,
+    when: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -391,6 +392,11 @@ impl Family {
                 block: three("block", &k.block)?,
                 smem: parse(format!("kernels[{i}].smem"), &k.smem)?,
                 tensor_maps,
+                when: k
+                    .when
+                    .as_ref()
+                    .map(|w| parse(format!("kernels[{i}].when"), w))
+                    .transpose()?,
             });
         }
         let workspace = raw

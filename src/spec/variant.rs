@@ -25,6 +25,8 @@ pub struct Variant {
 /// How to launch one kernel of a variant on one shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Launch {
+    /// The kernel's position in the family's `[[kernels]]` (and in the loaded functions).
+    pub kernel: usize,
     /// The `__global__` function name.
     pub function: String,
     pub grid: [u32; 3],
@@ -202,14 +204,21 @@ impl Variant {
         Ok(())
     }
 
-    /// Launch geometry of every kernel for `shape`.
+    /// Launch geometry of every kernel for `shape`, in spec order, leaving out those whose
+    /// `when` does not hold.
     pub fn launches(&self, shape: &Shape, limits: &DeviceLimits) -> Result<Vec<Launch>, SpecError> {
         let vars = self.vars(shape, limits);
         let prefix = self.kernel_name();
-        self.family
-            .kernels
-            .iter()
-            .enumerate()
+        let mut runs = Vec::new();
+        for (i, k) in self.family.kernels.iter().enumerate() {
+            if self
+                .family
+                .when_holds(k.when.as_ref(), &vars, || format!("kernels[{i}].when"))?
+            {
+                runs.push((i, k));
+            }
+        }
+        runs.into_iter()
             .map(|(i, k)| {
                 let dim = |what: &str, d: usize, e: &Expr| -> Result<u32, SpecError> {
                     let field = format!("kernels[{i}].{what}[{d}]");
@@ -236,6 +245,7 @@ impl Variant {
                     }
                 }
                 Ok(Launch {
+                    kernel: i,
                     function: format!("{prefix}_{}", k.name),
                     grid: [
                         dim("grid", 0, &k.grid[0])?,

@@ -211,7 +211,12 @@ impl<'a> Evaluator<'a> {
         let resources = loaded.resources().map_err(|e| e.to_string())?;
         let launches = loaded.plan(gpu, shape).map_err(|e| e.to_string())?;
         loaded.allow_shared_memory(&launches).map_err(|e| e.to_string())?;
-        for ((function, launch), r) in loaded.functions().iter().zip(&launches).zip(&resources) {
+        for launch in &launches {
+            let function = loaded.function(launch).map_err(|e| e.to_string())?;
+            let r = resources
+                .iter()
+                .find(|r| r.kernel == v.family.kernels[launch.kernel].name)
+                .ok_or_else(|| format!("no resources of {}", launch.function))?;
             let threads = launch.block.iter().product::<u32>();
             let per_sm = function
                 .occupancy_max_active_blocks_per_multiprocessor(threads, launch.smem_bytes as usize, None)

@@ -63,17 +63,19 @@ impl GpuBackend {
             LaunchMode::Direct => k.loaded.launch_args(&self.gpu, args, launches).with_context(what)?,
             LaunchMode::Record(graph) => {
                 k.loaded.allow_shared_memory(launches).with_context(what)?;
-                for (function, l) in k.loaded.functions().iter().zip(launches) {
-                    graph.add(function, l, args).with_context(what)?;
+                for l in launches {
+                    graph
+                        .add(k.loaded.function(l).with_context(what)?, l, args)
+                        .with_context(what)?;
                 }
             }
             LaunchMode::Update { graph, next, stale } => {
                 k.loaded.allow_shared_memory(launches).with_context(what)?;
-                for (function, l) in k.loaded.functions().iter().zip(launches) {
+                for l in launches {
                     if *stale {
                         break;
                     }
-                    match graph.update(*next, function, l, args) {
+                    match graph.update(*next, k.loaded.function(l).with_context(what)?, l, args) {
                         Ok(_) => *next += 1,
                         Err(GraphUpdateError::Mismatch(_)) => *stale = true,
                         Err(GraphUpdateError::Gpu(e)) => return Err(anyhow::Error::new(e).context(what())),

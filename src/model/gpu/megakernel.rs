@@ -198,7 +198,7 @@ impl GpuBackend {
         check_schedule(&lowered)?;
         // Every block must be resident at once: ask the driver how many fit, before launching.
         kernel.loaded.allow_shared_memory(&kernel.launches)?;
-        let function = &kernel.loaded.functions()[0];
+        let function = kernel.loaded.function(&launch)?;
         let per_sm = function
             .occupancy_max_active_blocks_per_multiprocessor(launch.block[0], launch.smem_bytes as usize, None)
             .map_err(GpuError::cuda("asking the occupancy of the megakernel"))?;
@@ -322,7 +322,9 @@ impl GpuBackend {
             cfg.vocab_size as i32,
         );
         let scale = 1.0f32 / (cfg.head_dim() as f32).sqrt();
-        let mut launch = gpu.stream.launch_builder(&m.kernel.loaded.functions()[0]);
+        let mut launch = gpu
+            .stream
+            .launch_builder(m.kernel.loaded.function(&m.kernel.launches[0])?);
         launch
             .arg(&table)
             .arg(&n_stages)
