@@ -266,6 +266,18 @@ pub fn strip_plot(
 /// The geometry of a small plot (`param_plot`): size and plot area.
 const SMALL: (f64, f64, f64, f64, f64, f64) = (230.0, 132.0, 46.0, 10.0, 20.0, 112.0);
 
+/// A small plot's time axis: log, over the page's shared range.
+fn small_y(y_range: (f64, f64)) -> Scale {
+    let (_, _, _, _, top, bottom) = SMALL;
+    Scale {
+        lo: y_range.0,
+        hi: y_range.1,
+        log: true,
+        px0: bottom,
+        px1: top,
+    }
+}
+
 /// The id of the axes every small plot of a page draws with `<use>` (see [`param_plot_axes`]).
 pub const PARAM_AXES_ID: &str = "param-axes";
 
@@ -276,13 +288,7 @@ pub const PARAM_AXES_ID: &str = "param-axes";
 /// (`--grid`, `--axis`) and the labels their font from the `use` element (style.css).
 pub fn param_plot_axes(y_range: (f64, f64)) -> String {
     let (w, _, left, right, top, bottom) = SMALL;
-    let y = Scale {
-        lo: y_range.0,
-        hi: y_range.1,
-        log: true,
-        px0: bottom,
-        px1: top,
-    };
+    let y = small_y(y_range);
     let ticks = y.ticks(4);
     let mut grid = String::new();
     let mut marks = String::new();
@@ -315,15 +321,9 @@ pub fn param_plot_axes(y_range: (f64, f64)) -> String {
 /// line means the knob did not matter. `y_range` is shared by a page's small plots, which
 /// draw their axes from the page's [`param_plot_axes`].
 pub fn param_plot(title: &str, values: &[(i64, Vec<f64>)], y_range: (f64, f64), colour: usize) -> String {
-    let (w, h, left, right, top, bottom) = SMALL;
+    let (w, h, left, right, _, bottom) = SMALL;
     let x = |i: usize| left + 14.0 + (w - left - right - 28.0) * (i as f64 + 0.5) / values.len().max(1) as f64;
-    let y = Scale {
-        lo: y_range.0,
-        hi: y_range.1,
-        log: true,
-        px0: bottom,
-        px1: top,
-    };
+    let y = small_y(y_range);
     let mut c = Canvas::new(w, h, &format!("{title}: time against the parameter's values"));
     c.text(left, 13.0, "small-title", title);
     let _ = write!(c.out, "<use href=\"#{PARAM_AXES_ID}\"/>");
