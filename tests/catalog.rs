@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use kernelforge::codegen::{cuda_files, render_catalog, Renderer};
-use kernelforge::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Points};
+use kernelforge::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Points, Variant};
 
 fn catalog() -> Catalog {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -125,6 +125,14 @@ fn every_variant_renders_and_defines_its_kernels() {
     let c = catalog();
     let renderer = Renderer::new(&c.templates_dir).unwrap();
     let limits = DeviceLimits::default();
+    // Whether `v` launches its family's kernel `i` on one of the op's test shapes.
+    let launches_kernel = |v: &Variant, i: usize| {
+        v.family
+            .op
+            .test_shapes(v.epilogue, v.mask)
+            .iter()
+            .any(|s| v.launches(s, &limits).is_ok_and(|l| l.iter().any(|l| l.kernel == i)))
+    };
     let mut conditional_runs = 0;
     for f in &c.families {
         // every point would be slow for the biggest spaces; a seeded sample plus the default
@@ -135,11 +143,7 @@ fn every_variant_renders_and_defines_its_kernels() {
                 let runs: Vec<_> = expand(f, Points::All, &limits)
                     .unwrap()
                     .into_iter()
-                    .filter(|v| {
-                        f.op.test_shapes(v.epilogue, v.mask)
-                            .iter()
-                            .any(|s| v.launches(s, &limits).is_ok_and(|l| l.iter().any(|l| l.kernel == i)))
-                    })
+                    .filter(|v| launches_kernel(v, i))
                     .take(4)
                     .collect();
                 conditional_runs += runs.len();
@@ -148,12 +152,8 @@ fn every_variant_renders_and_defines_its_kernels() {
         }
         for v in variants {
             let source = renderer.render(&v).unwrap_or_else(|e| panic!("{e}"));
-            let shapes = f.op.test_shapes(v.epilogue, v.mask);
             for (i, k) in f.kernels.iter().enumerate() {
-                let runs = k.when.is_none()
-                    || shapes
-                        .iter()
-                        .any(|s| v.launches(s, &limits).is_ok_and(|l| l.iter().any(|l| l.kernel == i)));
+                let runs = k.when.is_none() || launches_kernel(&v, i);
                 let signature = format!("{}_{}(", source.kernel_name, k.name);
                 assert!(
                     !runs || source.code.contains(&signature),
