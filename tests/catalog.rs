@@ -76,7 +76,7 @@ fn catalog_summary() {
         let shape =
             f.op.test_shapes(default.epilogue, default.mask)
                 .into_iter()
-                .max_by_key(|s| s.values().product::<i64>())
+                .max_by_key(|s| s.values().fold(1i64, |a, &v| a.saturating_mul(v)))
                 .unwrap();
         let launches = default.launches(&shape, &limits).unwrap();
         let geometry: Vec<String> = launches

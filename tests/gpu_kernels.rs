@@ -309,3 +309,30 @@ bug = 0
         .iter()
         .any(|r| r.variant.contains("bug=2") && format!("{:?}", r.status).contains("NVRTC")));
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sample() {
+    check_op("sample");
+}
+
+/// Every point of `sample_row` (block size x chunk x candidate list), in every dtype, on every
+/// test shape: the paths (argmax, Gumbel, candidates, bisection) meet each point's sizes
+/// differently, so a sample of points is not enough.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sample_every_point() {
+    let mut points = Vec::new();
+    for block_size in [256, 512, 1024] {
+        for chunk in [1024, 2048, 4096] {
+            for max_top_k in [64, 128, 256] {
+                points.push(vec![
+                    ("block_size", block_size),
+                    ("chunk", chunk),
+                    ("max_top_k", max_top_k),
+                ]);
+            }
+        }
+    }
+    check_points("sample_row", &points);
+}

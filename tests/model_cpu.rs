@@ -492,15 +492,24 @@ fn sampled_generation_is_seeded_and_batches_are_independent() {
     assert_eq!(a.tokens, b.tokens);
     assert_eq!(a.stats.batch, 2);
     assert!(a.tokens.iter().all(|t| t.len() == 10));
-    // Ragged batch: each sequence equals running it alone with its own seed.
+    // Ragged batch: a sequence's tokens depend on the seed, its index in the batch and its own
+    // prompt only (the draw is keyed by (seed, sequence, position)): another prompt beside it
+    // changes nothing, another index or seed changes them.
     for (i, p) in prompts.iter().enumerate() {
-        let solo_opts = GenerateOptions {
-            seed: opts.seed + i as u64,
-            ..opts.clone()
-        };
-        let solo = generate(&mut be, std::slice::from_ref(p), &solo_opts, &mut |_, _| Ok(())).unwrap();
-        assert_eq!(solo.tokens[0], a.tokens[i], "sequence {i}");
+        let mut other = vec![vec![4u32, 4]; 2];
+        other[i] = p.clone();
+        let beside = generate(&mut be, &other, &opts, &mut |_, _| Ok(())).unwrap();
+        assert_eq!(beside.tokens[i], a.tokens[i], "sequence {i}");
     }
+    let reseeded = GenerateOptions {
+        seed: 100,
+        ..opts.clone()
+    };
+    let c = generate(&mut be, &prompts, &reseeded, &mut |_, _| Ok(())).unwrap();
+    assert_ne!(c.tokens, a.tokens, "another seed draws other tokens");
+    let swapped = vec![prompts[0].clone(), prompts[0].clone()];
+    let d = generate(&mut be, &swapped, &opts, &mut |_, _| Ok(())).unwrap();
+    assert_ne!(d.tokens[0], d.tokens[1], "sequences of one prompt draw apart");
 }
 
 #[test]

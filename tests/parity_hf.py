@@ -33,7 +33,8 @@ transformers bf16 with a static KV cache (`StaticCache`) and the whole greedy de
 argmax, feeding the token and the position back) captured once in a `torch.cuda.CUDAGraph` and
 replayed, batch 1 and 8, tokens/s over --steps steps after the same prompt length kernelforge's
 bench uses, printed beside `kernelforge bench --dtype bf16 --decode-engine graph` and
-`--decode-engine megakernel` with the ratios. Where this transformers has no StaticCache, or its
+`--decode-engine megakernel` with the ratios; then the same sampled (--peer-sampling, default
+temperature 0.8, top-k 40, top-p 0.95: top-k, top-p and the draw inside the peer's graph). Where this transformers has no StaticCache, or its
 GPT-2 cannot run or be captured with one, the peer row says why and the rest still runs.
 """
 
@@ -317,9 +318,31 @@ def make_static_cache(model, batch, max_len):
     return None, "no StaticCache constructor signature fits: " + "; ".join(errors)
 
 
-def hf_static_graph_decode(model, batch, prefill, steps, repeats):
-    """Greedy decode tokens/s of `model` (bf16, on the GPU) with a static KV cache and the whole
-    decode step captured in one CUDA graph; returns (tokens_per_s, None) or (None, why).
+def sample_in_graph(logits, sampling):
+    """The next token of each row of `logits` [B, V] by temperature, top-k and top-p, with no host
+    synchronisation (so that it can be captured in a CUDA graph): top-k by torch.topk, top-p as
+    transformers' TopPLogitsWarper does it (sort, cumulative softmax, mask), then one draw per row
+    by the exponential race (argmax of p / Exp(1) noise, gpt-fast's sync-free multinomial)."""
+    temperature, top_k, top_p = sampling
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[:, -1] = False  # keep at least one token
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1, keepdim=True)
+
+
+def hf_static_graph_decode(model, batch, prefill, steps, repeats, sampling=None):
+    """Decode tokens/s of `model` (bf16, on the GPU) with a static KV cache and the whole decode
+    step captured in one CUDA graph, greedy or (`sampling` = (temperature, top_k, top_p)) sampled
+    inside the graph; returns (tokens_per_s, None) or (None, why).
 
     The step reads its token and position from static buffers and writes the next token and
     position back into them, so a timed run is `steps` graph replays and nothing else."""
@@ -355,7 +378,8 @@ def hf_static_graph_decode(model, batch, prefill, steps, repeats):
             extra = {"cache_position": static_pos} if takes_cache_position else {}
             o = model(input_ids=static_ids, past_key_values=cache, use_cache=True,
                       position_ids=static_pos.view(1, 1).expand(batch, 1), **extra)
-            static_ids.copy_(o.logits[:, -1].argmax(-1, keepdim=True))
+            last = o.logits[:, -1]
+            static_ids.copy_(last.argmax(-1, keepdim=True) if sampling is None else sample_in_graph(last, sampling))
             static_pos.add_(1)
 
         graph = torch.cuda.CUDAGraph()
@@ -389,43 +413,50 @@ def hf_static_graph_decode(model, batch, prefill, steps, repeats):
 
 def static_peer(args, mdir):
     """The static-cache CUDA-graph transformers peer beside kernelforge bf16 decode (graph and
-    megakernel engines), batch 1 and 8: prints its own table."""
+    megakernel engines), batch 1 and 8, greedy and sampled (--peer-sampling): prints a table each."""
     prefill = min(args.seq, 1024 - args.steps)
+    sampling = tuple(float(x) for x in args.peer_sampling.split(","))
+    sampling = (sampling[0], int(sampling[1]), sampling[2])
     peer = GPT2LMHeadModel.from_pretrained(mdir, torch_dtype=torch.bfloat16).cuda().eval()
-    hf = {b: hf_static_graph_decode(peer, b, prefill, args.steps, args.repeats) for b in (1, 8)}
+    runs = [("greedy", None, []),
+            (f"sampled (temperature {sampling[0]}, top-k {sampling[1]}, top-p {sampling[2]})", sampling,
+             ["--temperature", str(sampling[0]), "--top-k", str(sampling[1]), "--top-p", str(sampling[2])])]
+    hf = {(name, b): hf_static_graph_decode(peer, b, prefill, args.steps, args.repeats, how)
+          for name, how, _ in runs for b in (1, 8)}
     del peer
     torch.cuda.empty_cache()
-    print(f"\nbf16 greedy decode, {args.steps} steps after a {prefill}-token prompt, tokens/s")
-    print(f"{'':<48} {'batch 1':>10} {'batch 8':>10}")
-    peer_row = [f"{hf[b][0]:>10.0f}" if hf[b][0] else f"{'n/a':>10}" for b in (1, 8)]
-    print(f"{'transformers StaticCache + CUDA graph':<48} {peer_row[0]} {peer_row[1]}")
-    for b in (1, 8):
-        if hf[b][1]:
-            print(f"  batch {b}: {hf[b][1]}")
-    for engine in ("graph", "megakernel"):
-        cells, ratios, why = [], [], []
+    for name, _, flags in runs:
+        print(f"\nbf16 {name} decode, {args.steps} steps after a {prefill}-token prompt, tokens/s")
+        print(f"{'':<48} {'batch 1':>10} {'batch 8':>10}")
+        peer_row = [f"{hf[name, b][0]:>10.0f}" if hf[name, b][0] else f"{'n/a':>10}" for b in (1, 8)]
+        print(f"{'transformers StaticCache + CUDA graph':<48} {peer_row[0]} {peer_row[1]}")
         for b in (1, 8):
-            p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--dtype", "bf16",
-                                     "--batch", str(b), "--seq", str(args.seq), "--generate", str(args.steps),
-                                     "--repeats", "1", "--decode-engine", engine, "--json"], check=False)
-            if p.returncode != 0:
-                cells.append(f"{'n/a':>10}")
-                ratios.append(f"{'':>10}")
-                why.append(f"batch {b}: " + ((p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]))
-                continue
-            d = json.loads(p.stdout.strip().splitlines()[-1])["decode"]
-            if d.get("prefill_tokens") != prefill:
-                why.append(f"batch {b}: kernelforge prefilled {d.get('prefill_tokens')} tokens, not {prefill}")
-            tps = d["tokens_per_s"]
-            cells.append(f"{tps:>10.0f}")
-            ratios.append(f"{tps / hf[b][0]:>9.2f}x" if hf[b][0] else f"{'':>10}")
-            share = d.get("floor_share")
-            if share is not None:
-                why.append(f"batch {b}: {100 * share:.0f}% of the memory floor ({d['floor_ms']:.3f} ms a step)")
-        print(f"{'kernelforge --decode-engine ' + engine:<48} {cells[0]} {cells[1]}")
-        print(f"{'  ratio to transformers':<48} {ratios[0]} {ratios[1]}")
-        for w in why:
-            print(f"  {w}")
+            if hf[name, b][1]:
+                print(f"  batch {b}: {hf[name, b][1]}")
+        for engine in ("graph", "megakernel"):
+            cells, ratios, why = [], [], []
+            for b in (1, 8):
+                p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--dtype", "bf16",
+                                         "--batch", str(b), "--seq", str(args.seq), "--generate", str(args.steps),
+                                         "--repeats", "1", "--decode-engine", engine, "--json"] + flags, check=False)
+                if p.returncode != 0:
+                    cells.append(f"{'n/a':>10}")
+                    ratios.append(f"{'':>10}")
+                    why.append(f"batch {b}: " + ((p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]))
+                    continue
+                d = json.loads(p.stdout.strip().splitlines()[-1])["decode"]
+                if d.get("prefill_tokens") != prefill:
+                    why.append(f"batch {b}: kernelforge prefilled {d.get('prefill_tokens')} tokens, not {prefill}")
+                tps = d["tokens_per_s"]
+                cells.append(f"{tps:>10.0f}")
+                ratios.append(f"{tps / hf[name, b][0]:>9.2f}x" if hf[name, b][0] else f"{'':>10}")
+                share = d.get("floor_share")
+                if share is not None:
+                    why.append(f"batch {b}: {100 * share:.0f}% of the memory floor ({d['floor_ms']:.3f} ms a step)")
+            print(f"{'kernelforge --decode-engine ' + engine:<48} {cells[0]} {cells[1]}")
+            print(f"{'  ratio to transformers':<48} {ratios[0]} {ratios[1]}")
+            for w in why:
+                print(f"  {w}")
     return 0
 
 
@@ -505,6 +536,8 @@ def main():
     ap.add_argument("--steps", type=int, default=64, help="throughput: decode steps")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--unfused", action="store_true", help="throughput: also bench kernelforge --unfused")
+    ap.add_argument("--peer-sampling", default="0.8,40,0.95", metavar="T,K,P",
+                    help="the sampled static-peer table's temperature, top-k and top-p")
     ap.add_argument("--static-peer", choices=["yes", "no", "only"], default="yes",
                     help="throughput: also (or only) compare bf16 decode with transformers' static cache + CUDA graph")
     ap.add_argument("--hf-attention", choices=["sdpa", "eager"], default="sdpa",

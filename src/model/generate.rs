@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::config::GPT2Config;
 use super::engine::DecodeEngine;
 use super::error::{ModelError, Result};
-use super::sampling::{argmax, Sampler, SamplingParams};
+use super::sampling::{argmax, sample, DrawKey, SamplingParams};
 use super::tokenizer::EOT_TOKEN;
 
 /// Logits `[batch, seq_len, vocab]`, row-major, over the real vocabulary.
@@ -66,6 +66,59 @@ impl Logits {
     }
 }
 
+/// How the next token of every sequence is drawn: the sampling parameters, the seed, and the
+/// index in the whole batch of the backend's first sequence (a replica running a slice of the
+/// batch draws for sequences `first_sequence..`). The draw of sequence `first_sequence + b` at
+/// position `p` is keyed by (seed, first_sequence + b, p) (see [`crate::ops::draw`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Draw {
+    pub params: SamplingParams,
+    pub seed: u64,
+    pub first_sequence: u32,
+}
+
+impl Draw {
+    /// The argmax (no randomness).
+    pub fn greedy() -> Self {
+        Draw {
+            params: SamplingParams::greedy(),
+            seed: 0,
+            first_sequence: 0,
+        }
+    }
+
+    /// The key of row `b`'s draw of the token at `position`.
+    pub fn key(&self, b: usize, position: usize) -> DrawKey {
+        DrawKey {
+            seed: self.seed,
+            sequence: self.first_sequence + b as u32,
+            position: position as u32,
+        }
+    }
+
+    /// The same draw for the rows from `offset` on (a slice of the batch).
+    pub fn from_row(&self, offset: usize) -> Draw {
+        Draw {
+            first_sequence: self.first_sequence + offset as u32,
+            ..*self
+        }
+    }
+
+    /// Row `b`'s token from its logits: the CPU draw (the reference of the GPU's).
+    pub fn on_host(&self, logits: &[f32], b: usize, position: usize) -> Result<u32> {
+        sample(logits, &self.params, self.key(b, position))
+            .map_err(|e| with_sequence(e, self.first_sequence as usize + b))
+    }
+}
+
+/// A sampling error with the sequence it happened in.
+fn with_sequence(e: ModelError, sequence: usize) -> ModelError {
+    match e {
+        ModelError::Sampling(m) => ModelError::Sampling(format!("sequence {sequence}: {m}")),
+        e => e,
+    }
+}
+
 /// Where a GPT-2 forward pass runs. A backend holds the weights and one KV cache for a batch of
 /// B sequences of equal length.
 pub trait Backend {
@@ -97,6 +150,28 @@ pub trait Backend {
         (0..last.len()).map(|b| argmax(logits.last(b))).collect()
     }
 
+    /// Everything a first call would otherwise do on the way (choosing and loading kernels,
+    /// allocating buffers, setting up the decode engine) for a prefill of `batch` prompts of
+    /// `prompt_len` tokens and the decode steps after it, so that the prefill's time is the
+    /// prefill's. Optional: a backend that skips it does the same work in its first calls.
+    fn prepare(&mut self, batch: usize, prompt_len: usize) -> Result<()> {
+        let _ = (batch, prompt_len);
+        Ok(())
+    }
+
+    /// [`Backend::decode`] followed by a draw of each sequence's next token at `position` (the
+    /// position of the token drawn: the sequences' length after this step). Backends may
+    /// override it to draw on the device, so that no logits travel back to the host.
+    fn decode_draw(&mut self, last: &[u32], draw: &Draw, position: usize) -> Result<Vec<u32>> {
+        if draw.params.is_greedy() {
+            return self.decode_argmax(last);
+        }
+        let logits = self.decode(last)?;
+        (0..last.len())
+            .map(|b| draw.on_host(logits.last(b), b, position))
+            .collect()
+    }
+
     /// A short note for the stats line (the GPU backend: how many kernels were tuned).
     fn stats_note(&self) -> Option<String> {
         None
@@ -123,12 +198,34 @@ pub fn timed_greedy_decode(backend: &mut dyn Backend, prompts: &[Vec<u32>], step
     Ok((started.elapsed().as_secs_f64() * 1e3, next))
 }
 
+/// [`timed_greedy_decode`] for any draw: `steps` decode steps after a prefill, each sequence
+/// continuing with the token `draw` picks (on the device where the backend can). What `bench`
+/// times for sampled decoding.
+pub fn timed_decode(
+    backend: &mut dyn Backend,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    draw: &Draw,
+) -> Result<(f64, Vec<u32>)> {
+    let logits = backend.prefill_last(prompts)?;
+    let mut position = prompts[0].len();
+    let mut next: Vec<u32> = (0..prompts.len())
+        .map(|b| draw.on_host(logits.last(b), b, position))
+        .collect::<Result<_>>()?;
+    let started = Instant::now();
+    for _ in 0..steps {
+        position += 1;
+        next = backend.decode_draw(&next, draw, position)?;
+    }
+    Ok((started.elapsed().as_secs_f64() * 1e3, next))
+}
+
 /// Options of [`generate`].
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
-    /// Sequence `b` samples with seed `seed + b`.
+    /// The draw of sequence `b` at position `p` is keyed by (seed, b, p).
     pub seed: u64,
     /// A sequence stops after producing `<|endoftext|>`.
     pub stop_at_eot: bool,
@@ -164,6 +261,9 @@ pub struct GenerateStats {
     pub batch: usize,
     /// Prompt tokens over the whole batch.
     pub prompt_tokens: usize,
+    /// Wall time of setting the backend up for this batch before the prefill (kernel choice
+    /// and loading, buffers, the decode engine: [`Backend::prepare`]).
+    pub startup_ms: f64,
     /// Wall time of the prefill call.
     pub prefill_ms: f64,
     /// Number of decode calls (each feeds one token per sequence).
@@ -186,10 +286,11 @@ impl GenerateStats {
     /// One human-readable line.
     pub fn summary(&self) -> String {
         format!(
-            "{}: batch {}, prompt {} tokens, prefill {:.1} ms, generated {} tokens, decode {} steps in {:.1} ms ({:.1} tok/s)",
+            "{}: batch {}, prompt {} tokens, start-up {:.1} ms, prefill {:.1} ms, generated {} tokens, decode {} steps in {:.1} ms ({:.1} tok/s)",
             self.backend,
             self.batch,
             self.prompt_tokens,
+            self.startup_ms,
             self.prefill_ms,
             self.generated_tokens,
             self.decode_steps,
@@ -246,9 +347,12 @@ pub fn generate(
             n_ctx: cfg.n_ctx,
         });
     }
-    let mut samplers = (0..batch)
-        .map(|b| Sampler::new(opts.sampling, opts.seed.wrapping_add(b as u64)))
-        .collect::<Result<Vec<_>>>()?;
+    opts.sampling.validate()?;
+    let draw = Draw {
+        params: opts.sampling,
+        seed: opts.seed,
+        first_sequence: 0,
+    };
     let mut stats = GenerateStats {
         backend: backend.name().to_string(),
         batch,
@@ -267,19 +371,19 @@ pub fn generate(
 
     let common = prompts.iter().map(Vec::len).min().unwrap_or(0);
     let prefix: Vec<Vec<u32>> = prompts.iter().map(|p| p[..common].to_vec()).collect();
+    let started = Instant::now();
+    backend.prepare(batch, common)?;
+    stats.startup_ms = started.elapsed().as_secs_f64() * 1e3;
     let t0 = Instant::now();
     let logits = backend.prefill_last(&prefix)?;
     stats.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
     check_logits(&logits, batch, backend.name())?;
 
-    // What the last step gave: logits to sample from, or (greedy decoding, chosen on the
-    // backend) the tokens themselves.
-    enum Step {
-        Logits(Logits),
-        Tokens(Vec<u32>),
-    }
-    let greedy = opts.sampling.is_greedy();
-    let mut step = Step::Logits(logits);
+    // The first tokens are drawn on the host from the prefill's logits; every later one by the
+    // backend's decode step (on the device where it can), by the same draw.
+    let mut drawn: Vec<u32> = (0..batch)
+        .map(|b| draw.on_host(logits.last(b), b, common))
+        .collect::<Result<_>>()?;
     let mut pos = common; // tokens fed so far, per sequence
     let mut done = vec![false; batch];
     let mut ended_by_eot = vec![false; batch];
@@ -296,10 +400,7 @@ pub fn generate(
             if pos < prompts[b].len() {
                 next[b] = prompts[b][pos];
             } else if !done[b] {
-                let tok = match &step {
-                    Step::Logits(logits) => samplers[b].sample(logits.last(b))?,
-                    Step::Tokens(tokens) => tokens[b],
-                };
+                let tok = drawn[b];
                 out[b].push(tok);
                 stats.generated_tokens += 1;
                 on_token(b, tok)?;
@@ -310,11 +411,11 @@ pub fn generate(
                     done[b] = true;
                 }
                 next[b] = tok;
-            } else if let Step::Tokens(tokens) = &step {
-                // A finished sequence's outputs are ignored, so it may be fed anything: in
-                // greedy decoding, the backend's own choice, which keeps the chain of a backend
-                // that runs greedy steps ahead (the GPU's megakernel) unbroken.
-                next[b] = tokens[b];
+            } else {
+                // A finished sequence's outputs are ignored, so it may be fed anything: the
+                // backend's own choice, which keeps the chain of a backend that runs steps
+                // ahead (the GPU's megakernel) unbroken.
+                next[b] = drawn[b];
             }
         }
         if done.iter().all(|&d| d) {
@@ -327,20 +428,16 @@ pub fn generate(
         if pos + 1 >= cfg.n_ctx {
             break StopReason::ContextFull;
         }
-        step = if greedy {
-            let tokens = backend.decode_argmax(&next)?;
-            if tokens.len() != batch {
-                return Err(ModelError::Backend {
-                    backend: backend.name().to_string(),
-                    message: format!("returned {} tokens for a batch of {batch}", tokens.len()),
-                });
-            }
-            Step::Tokens(tokens)
-        } else {
-            let logits = backend.decode(&next)?;
-            check_logits(&logits, batch, backend.name())?;
-            Step::Logits(logits)
-        };
+        drawn = backend.decode_draw(&next, &draw, pos + 1).map_err(|e| match e {
+            ModelError::Sampling(m) => ModelError::Sampling(format!("decode step {}: {m}", stats.decode_steps + 1)),
+            e => e,
+        })?;
+        if drawn.len() != batch {
+            return Err(ModelError::Backend {
+                backend: backend.name().to_string(),
+                message: format!("returned {} tokens for a batch of {batch}", drawn.len()),
+            });
+        }
         stats.decode_steps += 1;
         pos += 1;
     };

@@ -32,11 +32,11 @@ pub use cpu::{CpuBackend, KvCache};
 pub use engine::{DecodeEngine, TaskStamp, Timeline};
 pub use error::{ModelError, Result};
 pub use floor::{decode_step_bytes, DecodeBytes};
-pub use generate::{generate, Backend, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
+pub use generate::{generate, Backend, Draw, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
 pub use gpu::GpuBackend;
 pub use hub::{HubError, HubSettings};
 pub use replicas::{ReplicaOptions, Replicas};
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{DrawKey, SamplingParams};
 pub use timeline_svg::render_timeline_svg;
 pub use tokenizer::{Tokenizer, EOT_TOKEN, GPT2_VOCAB_SIZE};
 pub use weights::{

@@ -22,7 +22,7 @@ use anyhow::{anyhow, Context, Result as AnyResult};
 use super::config::GPT2Config;
 use super::engine::DecodeEngine;
 use super::error::{ModelError, Result};
-use super::generate::{Backend, Logits};
+use super::generate::{Backend, Draw, Logits};
 use super::gpu::GpuBackend;
 use super::weights::GPT2Model;
 use crate::gpu::devices::sm_count;
@@ -371,6 +371,25 @@ impl Backend for Replicas {
         gather(self.prefill_with(tokens, |g, part| g.prefill_last(part).map(Some))?)
     }
 
+    fn prepare(&mut self, batch: usize, prompt_len: usize) -> Result<()> {
+        if self.workers.is_empty() {
+            return self.first.prepare(batch, prompt_len);
+        }
+        let jobs = slice_batch(batch, &self.weights)
+            .into_iter()
+            .map(|r| {
+                (!r.is_empty()).then_some(move |g: &mut GpuBackend| {
+                    g.set_selection_batch(Some(batch));
+                    g.prepare(r.len(), prompt_len)
+                })
+            })
+            .collect();
+        for part in self.run(jobs)?.into_iter().flatten() {
+            part?;
+        }
+        Ok(())
+    }
+
     fn decode(&mut self, last: &[u32]) -> Result<Logits> {
         if self.workers.is_empty() {
             return self.first.decode(last);
@@ -391,6 +410,32 @@ impl Backend for Replicas {
             .split_last(last)?
             .into_iter()
             .map(|part| part.map(|p| move |g: &mut GpuBackend| g.decode_argmax(&p)))
+            .collect();
+        let mut ids = Vec::with_capacity(last.len());
+        for part in self.run(jobs)?.into_iter().flatten() {
+            ids.extend(part?);
+        }
+        Ok(ids)
+    }
+
+    /// Each replica draws for its slice, keyed by the sequences' indices in the whole batch, so
+    /// the ids do not depend on how the batch is sliced.
+    fn decode_draw(&mut self, last: &[u32], draw: &Draw, position: usize) -> Result<Vec<u32>> {
+        if self.workers.is_empty() {
+            return self.first.decode_draw(last, draw, position);
+        }
+        if draw.params.is_greedy() {
+            return self.decode_argmax(last);
+        }
+        let offsets: Vec<usize> = self.slices.iter().map(|r| r.start).collect();
+        let jobs = self
+            .split_last(last)?
+            .into_iter()
+            .zip(offsets)
+            .map(|(part, offset)| {
+                let draw = draw.from_row(offset);
+                part.map(|p| move |g: &mut GpuBackend| g.decode_draw(&p, &draw, position))
+            })
             .collect();
         let mut ids = Vec::with_capacity(last.len());
         for part in self.run(jobs)?.into_iter().flatten() {

@@ -13,6 +13,7 @@ pub mod argmax;
 pub mod attention;
 pub mod attention_decode;
 pub mod decode_step;
+pub mod draw;
 mod elementwise;
 pub mod encoder;
 pub mod gelu;
@@ -22,6 +23,7 @@ pub mod matmul;
 mod numeric;
 mod problem;
 pub mod residual;
+pub mod sample;
 mod shape;
 pub mod softmax;
 
@@ -225,7 +227,7 @@ pub trait OpContract: Sync + std::fmt::Debug {
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)>;
 }
 
-static ALL_OPS: [&dyn OpContract; 11] = [
+static ALL_OPS: [&dyn OpContract; 12] = [
     &encoder::Encoder,
     &layernorm::LayerNorm,
     &matmul::Matmul,
@@ -236,6 +238,7 @@ static ALL_OPS: [&dyn OpContract; 11] = [
     &attention_decode::AttentionDecode,
     &kv_append::KvAppend,
     &argmax::Argmax,
+    &sample::Sample,
     &decode_step::DecodeStep,
 ];
 
@@ -374,6 +377,7 @@ mod tests {
                 "attention_decode",
                 "kv_append",
                 "argmax",
+                "sample",
                 "decode_step"
             ]
         );
@@ -436,8 +440,12 @@ mod tests {
                         }
                         (false, &Arg::F32(v)) => {
                             assert!(param.starts_with("float "), "{name}.{pname}");
-                            assert_eq!(pname, "scale");
-                            assert_eq!(v, 1.0 / (p.shape["HS"] as f32).sqrt());
+                            let want = match pname {
+                                "scale" => 1.0 / (p.shape["HS"] as f32).sqrt(),
+                                "temperature" | "top_p" => p.shape[&format!("{pname}_milli")] as f32 / 1000.0,
+                                _ => panic!("{name}: no rule for float argument {pname}"),
+                            };
+                            assert_eq!(v, want, "{name}.{pname}");
                         }
                         _ => panic!("{name}: {param} got {arg:?}"),
                     }
@@ -510,9 +518,9 @@ mod tests {
                         assert_ne!(bits(&ta.data), bits(&tb.data), "{} {}", op.name(), ta.name);
                         assert_eq!(bits(&ta.data), bits(&ta2.data), "{} {}: same seed", op.name(), ta.name);
                         if let HostData::F32(v) = &ta.data {
-                            // argmax plants a NaN in row 2 on purpose: its answer there is -1.
+                            // argmax and sample plant a NaN in row 2 on purpose: the answer there is -1.
                             let nans = v.iter().filter(|x| x.is_nan()).count();
-                            let allowed = usize::from(op.name() == "argmax");
+                            let allowed = usize::from(["argmax", "sample"].contains(&op.name()));
                             assert!(nans <= allowed && v.iter().all(|x| x.is_finite() || x.is_nan()));
                             assert!(v.iter().any(|&x| x != 0.0), "{} {} all zero", op.name(), ta.name);
                         }

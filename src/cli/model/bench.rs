@@ -10,13 +10,15 @@ use anyhow::{bail, Result};
 use serde_json::json;
 
 use super::bench_decode::{check_timeline_request, timeline_step, write_atomically, FloorReport};
+use super::sampling::SamplingArgs;
 use super::{decode_engine_for, load, make_gpu_backend, BackendOptions, Device, EngineArgs, ModelArgs};
 use crate::model::cpu::CpuBackend;
 use crate::model::engine::DecodeEngine;
 use crate::model::floor::decode_step_bytes;
-use crate::model::generate::{timed_greedy_decode, Backend};
+use crate::model::generate::{timed_decode, Backend};
 use crate::model::gpu::ProfileRow;
 use crate::model::replicas::Replicas;
+use crate::model::sampling::SamplingParams;
 use crate::model::timeline_stats::{summarize, summary_table};
 use crate::model::timeline_svg::render_timeline_svg;
 
@@ -37,6 +39,8 @@ pub struct BenchArgs {
     /// the context); 0: forward only.
     #[arg(long, default_value_t = 32)]
     pub generate: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Timed forward passes (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
@@ -127,8 +131,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             bail!("--timeline draws one GPU's megakernel step; drop --devices {devices} (or give one GPU) to draw it");
         }
     }
+    args.sampling.draw(SamplingParams::greedy(), usize::MAX)?;
     let model = load(&args.target.model)?;
     let cfg = model.config.clone();
+    let (draw, note) = args.sampling.draw(SamplingParams::greedy(), cfg.vocab_size)?;
+    notes.extend(note);
     if args.seq > cfg.n_ctx {
         bail!(
             "--seq {} is longer than the model's context ({} tokens)",
@@ -196,14 +203,15 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         }
         Ok(())
     };
-    // A prefill, then `steps` greedy decode steps; returns the decode wall time in ms and the
-    // tokens the last step chose.
+    // A prefill, then `steps` decode steps each drawing its tokens as asked (greedy unless a
+    // sampling flag is given); returns the decode wall time in ms and the tokens the last step
+    // chose.
     let decode_run = |gpu: &mut Option<Replicas>, cpu: &mut CpuBackend, steps: usize| -> Result<(f64, Vec<u32>)> {
         let backend: &mut dyn Backend = match gpu {
             Some(g) => g,
             None => cpu,
         };
-        Ok(timed_greedy_decode(backend, &decode_tokens, steps)?)
+        Ok(timed_decode(backend, &decode_tokens, steps, &draw)?)
     };
 
     // Warm-up: compiles and loads every kernel, touches every buffer.
@@ -259,11 +267,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         if steps > 0 {
             let logits = g.prefill_last(&decode_tokens)?;
             g.primary_mut().take_profile()?; // the prefill is not part of the decode profile
+            let mut position = decode_prefill;
             let mut next: Vec<u32> = (0..args.batch)
-                .map(|b| crate::model::sampling::argmax(logits.last(b)))
+                .map(|b| draw.on_host(logits.last(b), b, position))
                 .collect::<Result<_, _>>()?;
             for _ in 0..steps {
-                next = g.decode_argmax(&next)?;
+                position += 1;
+                next = g.decode_draw(&next, &draw, position)?;
             }
             prof_decode = g.primary_mut().take_profile()?;
         }
@@ -350,6 +360,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             "engine": engine,
             "cuda_graphs": decode_graphs,
             "gpu_ms_per_step": decode_gpu_ms_per_step,
+            "sampling": draw.params,
+            "seed": draw.seed,
         });
         if let Some(d) = decode.as_object_mut() {
             d.extend(FloorReport::json_fields(floor.as_ref()));
@@ -418,6 +430,15 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             Some(e) => format!(", {e} engine"),
             None => String::new(),
         };
+        let how = if draw.params.is_greedy() {
+            format!("{how}, greedy")
+        } else {
+            let p = &draw.params;
+            format!(
+                "{how}, sampled: temperature {} top-k {} top-p {}",
+                p.temperature, p.top_k, p.top_p
+            )
+        };
         writeln!(
             out,
             "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({ms_per_step:.3} ms/step{}, {decode_tps:.1} tokens/s{how})",
@@ -478,6 +499,10 @@ mod tests {
             batch: 2,
             seq: 12,
             generate: 8, // 12 + 8 > 16: the decode prefill shrinks to 8 tokens
+            sampling: SamplingArgs {
+                top_k: Some(5),
+                ..Default::default()
+            },
             repeats: 2,
             no_cuda_graphs: false,
             timeline: None,

@@ -6,6 +6,7 @@ use std::io::Write;
 use anyhow::{bail, Result};
 use serde_json::json;
 
+use super::sampling::SamplingArgs;
 use super::{decode_engine_for, join_ids, load, make_backend, prompt_ids, BackendOptions, EngineArgs, ModelArgs};
 use crate::model::generate::{generate, GenerateOptions};
 use crate::model::sampling::SamplingParams;
@@ -26,21 +27,8 @@ pub struct GenerateArgs {
     pub ids: Option<String>,
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
-    /// Always take the most likely token.
-    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
-    pub greedy: bool,
-    /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
-    /// Keep only the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Random seed; sequence b of the batch uses seed + b.
-    #[arg(long, default_value_t = 1337)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Run B copies of the prompt as one batch.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -64,17 +52,13 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     }
     let tok = Tokenizer::gpt2();
     let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
-    let sampling = if args.greedy {
-        SamplingParams::greedy()
-    } else {
-        SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-        }
-    };
-    sampling.validate()?;
+    // Checked before the model loads (the vocabulary is GPT-2's until then).
+    args.sampling.draw(SamplingParams::default(), usize::MAX)?;
     let model = load(&args.target.model)?;
+    let (draw, note) = args.sampling.draw(SamplingParams::default(), model.config.vocab_size)?;
+    if let Some(note) = note {
+        eprintln!("note: {note}");
+    }
     let mut backend = make_backend(
         device,
         args.target.dtype,
@@ -86,8 +70,8 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     )?;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
-        sampling,
-        seed: args.seed,
+        sampling: draw.params,
+        seed: draw.seed,
         stop_at_eot: !args.ignore_eot,
     };
     let prompts = vec![ids.clone(); args.batch];
@@ -121,8 +105,8 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
             "outputs": outputs,
             "stop": result.stop,
             "message": result.message,
-            "sampling": sampling,
-            "seed": args.seed,
+            "sampling": draw.params,
+            "seed": draw.seed,
             "stats": result.stats,
             "decode_tokens_per_s": result.stats.decode_tokens_per_s(),
             "kernels": backend.stats_note(),

@@ -10,6 +10,7 @@ mod bench;
 mod bench_decode;
 mod forward;
 mod generate;
+mod sampling;
 mod tokenize;
 
 use std::path::PathBuf;
@@ -484,11 +485,10 @@ pub(super) mod tests {
             prompt: Some("Hello".into()),
             ids: None,
             max_new_tokens: 3,
-            greedy: true,
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
+            sampling: sampling::SamplingArgs {
+                greedy: true,
+                ..Default::default()
+            },
             batch: 2,
             print_ids: true,
             ignore_eot: false,

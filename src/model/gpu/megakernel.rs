@@ -132,7 +132,7 @@ impl GpuBackend {
 
     /// Lowers the greedy decode plan of batch `b`, checks it and uploads it (once per batch
     /// size and buffer generation).
-    fn prepare_megakernel(&mut self, ks: &Kernels, b: usize) -> AnyResult<()> {
+    pub(super) fn prepare_megakernel(&mut self, ks: &Kernels, b: usize) -> AnyResult<()> {
         // Checked every step: the key holds the inputs of the table, not what is derived from them.
         let key = (b, self.selection_batch, self.buffers_generation);
         if self.megakernel.as_ref().is_some_and(|m| m.key == key) {

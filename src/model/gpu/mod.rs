@@ -48,8 +48,8 @@ use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 
 use super::config::GPT2Config;
 use super::engine::{DecodeEngine, Timeline};
-use super::error::Result;
-use super::generate::{Backend, Logits};
+use super::error::{ModelError, Result};
+use super::generate::{Backend, Draw, Logits};
 use super::weights::GPT2Model;
 use crate::gpu::{ArgValue, Gpu, KernelGraph};
 use crate::ops::Shape;
@@ -89,6 +89,8 @@ pub const ATTENTION_DECODE_OP: &str = "attention_decode";
 pub const KV_APPEND_OP: &str = "kv_append";
 /// The op (and kernel family) that picks greedy tokens on the device.
 pub const ARGMAX_OP: &str = "argmax";
+/// The op (and kernel family) that draws sampled tokens on the device.
+pub const SAMPLE_OP: &str = "sample";
 /// The family the unfused path forces for prefill attention.
 pub const UNFUSED_ATTENTION_FAMILY: &str = "attention_naive";
 
@@ -352,7 +354,24 @@ impl Backend for GpuBackend {
     }
 
     fn decode_argmax(&mut self, last: &[u32]) -> Result<Vec<u32>> {
-        self.decode_argmax_impl(last).map_err(|e| self.model_error(e))
+        self.decode_draw_impl(last, &Draw::greedy())
+            .map_err(|e| self.model_error(e))
+    }
+
+    fn prepare(&mut self, batch: usize, prompt_len: usize) -> Result<()> {
+        self.prepare_impl(batch, prompt_len).map_err(|e| self.model_error(e))
+    }
+
+    fn decode_draw(&mut self, last: &[u32], draw: &Draw, position: usize) -> Result<Vec<u32>> {
+        // `len` counts a step launched ahead (run_ahead.rs): the caller has not seen it yet.
+        let cached = self.len - usize::from(self.ahead.is_some());
+        if position != cached + 1 {
+            return Err(ModelError::Batch(format!(
+                "a decode step after {cached} cached tokens draws the token at position {}, not {position}",
+                cached + 1
+            )));
+        }
+        self.decode_draw_impl(last, draw).map_err(|e| self.model_error(e))
     }
 
     fn decode_engine(&self) -> Option<DecodeEngine> {

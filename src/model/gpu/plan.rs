@@ -10,8 +10,9 @@ use anyhow::{bail, Context, Result as AnyResult};
 
 use super::fold::FoldRole;
 use super::select::{Kernel, Kernels};
-use super::{i32_arg, ptr, with, GpuBackend, ARGMAX_OP};
+use super::{i32_arg, ptr, with, GpuBackend, ARGMAX_OP, SAMPLE_OP};
 use crate::gpu::ArgValue;
+use crate::model::generate::Draw;
 use crate::ops::Shape;
 use crate::spec::{shape_text, Launch};
 
@@ -372,6 +373,39 @@ impl GpuBackend {
             i32_arg(b, "B")?,
             i32_arg(cfg.vocab_size, "V")?,
             i32_arg(cfg.padded_vocab_size, "stride")?,
+        ];
+        let mut one = Builder::default();
+        one.launch(k, &args);
+        Ok(one.steps.remove(0))
+    }
+
+    /// The step that picks a decode step's next tokens into `act.next_ids`: the argmax for a
+    /// greedy draw, else the sampler, drawing the tokens at `position`.
+    pub(super) fn choose_step(&mut self, ks: &Kernels, b: usize, draw: &Draw, position: usize) -> AnyResult<Step> {
+        if draw.params.is_greedy() {
+            return self.argmax_step(ks, b);
+        }
+        let Some(k) = ks.sample.as_ref() else {
+            bail!("sampling on the device needs the {SAMPLE_OP} op and a family for it");
+        };
+        let ws = self.ws_ptr(k, None)?;
+        let cfg = &self.model.config;
+        let params = &draw.params;
+        let args = [
+            ArgValue::Ptr(ptr(&self.gpu, &self.act.next_ids)),
+            ArgValue::Ptr(self.act.logits.ptr(&self.gpu)),
+            ArgValue::Ptr(ws),
+            i32_arg(b, "B")?,
+            i32_arg(cfg.vocab_size, "V")?,
+            i32_arg(cfg.padded_vocab_size, "stride")?,
+            // top-k beyond the vocabulary keeps everything (the CLI says so): clamp to fit an int
+            i32_arg(params.top_k.min(cfg.vocab_size), "top_k")?,
+            ArgValue::F32(params.temperature),
+            ArgValue::F32(params.top_p),
+            ArgValue::I32(draw.seed as u32 as i32),
+            ArgValue::I32((draw.seed >> 32) as u32 as i32),
+            i32_arg(draw.first_sequence as usize, "first sequence")?,
+            i32_arg(position, "position")?,
         ];
         let mut one = Builder::default();
         one.launch(k, &args);

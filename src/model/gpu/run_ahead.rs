@@ -1,15 +1,16 @@
-//! Greedy decode steps run one ahead on the megakernel engine.
+//! Decode steps that choose their tokens on the device run one ahead on the megakernel engine.
 //!
-//! A greedy generation loop feeds each step the ids the previous step returned. So once a step
-//! is launched, the next one can be launched right behind it, reading those ids straight from
-//! the device (the megakernel reads its input tokens and writes its argmax in the same buffer),
-//! before the host has read them back. The GPU then runs steps back to back. Without it, the
+//! A generation loop feeds each step the ids the previous step returned. So once a step is
+//! launched, the next one can be launched right behind it, reading those ids straight from the
+//! device (the megakernel reads its input tokens from the buffer its argmax, or the sampler
+//! after it, writes), before the host has read them back. A sampled step is as deterministic as
+//! a greedy one: its draw is keyed by (seed, sequence, position), not by a host-side state. The GPU then runs steps back to back. Without it, the
 //! GPU idles every step while the host wakes up, copies the ids back, checks them and launches
 //! the next step: about 25 µs a step on the H100, 7% of a GPT-2 small bf16 step.
 //!
-//! The step launched ahead is a guess that the caller continues the chain. A caller that feeds
-//! anything else (the prompt tokens of a ragged batch, tokens it sampled, ids it changed), or
-//! does anything but a greedy step next, throws the guess away: the step has written the cache
+//! The step launched ahead is a guess that the caller continues the chain with the same draw. A
+//! caller that feeds anything else (the prompt tokens of a ragged batch, ids it changed), draws
+//! otherwise, or does anything but such a step next, throws the guess away: the step has written the cache
 //! row at the next position, which whatever runs at that position writes again, and nothing
 //! reads a cache position at or beyond the cached length.
 
@@ -20,13 +21,15 @@ use super::{GpuBackend, SYNC_HINT};
 use crate::gpu::GpuError;
 use crate::model::engine::DecodeEngine;
 use crate::model::error::ModelError;
+use crate::model::generate::Draw;
 
-/// A greedy step launched and not read back yet.
+/// A step choosing its tokens on the device, launched and not read back yet.
 pub(super) struct LaunchedStep {
     /// The ids the step reads: what the caller fed, or for a step launched ahead, its
-    /// predecessor's argmax (filled in once that is back). The caller must feed exactly these
-    /// for the step to count.
+    /// predecessor's choices (filled in once those are back). The caller must feed exactly
+    /// these, and ask for the same draw, for the step to count.
     fed: Vec<u32>,
+    draw: Draw,
     /// The pinned buffer (of two) its ids land in, and the event after that copy (recorded
     /// here: the context does not track events on buffers, so the buffer's own is not).
     slot: usize,
@@ -36,7 +39,7 @@ pub(super) struct LaunchedStep {
 }
 
 impl GpuBackend {
-    /// Whether greedy steps may run one ahead: on the megakernel engine, not profiled kernel by
+    /// Whether steps may run one ahead: on the megakernel engine, not profiled kernel by
     /// kernel, not stamped for the timeline, not synchronised after every launch.
     fn may_run_ahead(&self) -> bool {
         self.engine == DecodeEngine::Megakernel && self.profiler.is_none() && !self.timeline_on && !self.sync_each
@@ -50,9 +53,10 @@ impl GpuBackend {
         }
     }
 
-    /// A greedy step, its ids copied back into a pinned buffer once it is done: from `last`
-    /// (uploaded), or with `None` from the previous step's argmax, still on the device.
-    fn launch_greedy(&mut self, last: Option<&[u32]>) -> AnyResult<LaunchedStep> {
+    /// A step choosing its ids by `draw`, copied back into a pinned buffer once it is done:
+    /// from `last` (uploaded), or with `None` from the previous step's choices, still on the
+    /// device.
+    fn launch_chosen(&mut self, last: Option<&[u32]>, draw: &Draw) -> AnyResult<LaunchedStep> {
         let b = self.batch;
         if self.pinned_ids.iter().any(|p| p.len() < b) || self.pinned_ids.len() < 2 {
             // no copy may still be on its way into the buffers being replaced
@@ -68,7 +72,7 @@ impl GpuBackend {
         }
         let slot = self.next_pinned;
         self.next_pinned ^= 1;
-        self.decode_step(last, true)?;
+        self.decode_step(last, Some(draw))?;
         self.gpu
             .stream
             .memcpy_dtoh(&self.act.next_ids.slice(0..b), &mut self.pinned_ids[slot])
@@ -80,26 +84,29 @@ impl GpuBackend {
             .map_err(GpuError::cuda("recording the token ids' copy"))?;
         Ok(LaunchedStep {
             fed: last.map(<[u32]>::to_vec).unwrap_or_default(),
+            draw: *draw,
             slot,
             landed,
             events: self.step_events.take(),
         })
     }
 
-    /// A greedy decode step on the device (see [`GpuBackend::decode_argmax`]): the step for
-    /// `last` is the one already running when the caller continues the chain, else launched
-    /// now; when the caller fed what the previous call returned (it is chaining: not feeding a
-    /// ragged batch's prompt tokens), the next step is launched ahead where that is allowed;
-    /// then this step's ids are read back.
-    pub(super) fn greedy_step_on_device(&mut self, last: &[u32]) -> AnyResult<Vec<u32>> {
+    /// A decode step whose tokens are chosen on the device (see [`GpuBackend::decode_draw`]):
+    /// the step for `last` is the one already running when the caller continues the chain,
+    /// else launched now; when the caller fed what the previous call returned (it is chaining:
+    /// not feeding a ragged batch's prompt tokens), the next step is launched ahead where that
+    /// is allowed; then this step's ids are read back.
+    pub(super) fn chosen_step_on_device(&mut self, last: &[u32], draw: &Draw) -> AnyResult<Vec<u32>> {
         let chaining = self.returned == last;
-        // A step ahead that guessed other ids stays, for launching this one to throw it away.
-        let step = match self.ahead.take_if(|ahead| ahead.fed == last) {
+        // A step ahead that guessed other ids or another draw stays, for launching this one to
+        // throw it away.
+        let step = match self.ahead.take_if(|ahead| ahead.fed == last && ahead.draw == *draw) {
             Some(ahead) => ahead,
-            None => self.launch_greedy(Some(last))?,
+            None => self.launch_chosen(Some(last), draw)?,
         };
+        let position = self.len; // of the token this step chose (`len` counts it)
         let ahead = if chaining && self.may_run_ahead() && self.len < self.model.config.n_ctx {
-            Some(self.launch_greedy(None)?)
+            Some(self.launch_chosen(None, draw)?)
         } else {
             None
         };
@@ -125,7 +132,9 @@ impl GpuBackend {
             .map(|(s, &id)| {
                 u32::try_from(id).map_err(|_| {
                     ModelError::Sampling(format!(
-                        "the logits of sequence {s} contain NaN ({} on the GPU)",
+                        "sequence {}: the logits for position {} hold NaN or infinity ({} on the GPU): the checkpoint or the forward pass is broken",
+                        draw.first_sequence as usize + s,
+                        position,
                         self.name
                     ))
                 })

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result as AnyResult};
 
 use super::fold::{FoldRole, FoldedLayernorms};
-use super::{shape, GpuBackend, ARGMAX_OP, ATTENTION_DECODE_OP, KV_APPEND_OP, UNFUSED_ATTENTION_FAMILY};
+use super::{shape, GpuBackend, ARGMAX_OP, ATTENTION_DECODE_OP, KV_APPEND_OP, SAMPLE_OP, UNFUSED_ATTENTION_FAMILY};
 use crate::gpu::{GpuError, LoadedVariant};
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
@@ -44,6 +44,8 @@ pub(super) struct Kernels {
     pub lm_head: Kernel,
     /// Decode steps only: greedy choice of the next tokens on the device.
     pub argmax: Option<Kernel>,
+    /// Decode steps only: the next tokens drawn on the device (temperature, top-k, top-p).
+    pub sample: Option<Kernel>,
     /// The layernorms this prefill runs folded into the matmul after them (their kernels are
     /// `ln_` ones; `fold_select.rs`). None for decode steps and the unfused path.
     pub folded: FoldedLayernorms,
@@ -397,11 +399,19 @@ impl GpuBackend {
             self.notes
                 .push(format!("prefill of {b}x{t}: {}", fold_report.join("; ")));
         }
-        let argmax_available =
-            ops::op_by_name(ARGMAX_OP).is_some() && self.registry.catalog.has_dtype(ARGMAX_OP, op_dtype(self.dtype));
+        // The next tokens on the device: the argmax, and the sampler (tuned on its default
+        // settings: the shape carries no user's temperature or filters).
+        let catalog = &self.registry.catalog;
+        let available = |op: &str| ops::op_by_name(op).is_some() && catalog.has_dtype(op, op_dtype(self.dtype));
+        let (argmax_available, sample_available) = (available(ARGMAX_OP), available(SAMPLE_OP));
+        let rows = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
         let argmax = if decode && argmax_available {
-            let s = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
-            Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, s, None)?)
+            Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, rows.clone(), None)?)
+        } else {
+            None
+        };
+        let sample = if decode && sample_available {
+            Some(self.kernel("sample", SAMPLE_OP, Epilogue::None, Mask::None, rows, None)?)
         } else {
             None
         };
@@ -418,6 +428,7 @@ impl GpuBackend {
             residual,
             lm_head,
             argmax,
+            sample,
             folded,
         })
     }

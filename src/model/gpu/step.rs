@@ -11,7 +11,7 @@ use super::{GpuBackend, PINNED_LOGITS_ROWS, SYNC_HINT};
 use crate::gpu::GpuError;
 use crate::model::engine::DecodeEngine;
 use crate::model::error::{ModelError, Result};
-use crate::model::generate::Logits;
+use crate::model::generate::{Draw, Logits};
 
 impl GpuBackend {
     pub(super) fn upload_ids(&mut self, tokens: &[Vec<u32>]) -> AnyResult<()> {
@@ -149,15 +149,30 @@ impl GpuBackend {
             }
             HeadRows::Last => Ok(Some(self.read_logits(b, 1, rows)?)),
             HeadRows::All => Ok(Some(self.read_logits(b, t, rows)?)),
-            HeadRows::Greedy => unreachable!("a prefill is not a greedy decode step"),
+            HeadRows::Greedy => bail!("a prefill does not choose tokens on the device"),
         }
     }
 
-    /// One decode step up to the LM head (and, when `greedy`, the argmax kernel into
-    /// `act.next_ids`), launched but not waited for. Returns the batch size. `last`: the tokens
-    /// to feed; `None`: the previous greedy step's ids, still in `act.next_ids` (the megakernel
-    /// engine only: see `run_ahead.rs`).
-    pub(super) fn decode_step(&mut self, last: Option<&[u32]>, greedy: bool) -> AnyResult<usize> {
+    /// See [`crate::model::Backend::prepare`]: the buffers, the kernels of the prefill (last
+    /// rows only, as `generate` asks) and of the decode steps, and the megakernel's table.
+    pub(super) fn prepare_impl(&mut self, b: usize, t: usize) -> AnyResult<()> {
+        self.discard_ahead();
+        self.ensure_capacity(b, t.max(1))?;
+        self.kernels(b, t.max(1), false, true)?;
+        if self.decode_missing.is_none() {
+            let ks = self.kernels(b, 1, true, false)?;
+            if self.engine == DecodeEngine::Megakernel {
+                self.prepare_megakernel(&ks, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One decode step up to the LM head (and, when `choose` is given, the argmax or sampling
+    /// kernel into `act.next_ids`), launched but not waited for. Returns the batch size.
+    /// `last`: the tokens to feed; `None`: the previous step's chosen ids, still in
+    /// `act.next_ids` (the megakernel engine only: see `run_ahead.rs`).
+    pub(super) fn decode_step(&mut self, last: Option<&[u32]>, choose: Option<&Draw>) -> AnyResult<usize> {
         self.discard_ahead();
         if let Some(why) = &self.decode_missing {
             bail!("{why}");
@@ -180,34 +195,44 @@ impl GpuBackend {
         }
         match last {
             Some(last) => self.upload_ids(&last.iter().map(|&t| vec![t]).collect::<Vec<_>>())?,
-            None if self.engine == DecodeEngine::Megakernel && greedy => {}
+            None if self.engine == DecodeEngine::Megakernel && choose.is_some() => {}
             None => bail!("a decode step from the previous step's ids runs on the megakernel engine only"),
         }
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
+        // The token this step chooses lands at position pos + 1.
+        let chooser = match choose {
+            Some(draw) => Some(Plan {
+                steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],
+                head_rows: b,
+            }),
+            None => None,
+        };
         let (start, end) = (self.timing_event()?, self.timing_event()?);
         let graphs = self.decode_graphs();
         if self.engine == DecodeEngine::Megakernel {
             record_event(&start, &self.gpu)?;
             self.megakernel_step(&ks, b, pos, last.is_none())?;
+            // The megakernel fuses the argmax into its LM head: a greedy draw needs nothing more.
+            if let Some(plan) = chooser.filter(|_| !choose.is_some_and(|d| d.params.is_greedy())) {
+                self.execute(&plan)?;
+            }
         } else if graphs {
             if self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
             }
             record_event(&start, &self.gpu)?;
             self.decode_graphs[&b].launch(&self.gpu.stream)?;
-            if greedy {
-                let argmax = Plan {
-                    steps: vec![self.argmax_step(&ks, b)?],
-                    head_rows: b,
-                };
-                self.execute(&argmax)?;
+            if let Some(plan) = &chooser {
+                self.execute(plan)?;
             }
         } else {
             record_event(&start, &self.gpu)?;
-            let head = if greedy { HeadRows::Greedy } else { HeadRows::All };
-            let plan = self.build_plan(&ks, b, 1, pos, true, head)?;
+            let plan = self.build_plan(&ks, b, 1, pos, true, HeadRows::All)?;
             self.execute(&plan)?;
+            if let Some(plan) = &chooser {
+                self.execute(plan)?;
+            }
         }
         record_event(&end, &self.gpu)?;
         self.step_events = Some((start, end));
@@ -224,21 +249,29 @@ impl GpuBackend {
     }
 
     pub(super) fn decode_impl(&mut self, last: &[u32]) -> AnyResult<Logits> {
-        let b = self.decode_step(Some(last), false)?;
+        let b = self.decode_step(Some(last), None)?;
         self.read_logits(b, 1, b)
     }
 
-    /// A greedy decode step: the argmax token of each sequence, chosen on the device.
-    pub(super) fn decode_argmax_impl(&mut self, last: &[u32]) -> AnyResult<Vec<u32>> {
-        let on_device =
-            self.decode_missing.is_none() && self.kernels(self.batch.max(1), 1, true, false)?.argmax.is_some();
+    /// A decode step whose next tokens are drawn on the device when this build has the kernel
+    /// for `draw` (the argmax or the sampler), else from logits copied back.
+    pub(super) fn decode_draw_impl(&mut self, last: &[u32], draw: &Draw) -> AnyResult<Vec<u32>> {
+        let on_device = self.decode_missing.is_none() && {
+            let ks = self.kernels(self.batch.max(1), 1, true, false)?;
+            if draw.params.is_greedy() {
+                ks.argmax.is_some()
+            } else {
+                ks.sample.is_some()
+            }
+        };
         if !on_device {
+            let position = self.len + 1;
             let logits = self.decode_impl(last)?;
             return (0..last.len())
-                .map(|b| crate::model::sampling::argmax(logits.last(b)).map_err(Into::into))
+                .map(|b| draw.on_host(logits.last(b), b, position).map_err(Into::into))
                 .collect();
         }
-        self.greedy_step_on_device(last)
+        self.chosen_step_on_device(last, draw)
     }
 
     /// A full forward pass (LM head on every position) that leaves the logits on the device:
