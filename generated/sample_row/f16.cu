@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // sampling on the device: temperature, top-k and top-p by Gumbel-max with Philox noise keyed by (seed, sequence, position); chunks of a row swept by many blocks (argmax, scores, or each chunk's best keys by a bitonic sort), one block a row merges them, cuts top-k and top-p and draws
 // Variant: dtype=f16 block_size=512 chunk=2048 max_top_k=64
-// Derived: threads=512 merge_capacity=4096 smem_chunks=18688 smem_finish=37888
+// Derived: threads=512 merge_capacity=4096 smem_chunks=18688 smem_finish=37632
 
 // ---------------------------------------------------------------------------------------------
 // sample_row / sample_row_0ba9eefe1f28f706  (op sample, dtype f16)
@@ -334,6 +334,7 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_index) {
 }
 
 __device__ __forceinline__ key_t max_key(key_t a, key_t b) { return a > b ? a : b; }
+__device__ __forceinline__ key_t min_key(key_t a, key_t b) { return a < b ? a : b; }
 
 // Sorts n keys (a power of two) in shared memory, largest first: Batcher's bitonic network.
 // Every stage compares pairs (i, i ^ distance) whose order depends only on i, so all threads
@@ -751,24 +752,37 @@ sample_row_0ba9eefe1f28f706_finish(int* out, const storage_t* logits, float* wor
     int kept = 0;
     if (path == CANDIDATES) {
         const int list = list_of(V, top_k);
-        // The row's best `list` keys are all >= floor: the smallest key of any chunk's full list
-        // (that chunk alone holds `list` keys at or above it). Fewer candidates to sort.
-        key_t floor = 0;
+        // Two lower bounds of the row's list-th key, the larger kept: the smallest key of any
+        // chunk's full list (that chunk alone holds `list` keys at or above it), and the
+        // smallest of every chunk's q-th key with q chunks' worth of keys making up `list`
+        // (together they hold at least `list` keys at or above it). Fewer candidates to merge.
+        const int q = (list + chunks - 1) / chunks;
+        key_t floor = 0, low = ~0ull;
+        int deep = 0;  // chunks with at least q keys
         float total = 0.0f;  // the row's mass, for top-p alone
         const bool top_p_alone = !cuts_top_k(V, top_k) && top_p < 1.0f;
         for (int c = threadIdx.x; c < chunks; c += BLOCK_SIZE) {
             ChunkRecord* r = record_of(workspace, row, c, chunks);
-            if (r->count == list) floor = max_key(floor, keys_of(r)[list - 1]);
+            const int count = r->count;
+            if (count == list) floor = max_key(floor, keys_of(r)[list - 1]);
+            if (count >= q) { low = min_key(low, keys_of(r)[q - 1]); ++deep; }
             if (top_p_alone) total += r->sum * expf((r->max - row_max) * inv_t);
         }
         if (top_p_alone) total = block_reduce_sum(total);
-        __shared__ key_t floors[WARPS];
+        __shared__ key_t floors[WARPS], lows[WARPS];
+        __shared__ int deeps[WARPS];
         #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) floor = max_key(floor, __shfl_xor_sync(0xffffffffu, floor, offset));
-        if (threadIdx.x % 32 == 0) floors[threadIdx.x / 32] = floor;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            floor = max_key(floor, __shfl_xor_sync(0xffffffffu, floor, offset));
+            low = min_key(low, __shfl_xor_sync(0xffffffffu, low, offset));
+            deep += __shfl_xor_sync(0xffffffffu, deep, offset);
+        }
+        if (threadIdx.x % 32 == 0) { floors[threadIdx.x / 32] = floor; lows[threadIdx.x / 32] = low; deeps[threadIdx.x / 32] = deep; }
         if (threadIdx.x == 0) gathered = 0;
         __syncthreads();
-        for (int w = 0; w < WARPS; ++w) floor = max_key(floor, floors[w]);
+        deep = 0;
+        for (int w = 0; w < WARPS; ++w) { floor = max_key(floor, floors[w]); low = min_key(low, lows[w]); deep += deeps[w]; }
+        if (deep * q >= list) floor = max_key(floor, low);
         // Gather every candidate at or above the floor (one warp a chunk list).
         for (int c = threadIdx.x / 32; c < chunks; c += WARPS) {
             ChunkRecord* r = record_of(workspace, row, c, chunks);
@@ -788,35 +802,39 @@ sample_row_0ba9eefe1f28f706_finish(int* out, const storage_t* logits, float* wor
         } else {
             kept = top_keys(merged, n, list, best_keys, row_max, inv_t);
             if (top_p < 1.0f) {
-                // The nucleus: 1 + the number of list prefixes whose mass is below p of the total
-                // (top-k's mass when top-k cut first). Prefix sums by a block scan, one key a thread.
-                __shared__ float prefix[MAX_TOP_K];
-                for (int i = threadIdx.x; i < kept; i += BLOCK_SIZE) prefix[i] = expf((value_of(best_keys[i]) - row_max) * inv_t);
-                __syncthreads();
-                for (int offset = 1; offset < kept; offset <<= 1) {  // Hillis-Steele inclusive scan
-                    float add[(MAX_TOP_K + BLOCK_SIZE - 1) / BLOCK_SIZE];
+                // The nucleus: the shortest prefix of the list whose mass reaches p of the total
+                // (top-k's mass when top-k cut first). One warp: each lane sums a run of the
+                // list, a shuffle scan gives the mass before each run, the lane whose run crosses
+                // the target walks it.
+                __shared__ int nucleus;  // 0: the nucleus is longer than the list
+                if (threadIdx.x < 32) {
+                    const int lane = threadIdx.x, per = (kept + 31) / 32;
+                    const int first = min(kept, lane * per), last = min(kept, first + per);
+                    float mine = 0.0f;
+                    for (int i = first; i < last; ++i) mine += expf((value_of(best_keys[i]) - row_max) * inv_t);
+                    float inclusive = mine;
                     #pragma unroll
-                    for (int s = 0; s < (MAX_TOP_K + BLOCK_SIZE - 1) / BLOCK_SIZE; ++s) {
-                        const int i = threadIdx.x + s * BLOCK_SIZE;
-                        add[s] = i < kept && i >= offset ? prefix[i - offset] : 0.0f;
+                    for (int offset = 1; offset < 32; offset <<= 1) {
+                        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+                        if (lane >= offset) inclusive += other;
                     }
-                    __syncthreads();
-                    #pragma unroll
-                    for (int s = 0; s < (MAX_TOP_K + BLOCK_SIZE - 1) / BLOCK_SIZE; ++s) {
-                        const int i = threadIdx.x + s * BLOCK_SIZE;
-                        if (i < kept) prefix[i] += add[s];
+                    const float list_mass = __shfl_sync(0xffffffffu, inclusive, 31);
+                    const float target = top_p * (cuts_top_k(V, top_k) ? list_mass : total);
+                    if (lane == 0) nucleus = cuts_top_k(V, top_k) ? kept : 0;  // rounding: all of top-k
+                    __syncwarp();
+                    float before = inclusive - mine;
+                    if (before < target && inclusive >= target) {
+                        int i = first;
+                        // (summed from `before` the run may round short of the target: its end)
+                        while (i < last - 1 && (before += expf((value_of(best_keys[i]) - row_max) * inv_t)) < target) ++i;
+                        nucleus = i + 1;
                     }
-                    __syncthreads();
                 }
-                const float mass = cuts_top_k(V, top_k) ? prefix[kept - 1] : total;
-                const float target = top_p * mass;
-                if (!cuts_top_k(V, top_k) && prefix[kept - 1] < target) {
+                __syncthreads();
+                if (nucleus == 0) {
                     path = BISECTION;  // the nucleus is longer than the candidate list
                 } else {
-                    int below = 0;
-                    for (int i = threadIdx.x; i < kept; i += BLOCK_SIZE) below += prefix[i] < target;
-                    below = (int)block_reduce_sum((float)below);
-                    kept = min(kept, below + 1);
+                    kept = nucleus;
                 }
             }
         }

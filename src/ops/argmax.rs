@@ -18,6 +18,22 @@ use super::*;
 #[derive(Debug)]
 pub struct Argmax;
 
+/// `B` rows of `V` logits `stride` apart (`stride` defaults to `V` and may not be shorter),
+/// checked to fit 32-bit indexing: the shape of the ops that read the LM head's logits.
+pub(crate) fn logits_rows(op: &dyn OpContract, shape: &mut Shape) -> Result<(i64, i64, i64), OpError> {
+    let b = get_dim(op, shape, "B")?;
+    let v = get_dim(op, shape, "V")?;
+    let stride = *shape.entry("stride".into()).or_insert(v);
+    if stride < v {
+        return Err(OpError::Shape {
+            op: op.name(),
+            msg: format!("stride={stride} is shorter than a row (V={v}); give stride >= V"),
+        });
+    }
+    check_i32(op, shape, &[("logits [B,stride]", b * stride)])?;
+    Ok((b, v, stride))
+}
+
 impl OpContract for Argmax {
     fn name(&self) -> &'static str {
         "argmax"
@@ -39,16 +55,7 @@ impl OpContract for Argmax {
     }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
-        let b = get_dim(self, shape, "B")?;
-        let v = get_dim(self, shape, "V")?;
-        let stride = *shape.entry("stride".into()).or_insert(v);
-        if stride < v {
-            return Err(OpError::Shape {
-                op: self.name(),
-                msg: format!("stride={stride} is shorter than a row (V={v}); give stride >= V"),
-            });
-        }
-        check_i32(self, shape, &[("logits [B,stride]", b * stride)])
+        logits_rows(self, shape).map(|_| ())
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
         [

@@ -19,6 +19,7 @@
 use rand::rngs::StdRng;
 use rand::Rng;
 
+use super::argmax::logits_rows;
 use super::draw::{draw, DrawKey, SamplingParams};
 use super::*;
 
@@ -70,15 +71,7 @@ impl OpContract for Sample {
     }
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
-        let b = get_dim(self, shape, "B")?;
-        let v = get_dim(self, shape, "V")?;
-        let stride = *shape.entry("stride".into()).or_insert(v);
-        if stride < v {
-            return Err(OpError::Shape {
-                op: self.name(),
-                msg: format!("stride={stride} is shorter than a row (V={v}); give stride >= V"),
-            });
-        }
+        logits_rows(self, shape)?;
         for (name, default) in [
             ("top_k", 0),
             ("temperature_milli", 1000),
@@ -102,7 +95,7 @@ impl OpContract for Sample {
                 msg: "top_k, seq0 and pos must be >= 0".into(),
             });
         }
-        check_i32(self, shape, &[("logits [B,stride]", b * stride)])
+        Ok(())
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
         // (B, V, stride, top_k, temperature, top_p in thousandths): greedy, plain temperature,

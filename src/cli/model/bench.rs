@@ -107,8 +107,9 @@ fn profile_table(rows: &[ProfileRow]) -> String {
 
 /// `kernelforge bench`: a warm-up, then the median of `--repeats` forward passes over
 /// `--batch` × `--seq` random tokens (LM head on every position; on the GPU the logits stay on
-/// the device), then `--generate` greedy decode steps after a prefill (each step's tokens
-/// chosen by `decode_argmax`, on the GPU like greedy generation) on the chosen decode engine,
+/// the device), then `--generate` decode steps after a prefill (each step's tokens chosen
+/// on the GPU as generation chooses them: the argmax, or drawn with the sampling flags) on the
+/// chosen decode engine,
 /// then (GPU) one more step for `--timeline`, one profiled forward and decode run for the
 /// per-kernel table, and the copy bandwidth the decode floor is divided by.
 pub fn run_bench(args: &BenchArgs) -> Result<()> {
