@@ -147,3 +147,53 @@ fn timed_greedy_decode_runs_the_steps_asked_for_on_the_greedy_tokens() {
     assert_eq!(backend.seen, vec![vec![3, 4, 5, 6, 7], vec![7, 8, 9, 0, 1, 2]]);
     assert_eq!(last, vec![8, 3]);
 }
+
+/// A broken checkpoint's NaN or +inf logits stop sampled generation with one line naming the
+/// sequence and the decode step, not a panic; the start-up is timed apart from the prefill.
+#[test]
+fn broken_logits_stop_generation_naming_the_sequence_and_step() {
+    struct Broken(Scripted, usize);
+    impl Backend for Broken {
+        fn name(&self) -> &str {
+            "broken"
+        }
+        fn config(&self) -> &GPT2Config {
+            &self.0.cfg
+        }
+        fn prefill(&mut self, tokens: &[Vec<u32>]) -> Result<Logits> {
+            self.0.prefill(tokens)
+        }
+        fn decode(&mut self, last: &[u32]) -> Result<Logits> {
+            let mut logits = self.0.decode(last)?;
+            if self.0.decode_calls == 3 {
+                let v = logits.vocab;
+                logits.data[v + self.1] = if self.1 % 2 == 0 { f32::NAN } else { f32::INFINITY };
+            }
+            Ok(logits)
+        }
+    }
+    let sampled = GenerateOptions {
+        max_new_tokens: 10,
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_k: 20,
+            top_p: 0.9,
+        },
+        seed: 5,
+        stop_at_eot: false,
+    };
+    for bad_token in [4, 7] {
+        let mut be = Broken(Scripted::new(vec![100, 100]), bad_token);
+        let err = generate(&mut be, &[vec![1], vec![5]], &sampled, &mut |_, _| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("decode step 3") && err.contains("sequence 1") && err.contains(&format!("token {bad_token}")),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    let mut be = Scripted::new(vec![100]);
+    let out = generate(&mut be, &[vec![1]], &sampled, &mut |_, _| Ok(())).unwrap();
+    assert!(out.stats.startup_ms >= 0.0 && out.stats.summary().contains("start-up"));
+}

@@ -342,6 +342,15 @@ fn gather(parts: Vec<Option<Result<Option<Logits>>>>) -> Result<Logits> {
     logits.ok_or_else(|| ModelError::Batch("no sequences given".into()))
 }
 
+/// Every slice's token ids, in sequence order.
+fn gather_ids(parts: Vec<Option<Result<Vec<u32>>>>) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for part in parts.into_iter().flatten() {
+        ids.extend(part?);
+    }
+    Ok(ids)
+}
+
 impl Backend for Replicas {
     fn name(&self) -> &str {
         &self.name
@@ -411,11 +420,7 @@ impl Backend for Replicas {
             .into_iter()
             .map(|part| part.map(|p| move |g: &mut GpuBackend| g.decode_argmax(&p)))
             .collect();
-        let mut ids = Vec::with_capacity(last.len());
-        for part in self.run(jobs)?.into_iter().flatten() {
-            ids.extend(part?);
-        }
-        Ok(ids)
+        gather_ids(self.run(jobs)?)
     }
 
     /// Each replica draws for its slice, keyed by the sequences' indices in the whole batch, so
@@ -437,11 +442,7 @@ impl Backend for Replicas {
                 part.map(|p| move |g: &mut GpuBackend| g.decode_draw(&p, &draw, position))
             })
             .collect();
-        let mut ids = Vec::with_capacity(last.len());
-        for part in self.run(jobs)?.into_iter().flatten() {
-            ids.extend(part?);
-        }
-        Ok(ids)
+        gather_ids(self.run(jobs)?)
     }
 
     fn stats_note(&self) -> Option<String> {

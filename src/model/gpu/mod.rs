@@ -186,11 +186,11 @@ pub struct GpuBackend {
     pinned_logits: Option<PinnedHostSlice<u8>>,
     /// CUDA events around the last decode step's kernels, and the GPU time of the steps so far.
     step_events: Option<(CudaEvent, CudaEvent)>,
-    /// The greedy step launched ahead of the caller (see `run_ahead.rs`); `len` counts it. And
-    /// the ids the last greedy step returned (a caller feeding them back is chaining steps).
+    /// The step launched ahead of the caller (see `run_ahead.rs`); `len` counts it. And the ids
+    /// the last step choosing on the device returned (a caller feeding them back is chaining).
     ahead: Option<run_ahead::LaunchedStep>,
     returned: Vec<u32>,
-    /// Page-locked landing places of greedy steps' ids (two: one step's ids can still be on
+    /// Page-locked landing places of chosen ids (two: one step's ids can still be on
     /// their way while the next step's are copied), and the one the next step uses.
     pinned_ids: Vec<PinnedHostSlice<i32>>,
     next_pinned: usize,
