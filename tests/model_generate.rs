@@ -167,7 +167,11 @@ fn broken_logits_stop_generation_naming_the_sequence_and_step() {
             let mut logits = self.0.decode(last)?;
             if self.0.decode_calls == 3 {
                 let v = logits.vocab;
-                logits.data[v + self.1] = if self.1 % 2 == 0 { f32::NAN } else { f32::INFINITY };
+                logits.data[v + self.1] = if self.1.is_multiple_of(2) {
+                    f32::NAN
+                } else {
+                    f32::INFINITY
+                };
             }
             Ok(logits)
         }
