@@ -187,20 +187,12 @@ pub trait Backend {
 /// most likely token): the wall time of the decode steps in milliseconds, and the tokens the
 /// last step chose. What `bench` and decode-step tuning time.
 pub fn timed_greedy_decode(backend: &mut dyn Backend, prompts: &[Vec<u32>], steps: usize) -> Result<(f64, Vec<u32>)> {
-    let logits = backend.prefill_last(prompts)?;
-    let mut next: Vec<u32> = (0..prompts.len())
-        .map(|b| argmax(logits.last(b)))
-        .collect::<Result<_>>()?;
-    let started = Instant::now();
-    for _ in 0..steps {
-        next = backend.decode_argmax(&next)?;
-    }
-    Ok((started.elapsed().as_secs_f64() * 1e3, next))
+    timed_decode(backend, prompts, steps, &Draw::greedy())
 }
 
 /// [`timed_greedy_decode`] for any draw: `steps` decode steps after a prefill, each sequence
-/// continuing with the token `draw` picks (on the device where the backend can). What `bench`
-/// times for sampled decoding.
+/// continuing with the token `draw` picks (on the device where the backend can; a greedy draw
+/// through [`Backend::decode_argmax`]). What `bench` times.
 pub fn timed_decode(
     backend: &mut dyn Backend,
     prompts: &[Vec<u32>],

@@ -26,19 +26,39 @@ use super::*;
 #[derive(Debug)]
 pub struct Sample;
 
+/// The optional shape variables of the draw and their values when a shape leaves them out:
+/// no top-k, temperature 1 and top-p 1 (in thousandths), seed 0, the first sequence, position 0.
+const SETTINGS: [(&str, i64); 7] = [
+    ("top_k", 0),
+    ("temperature_milli", 1000),
+    ("top_p_milli", 1000),
+    ("seed_lo", 0),
+    ("seed_hi", 0),
+    ("seq0", 0),
+    ("pos", 0),
+];
+
+/// Setting `name` of `shape`, or its default from [`SETTINGS`].
+fn setting(shape: &Shape, name: &str) -> i64 {
+    shape
+        .get(name)
+        .copied()
+        .or_else(|| SETTINGS.iter().find(|s| s.0 == name).map(|s| s.1))
+        .unwrap_or(0)
+}
+
 /// The sampling parameters a shape describes.
 pub fn params_of(shape: &Shape) -> SamplingParams {
     SamplingParams {
-        temperature: shape.get("temperature_milli").copied().unwrap_or(1000) as f32 / 1000.0,
-        top_k: shape.get("top_k").copied().unwrap_or(0) as usize,
-        top_p: shape.get("top_p_milli").copied().unwrap_or(1000) as f32 / 1000.0,
+        temperature: setting(shape, "temperature_milli") as f32 / 1000.0,
+        top_k: setting(shape, "top_k") as usize,
+        top_p: setting(shape, "top_p_milli") as f32 / 1000.0,
     }
 }
 
 /// The seed a shape describes (`seed_hi:seed_lo`).
 fn seed_of(shape: &Shape) -> u64 {
-    let half = |name: &str| shape.get(name).copied().unwrap_or(0) as u32 as u64;
-    (half("seed_hi") << 32) | half("seed_lo")
+    ((setting(shape, "seed_hi") as u32 as u64) << 32) | setting(shape, "seed_lo") as u32 as u64
 }
 
 impl OpContract for Sample {
@@ -72,15 +92,7 @@ impl OpContract for Sample {
     fn complete_shape(&self, shape: &mut Shape, epilogue: Epilogue, mask: Mask) -> Result<(), OpError> {
         check_variant(self, epilogue, mask)?;
         logits_rows(self, shape)?;
-        for (name, default) in [
-            ("top_k", 0),
-            ("temperature_milli", 1000),
-            ("top_p_milli", 1000),
-            ("seed_lo", 0),
-            ("seed_hi", 0),
-            ("seq0", 0),
-            ("pos", 0),
-        ] {
+        for (name, default) in SETTINGS {
             shape.entry(name.into()).or_insert(default);
         }
         if let Err(e) = params_of(shape).validate() {

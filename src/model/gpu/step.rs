@@ -200,39 +200,33 @@ impl GpuBackend {
         }
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
-        // The token this step chooses lands at position pos + 1.
+        // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
+        // none for a greedy megakernel step, whose LM head stage takes the argmax itself.
         let chooser = match choose {
-            Some(draw) => Some(Plan {
+            Some(draw) if !(self.engine == DecodeEngine::Megakernel && draw.params.is_greedy()) => Some(Plan {
                 steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],
                 head_rows: b,
             }),
-            None => None,
+            _ => None,
         };
         let (start, end) = (self.timing_event()?, self.timing_event()?);
         let graphs = self.decode_graphs();
         if self.engine == DecodeEngine::Megakernel {
             record_event(&start, &self.gpu)?;
             self.megakernel_step(&ks, b, pos, last.is_none())?;
-            // The megakernel fuses the argmax into its LM head: a greedy draw needs nothing more.
-            if let Some(plan) = chooser.filter(|_| !choose.is_some_and(|d| d.params.is_greedy())) {
-                self.execute(&plan)?;
-            }
         } else if graphs {
             if self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
             }
             record_event(&start, &self.gpu)?;
             self.decode_graphs[&b].launch(&self.gpu.stream)?;
-            if let Some(plan) = &chooser {
-                self.execute(plan)?;
-            }
         } else {
             record_event(&start, &self.gpu)?;
             let plan = self.build_plan(&ks, b, 1, pos, true, HeadRows::All)?;
             self.execute(&plan)?;
-            if let Some(plan) = &chooser {
-                self.execute(plan)?;
-            }
+        }
+        if let Some(plan) = &chooser {
+            self.execute(plan)?;
         }
         record_event(&end, &self.gpu)?;
         self.step_events = Some((start, end));
