@@ -254,6 +254,27 @@ fn gpu_attention_decode() {
     check_op("attention_decode");
 }
 
+/// Every point of `attention_decode_groups` (split length x warps x rows a trip), in every
+/// dtype, on every test shape: where a split ends inside a trip, a warp has no rows, or the
+/// cache fits one split (no combine) differs from point to point.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attention_decode_groups_every_point() {
+    let mut points = Vec::new();
+    for keys_per_split in [32, 64, 128, 256, 512, 1024] {
+        for warps in [1, 2, 4, 8] {
+            for rows_at_once in [1, 2, 4, 8] {
+                points.push(vec![
+                    ("keys_per_split", keys_per_split),
+                    ("warps", warps),
+                    ("rows_at_once", rows_at_once),
+                ]);
+            }
+        }
+    }
+    check_points("attention_decode_groups", &points);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_kv_append() {

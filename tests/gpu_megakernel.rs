@@ -499,21 +499,39 @@ fn megakernel_timeline_stamps_every_task() {
     assert!(g.take_timeline().is_none(), "taken once");
 }
 
-/// A step that does not fit is refused with the fix, and the graph engine still works after.
+/// A batch no megakernel point holds hands off to the graph engine: the steps run (the same
+/// logits as a backend asked for the graph engine), the engine reported is the graph, and a
+/// note says why; a batch the point holds still runs on the megakernel.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn a_batch_larger_than_the_point_is_refused_and_the_graph_engine_still_runs() {
+fn a_batch_larger_than_the_megakernel_holds_runs_on_the_graph_engine_and_says_so() {
     let _lock = gpu_lock();
     let tiny = model(2, 2, 128, 128, 300, 9);
-    let mut g = backend(&tiny, 9, Dtype::F32, DecodeEngine::Megakernel);
     let prompts: Vec<Vec<u32>> = (0..9).map(|b| vec![b, 1, 2]).collect();
-    g.prefill_last(&prompts).unwrap();
     let next: Vec<u32> = (0..9).collect();
-    let e = g.decode(&next).unwrap_err().to_string();
-    assert!(e.contains("max_rows") || e.contains("decode_megakernel"), "{e}");
-    g.set_decode_engine(DecodeEngine::Graph).unwrap();
-    let logits = g.decode(&next).unwrap();
-    assert!(logits.data.iter().all(|x| x.is_finite()));
+    let run = |engine: DecodeEngine| {
+        let mut g = backend(&tiny, 9, Dtype::F32, engine);
+        g.prepare(9, 3).unwrap();
+        g.prefill_last(&prompts).unwrap();
+        let logits = g.decode(&next).unwrap();
+        assert_eq!(Backend::decode_engine(&g), Some(DecodeEngine::Graph));
+        (logits.data, g.notes())
+    };
+    let (handed_off, notes) = run(DecodeEngine::Megakernel);
+    let (graph, _) = run(DecodeEngine::Graph);
+    assert!(handed_off.iter().all(|x| x.is_finite()));
+    assert_eq!(handed_off, graph, "the handoff runs the graph engine's kernels");
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("batch 9") && n.contains("max_rows") && n.contains("graph engine")),
+        "{notes:?}"
+    );
+    let mut g = backend(&tiny, 8, Dtype::F32, DecodeEngine::Megakernel);
+    g.prepare(8, 3).unwrap();
+    g.prefill_last(&prompts[..8]).unwrap();
+    g.decode(&next[..8]).unwrap();
+    assert_eq!(Backend::decode_engine(&g), Some(DecodeEngine::Megakernel));
 }
 
 /// The timeline of a GPT-2 124M megakernel step is a faithful record: every task of every

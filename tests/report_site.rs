@@ -250,7 +250,7 @@ fn synthetic_db(batches: &[i64], dtypes: &[Dtype], per_family: usize) -> serde_j
     let mut samples: BTreeMap<String, Vec<Variant>> = BTreeMap::new();
     let mut entries = BTreeMap::new();
     for &dtype in dtypes {
-        for w in model_workloads(&cfg, batches, &[1024], dtype) {
+        for w in model_workloads(&cfg.dims(), batches, &[1024], dtype) {
             let kind = variant_kind(w.epilogue, w.mask).to_string();
             let key = TuneKey {
                 op: w.op.to_string(),

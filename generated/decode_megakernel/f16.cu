@@ -181,6 +181,20 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// An online-softmax state (m, l, acc) merged with another one: both rescaled to the larger
+// max (log2 domain). An empty state has m = -inf and l = acc = 0 and weighs nothing; the
+// equality tests keep two empty states from computing 2^(-inf + inf).
+template <int N>
+__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N], float m_other, float l_other,
+                                            const float (&acc_other)[N]) {
+    const float m_new = fmaxf(m, m_other);
+    const float a = m == m_new ? 1.0f : fast_exp2(m - m_new);
+    const float b = m_other == m_new ? 1.0f : fast_exp2(m_other - m_new);
+    l = l * a + l_other * b;
+    #pragma unroll
+    for (int j = 0; j < N; ++j) acc[j] = acc[j] * a + acc_other[j] * b;
+    m = m_new;
+}
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "bulk_copy = 1 needs the copy engine of sm_90 (Hopper) or newer: choose a point with bulk_copy = 0"
 #endif
@@ -925,18 +939,6 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
 // the block takes 256 cache rows a trip either way (H100, GPT-2 small f32 batch 1 after 1,000
 // tokens: 0.366 -> 0.358 ms a step). At more rows the registers are not there (f32 batch 8 lost 1%).
 #define ROWS_AT_ONCE (MAX_ROWS == 1 ? 32 / VEC : 4)
-
-// An online-softmax state (m, l, acc) merged with another one: both rescaled to the larger
-// max. An empty state has m = -inf and l = acc = 0, and weighs nothing (never exp2(-inf + inf)).
-__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[VEC], float m_o, float l_o,
-                                            const float (&acc_o)[VEC]) {
-    const float m_new = fmaxf(m, m_o);
-    const float a = m == m_new ? 1.0f : fast_exp2(m - m_new), b = m_o == m_new ? 1.0f : fast_exp2(m_o - m_new);
-    l = l * a + l_o * b;
-    #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = acc[j] * a + acc_o[j] * b;
-    m = m_new;
-}
 
 __device__ void attention_task(const Stage& s, int task, int B, int pos, int NH, int max_T, float scale,
                                storage_t* slot, unsigned* arrivals, float* workspace, float2* warp_state,

@@ -168,7 +168,7 @@ fn workloads_of(args: &TuneArgs, catalog: &Catalog) -> Result<Vec<Workload>> {
             if let Some(t) = args.seq.iter().find(|t| **t as usize > cfg.n_ctx) {
                 bail!("--seq {t}: longer than the model's context ({})", cfg.n_ctx);
             }
-            model_workloads(&cfg, &args.batch, &args.seq, args.dtype)
+            model_workloads(&cfg.dims(), &args.batch, &args.seq, args.dtype)
         }
         (None, Some(op_name)) => {
             let op = ops::op_by_name(op_name)

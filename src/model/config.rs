@@ -38,6 +38,18 @@ pub struct GPT2Config {
 pub const PRESET_NAMES: [&str; 4] = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"];
 
 impl GPT2Config {
+    /// The dimensions op shapes derive from (the tuner's workloads, the model's kernels).
+    pub fn dims(&self) -> crate::ops::model_dims::ModelDims {
+        crate::ops::model_dims::ModelDims {
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            n_ctx: self.n_ctx,
+            vocab_size: self.vocab_size,
+            padded_vocab_size: self.padded_vocab_size,
+        }
+    }
+
     /// A validated config with `padded_vocab_size = pad_vocab(vocab_size)`.
     pub fn new(n_layer: usize, n_head: usize, n_embd: usize, n_ctx: usize, vocab_size: usize) -> Result<Self> {
         let cfg = GPT2Config {

@@ -51,7 +51,7 @@ impl OpContract for AttentionDecode {
         check_i32(self, shape, &[("k_cache", b * nh * max_t * hs)])
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [(1, 2, 1), (3, 2, 5), (1, 3, 129), (2, 2, 1000)]
+        [(1, 2, 1), (3, 2, 5), (1, 3, 129), (5, 3, 257), (2, 2, 1000)]
             .iter()
             .map(|&(b, nh, t)| shape_of(&[("B", b), ("NH", nh), ("T", t), ("HS", 64), ("max_T", t + 7)]))
             .collect()

@@ -20,6 +20,7 @@ pub mod gelu;
 pub mod kv_append;
 pub mod layernorm;
 pub mod matmul;
+pub mod model_dims;
 mod numeric;
 mod problem;
 pub mod residual;

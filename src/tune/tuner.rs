@@ -142,6 +142,10 @@ pub fn verification_shape(w: &Workload) -> Shape {
         "encoder" => {
             s.insert("B".into(), 1);
         }
+        "attention_decode" => {
+            // every (sequence, head) runs the same code: a few sequences check the kernel
+            s.insert("B".into(), get(&s, "B").min(4));
+        }
         "layernorm" | "softmax" => {
             s.insert("N".into(), get(&s, "N").min(512));
         }

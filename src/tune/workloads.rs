@@ -1,7 +1,7 @@
 //! The exact op shapes a GPT-2 forward pass and decode step use, derived from the model's
 //! dimensions (no checkpoint needed for the named sizes).
 
-use crate::model::config::GPT2Config;
+use crate::ops::model_dims::{decode_context_buckets, ModelDims};
 use crate::ops::{Epilogue, Mask, Shape};
 use crate::spec::Dtype;
 
@@ -76,7 +76,7 @@ pub fn kernel_dtype(op: &str, rows: Option<i64>, requested: Dtype) -> Dtype {
 
 /// Every distinct kernel shape of a forward pass over `batch` sequences of `seq` tokens
 /// (prefill when seq > 1, a decode step when seq = 1), each in the dtype [`kernel_dtype`] gives.
-pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtype) -> Vec<Workload> {
+pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype) -> Vec<Workload> {
     let (c, nh, l) = (cfg.n_embd as i64, cfg.n_head as i64, cfg.n_layer as i64);
     let m = batch * seq;
     let mm = |role: &str, epilogue: Epilogue, n: i64, k: i64, calls: i64| Workload {
@@ -150,13 +150,41 @@ pub fn forward_workloads(cfg: &GPT2Config, batch: i64, seq: i64, requested: Dtyp
                 calls: l,
             },
         );
+    } else {
+        out.extend(decode_attention_workloads(cfg, batch, requested));
     }
     out
 }
 
+/// The decode step's attention at each cache-length bucket
+/// ([`decode_context_buckets`]), the longest length of each: the model runs the bucket's
+/// winner while the cache is within it. The cache holds exactly `T` positions here (the model's
+/// holds the context: the same reads, less memory to fill for the test problem).
+pub fn decode_attention_workloads(cfg: &ModelDims, batch: i64, requested: Dtype) -> Vec<Workload> {
+    let (nh, hs) = (cfg.n_head as i64, cfg.head_dim() as i64);
+    decode_context_buckets(cfg.n_ctx)
+        .into_iter()
+        .map(|len| Workload {
+            role: format!("attention (decode, cache up to {len})"),
+            op: "attention_decode",
+            dtype: kernel_dtype("attention_decode", None, requested),
+            epilogue: Epilogue::None,
+            mask: Mask::None,
+            shape: decode_attention_shape(batch, nh, hs, len as i64),
+            calls: cfg.n_layer as i64,
+        })
+        .collect()
+}
+
+/// The shape decode attention is tuned and selected for: `batch` sequences of `nh` heads of
+/// `hs` channels attending to a cache of `len` positions (the bucket's longest).
+pub fn decode_attention_shape(batch: i64, nh: i64, hs: i64, len: i64) -> Shape {
+    shape(&[("B", batch), ("NH", nh), ("T", len), ("HS", hs), ("max_T", len)])
+}
+
 /// The workloads of a model at every (batch, seq) asked for, plus the decode step (seq = 1)
 /// for each batch, without duplicates, in the dtypes [`forward_workloads`] picks.
-pub fn model_workloads(cfg: &GPT2Config, batches: &[i64], seqs: &[i64], matmul_dtype: Dtype) -> Vec<Workload> {
+pub fn model_workloads(cfg: &ModelDims, batches: &[i64], seqs: &[i64], matmul_dtype: Dtype) -> Vec<Workload> {
     let mut out: Vec<Workload> = Vec::new();
     for &b in batches {
         for &t in seqs.iter().chain(std::iter::once(&1)) {
@@ -179,10 +207,11 @@ pub fn model_workloads(cfg: &GPT2Config, batches: &[i64], seqs: &[i64], matmul_d
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::config::GPT2Config;
 
     #[test]
     fn gpt2_small_forward_shapes() {
-        let cfg = GPT2Config::gpt2();
+        let cfg = GPT2Config::gpt2().dims();
         assert_eq!(cfg.padded_vocab_size, 50304);
         let w = forward_workloads(&cfg, 8, 1024, Dtype::F32);
         let mm: Vec<_> = w
@@ -213,9 +242,16 @@ mod tests {
 
     #[test]
     fn decode_step_has_no_prefill_attention_and_no_duplicates() {
-        let cfg = GPT2Config::gpt2_xl();
+        let cfg = GPT2Config::gpt2_xl().dims();
         let w = forward_workloads(&cfg, 1, 1, Dtype::F32);
         assert!(w.iter().all(|w| w.op != "attention"));
+        // decode attention once per cache-length bucket, each at its longest length
+        let lens: Vec<i64> = w
+            .iter()
+            .filter(|w| w.op == "attention_decode")
+            .map(|w| w.shape["T"])
+            .collect();
+        assert_eq!(lens, vec![128, 256, 512, 1024]);
         assert!(w.iter().filter(|w| w.op == "matmul").all(|w| w.shape["M"] == 1));
         let all = model_workloads(&cfg, &[1, 8], &[1024], Dtype::F32);
         assert_eq!(
@@ -226,7 +262,7 @@ mod tests {
 
     #[test]
     fn tf32_applies_to_matmuls_and_attention_only() {
-        let cfg = GPT2Config::gpt2();
+        let cfg = GPT2Config::gpt2().dims();
         let w = model_workloads(&cfg, &[8], &[1024], Dtype::Tf32);
         assert!(w.iter().any(|w| w.op == "matmul"));
         assert!(w.iter().any(|w| w.op == "attention" && w.dtype == Dtype::Tf32));

@@ -307,7 +307,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     });
 
     let decode_graphs = gpu.as_ref().is_some_and(|g| g.primary().decode_graphs());
-    let engine = gpu.as_ref().map(|g| g.primary().decode_engine());
+    // the engine the steps ran on (a batch the megakernel cannot hold runs on the graph engine)
+    let engine = gpu.as_ref().map(|g| g.primary().engine_for(first_slice));
     // The point the megakernel ran (after the timed steps it is the one set up last).
     let megakernel = gpu
         .as_ref()

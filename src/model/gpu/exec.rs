@@ -8,7 +8,7 @@ use cudarc::driver::CudaEvent;
 
 use super::plan::{HeadRows, Node, Plan, Step};
 use super::select::Kernels;
-use super::{with, GpuBackend};
+use super::GpuBackend;
 use crate::gpu::{Gpu, GpuError, GraphUpdateError, KernelGraph};
 use crate::spec::shape_text;
 
@@ -137,8 +137,10 @@ impl GpuBackend {
     pub(super) fn prepare_decode_graph(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<()> {
         // The cache-length-dependent workspace is sized for the longest cache up front, so
         // that no step reallocates it under the graph's pointers.
-        let longest = with(&ks.attention.shape, &[("T", self.model.config.n_ctx as i64)]);
-        self.ws_ptr(&ks.attention, Some(&longest))?;
+        for (len, k) in &ks.decode_attention {
+            let longest = self.decode_attention_shape(k, *len);
+            self.ws_ptr(k, Some(&longest))?;
+        }
         if let Some(graph) = self.decode_graphs.remove(&b) {
             self.launch_mode = LaunchMode::Update {
                 graph,

@@ -108,16 +108,19 @@ impl GpuBackend {
     /// replaced by the slice's own choice).
     fn megakernel_rows(&self, b: usize) -> usize {
         let whole = self.selection_batch.unwrap_or(b).max(b);
-        let most = self
-            .registry
-            .catalog
-            .family(MEGAKERNEL_FAMILY)
-            .map_or(0, |f| most_rows(f));
-        if whole <= most {
+        if whole <= self.megakernel_most_rows() {
             whole
         } else {
             b
         }
+    }
+
+    /// The most sequences a point of the megakernel family holds (0 without the family).
+    pub(super) fn megakernel_most_rows(&self) -> usize {
+        self.registry
+            .catalog
+            .family(MEGAKERNEL_FAMILY)
+            .map_or(0, |f| most_rows(f))
     }
 
     /// Run the megakernel at this point of `decode_megakernel` (the default with these params

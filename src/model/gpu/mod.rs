@@ -307,10 +307,26 @@ impl GpuBackend {
         self.engine
     }
 
+    /// The engine decode steps of `b` sequences run on: the one asked for, except that a batch
+    /// no point of the megakernel holds (`max_rows` in specs/decode_megakernel.toml) hands off
+    /// to the graph engine ([`GpuBackend::prepare`] says so in a note).
+    pub fn engine_for(&self, b: usize) -> DecodeEngine {
+        if self.engine == DecodeEngine::Megakernel && b > self.megakernel_most_rows() {
+            DecodeEngine::Graph
+        } else {
+            self.engine
+        }
+    }
+
+    /// [`GpuBackend::engine_for`] the batch decoding now.
+    pub(super) fn step_engine(&self) -> DecodeEngine {
+        self.engine_for(self.batch)
+    }
+
     /// Whether the next decode step runs as a CUDA graph (the graph engine, unless profiling or
     /// `KERNELFORGE_SYNC_EACH` needs launches one by one).
     pub fn decode_graphs(&self) -> bool {
-        self.engine == DecodeEngine::Graph && self.profiler.is_none() && !self.sync_each
+        self.step_engine() == DecodeEngine::Graph && self.profiler.is_none() && !self.sync_each
     }
 
     /// Megakernel only: stamp every task of each decode step (start, inputs ready, end) so that
@@ -375,7 +391,7 @@ impl Backend for GpuBackend {
     }
 
     fn decode_engine(&self) -> Option<DecodeEngine> {
-        Some(self.engine)
+        Some(self.step_engine())
     }
 
     fn stats_note(&self) -> Option<String> {

@@ -108,6 +108,16 @@ impl GpuBackend {
         Ok(self.workspace.as_ref().map_or(0, |w| ptr(&self.gpu, w)))
     }
 
+    /// The shape a decode attention kernel `k` is launched on for a cache of `len` positions:
+    /// its selection shape (a bucket's longest length, the cache exactly that long) with the
+    /// current length and the model's cache capacity, which the rows are laid out by.
+    pub(super) fn decode_attention_shape(&self, k: &Kernel, len: usize) -> Shape {
+        with(
+            &k.shape,
+            &[("T", len as i64), ("max_T", self.model.config.n_ctx as i64)],
+        )
+    }
+
     /// Launch geometry of `k` on `shape` (another position or cache length than it was
     /// selected for).
     pub(super) fn plan(&self, k: &Kernel, shape: &Shape) -> AnyResult<Vec<Launch>> {
@@ -173,11 +183,16 @@ impl GpuBackend {
             }
             None => None,
         };
+        // Decode: the kernel of the cache's length bucket, launched for the current length.
+        let att_kernel = if decode {
+            ks.decode_attention_for(pos + t)
+        } else {
+            &ks.attention
+        };
         let (att_shape, att_launches, att_ws) = if decode {
-            let k = &ks.attention;
-            let s = with(&k.shape, &[("T", (pos + t) as i64)]);
-            let l = Arc::new(self.plan(k, &s)?);
-            let ws = self.ws_ptr(k, Some(&s))?;
+            let s = self.decode_attention_shape(att_kernel, pos + t);
+            let l = Arc::new(self.plan(att_kernel, &s)?);
+            let ws = self.ws_ptr(att_kernel, Some(&s))?;
             (s, l, ws)
         } else {
             let ws = self.ws_ptr(&ks.attention, None)?;
@@ -218,7 +233,7 @@ impl GpuBackend {
                     i32_arg(hs, "HS")?,
                     ArgValue::F32(scale),
                 ];
-                plan.launch_on(&ks.attention, att_shape.clone(), att_launches.clone(), &args);
+                plan.launch_on(att_kernel, att_shape.clone(), att_launches.clone(), &args);
             } else {
                 let args = [
                     ArgValue::Ptr(att),
@@ -233,7 +248,7 @@ impl GpuBackend {
                     ArgValue::I32(0),
                     ArgValue::F32(scale),
                 ];
-                plan.launch_on(&ks.attention, att_shape.clone(), att_launches.clone(), &args);
+                plan.launch_on(att_kernel, att_shape.clone(), att_launches.clone(), &args);
             }
             // Attention projection + residual: y = x + att @ W^T + b.
             self.residual_matmul(

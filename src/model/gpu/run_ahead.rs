@@ -42,7 +42,10 @@ impl GpuBackend {
     /// Whether steps may run one ahead: on the megakernel engine, not profiled kernel by
     /// kernel, not stamped for the timeline, not synchronised after every launch.
     fn may_run_ahead(&self) -> bool {
-        self.engine == DecodeEngine::Megakernel && self.profiler.is_none() && !self.timeline_on && !self.sync_each
+        self.step_engine() == DecodeEngine::Megakernel
+            && self.profiler.is_none()
+            && !self.timeline_on
+            && !self.sync_each
     }
 
     /// Throws the step launched ahead away, if there is one (see the module docs). Nothing to

@@ -8,10 +8,11 @@ use anyhow::{anyhow, bail, Context, Result as AnyResult};
 use super::fold::{FoldRole, FoldedLayernorms};
 use super::{shape, GpuBackend, ARGMAX_OP, ATTENTION_DECODE_OP, KV_APPEND_OP, SAMPLE_OP, UNFUSED_ATTENTION_FAMILY};
 use crate::gpu::{GpuError, LoadedVariant};
+use crate::ops::model_dims::decode_context_buckets;
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
 use crate::tune::registry::{variant_kind, Choice};
-use crate::tune::workloads::{kernel_dtype, op_dtype};
+use crate::tune::workloads::{decode_attention_shape, kernel_dtype, op_dtype};
 
 /// One selected, loaded kernel and where it is used.
 #[derive(Clone)]
@@ -34,7 +35,13 @@ pub(super) struct Kernels {
     pub layernorm: Kernel,
     pub qkv: Kernel,
     pub kv_append: Option<Kernel>,
+    /// The prefill's attention; for a decode step the kernel of the longest cache (the last
+    /// of `decode_attention`).
     pub attention: Kernel,
+    /// Decode steps only: the attention kernel of each cache-length bucket (its longest
+    /// length, ascending; `ops::model_dims::decode_context_buckets`): a step runs the first
+    /// that holds its cache ([`Kernels::decode_attention_for`]).
+    pub decode_attention: Vec<(usize, Kernel)>,
     pub attn_proj: Kernel,
     pub fc: Kernel,
     pub fc_proj: Kernel,
@@ -49,6 +56,18 @@ pub(super) struct Kernels {
     /// The layernorms this prefill runs folded into the matmul after them (their kernels are
     /// `ln_` ones; `fold_select.rs`). None for decode steps and the unfused path.
     pub folded: FoldedLayernorms,
+}
+
+impl Kernels {
+    /// The decode attention kernel for a cache of `len` positions (the prefill's attention
+    /// when this is not a decode set).
+    pub fn decode_attention_for(&self, len: usize) -> &Kernel {
+        self.decode_attention
+            .iter()
+            .find(|(bucket, _)| len <= *bucket)
+            .or(self.decode_attention.last())
+            .map_or(&self.attention, |(_, k)| k)
+    }
 }
 
 /// What a kernel is chosen by: see [`GpuBackend::selection_of`].
@@ -335,19 +354,33 @@ impl GpuBackend {
         } else {
             None
         };
+        let mut decode_attention = Vec::new();
         let attention = if decode {
             if let Some(why) = &self.decode_missing {
                 bail!("{why}");
             }
-            // Selected once for the longest cache; launched with the current length.
-            self.kernel(
-                "attention",
-                ATTENTION_DECODE_OP,
-                Epilogue::None,
-                Mask::None,
-                shape(&[("B", bi), ("NH", nh), ("T", n_ctx), ("HS", hs), ("max_T", n_ctx)]),
-                None,
-            )?
+            let engine = self.engine_for(b);
+            if engine != self.engine {
+                self.notes.push(format!(
+                    "batch {b}: the megakernel holds at most {} sequences a step (max_rows in \
+                     specs/decode_megakernel.toml); decode steps run on the {engine} engine instead",
+                    self.megakernel_most_rows()
+                ));
+            }
+            // One kernel per cache-length bucket, each chosen for the bucket's longest length
+            // and launched with the current one (and the whole cache's capacity).
+            for len in decode_context_buckets(cfg.n_ctx) {
+                let k = self.kernel(
+                    "attention",
+                    ATTENTION_DECODE_OP,
+                    Epilogue::None,
+                    Mask::None,
+                    decode_attention_shape(bi, nh, hs, len as i64),
+                    None,
+                )?;
+                decode_attention.push((len, k));
+            }
+            decode_attention.last().expect("at least one bucket").1.clone()
         } else {
             self.kernel(
                 "attention",
@@ -421,6 +454,7 @@ impl GpuBackend {
             qkv,
             kv_append,
             attention,
+            decode_attention,
             attn_proj,
             fc,
             fc_proj,

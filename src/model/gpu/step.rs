@@ -161,7 +161,7 @@ impl GpuBackend {
         self.kernels(b, t.max(1), false, true)?;
         if self.decode_missing.is_none() {
             let ks = self.kernels(b, 1, true, false)?;
-            if self.engine == DecodeEngine::Megakernel {
+            if self.engine_for(b) == DecodeEngine::Megakernel {
                 self.prepare_megakernel(&ks, b)?;
             }
         }
@@ -195,7 +195,7 @@ impl GpuBackend {
         }
         match last {
             Some(last) => self.upload_ids(&last.iter().map(|&t| vec![t]).collect::<Vec<_>>())?,
-            None if self.engine == DecodeEngine::Megakernel && choose.is_some() => {}
+            None if self.step_engine() == DecodeEngine::Megakernel && choose.is_some() => {}
             None => bail!("a decode step from the previous step's ids runs on the megakernel engine only"),
         }
         let ks = self.kernels(b, 1, true, false)?;
@@ -203,7 +203,7 @@ impl GpuBackend {
         // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
         // none for a greedy megakernel step, whose LM head stage takes the argmax itself.
         let chooser = match choose {
-            Some(draw) if !(self.engine == DecodeEngine::Megakernel && draw.params.is_greedy()) => Some(Plan {
+            Some(draw) if !(self.step_engine() == DecodeEngine::Megakernel && draw.params.is_greedy()) => Some(Plan {
                 steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],
                 head_rows: b,
             }),
@@ -211,7 +211,7 @@ impl GpuBackend {
         };
         let (start, end) = (self.timing_event()?, self.timing_event()?);
         let graphs = self.decode_graphs();
-        if self.engine == DecodeEngine::Megakernel {
+        if self.step_engine() == DecodeEngine::Megakernel {
             record_event(&start, &self.gpu)?;
             self.megakernel_step(&ks, b, pos, last.is_none())?;
         } else if graphs {
