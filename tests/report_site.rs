@@ -400,7 +400,9 @@ fn a_fully_tuned_gpt2_site_is_small_and_fast() {
         took.as_secs_f64()
     );
     assert!(summary.workloads >= 30, "{summary:?}");
-    assert!(summary.bytes < 10_000_000, "{summary:?}");
+    // 80 workloads since decode attention is tuned per cache-length bucket (four a batch and
+    // dtype): about 128 KB a workload
+    assert!(summary.bytes < 12_000_000, "{summary:?}");
     if !cfg!(debug_assertions) {
         assert!(took < Duration::from_secs(2), "{took:?}");
     }

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::model::gpu::{fitted_default, most_rows, point_text, GpuBackend, MEGAKERNEL_FAMILY};
@@ -60,11 +60,19 @@ pub(super) fn tune_decode_steps(
 ) -> Result<Vec<DecodeTuned>> {
     let family = catalog.family(MEGAKERNEL_FAMILY)?.clone();
     let most_rows = most_rows(&family).max(1);
-    if let Some(&b) = batches.iter().find(|&&b| b > most_rows) {
-        bail!(
-            "--decode-step --batch {b}: the decode megakernel is compiled for at most {most_rows} sequences \
-             (max_rows in specs/{MEGAKERNEL_FAMILY}.toml); tune the decode step for batches up to {most_rows}"
+    // A batch no point holds runs on the graph engine (`GpuBackend::engine_for`): no engine to
+    // choose, nothing to tune; said once, and the rest of the list is tuned.
+    let (batches, handed_off): (Vec<usize>, Vec<usize>) = batches.iter().partition(|&&b| b <= most_rows);
+    if !handed_off.is_empty() {
+        let list: Vec<String> = handed_off.iter().map(ToString::to_string).collect();
+        eprintln!(
+            "decode step, batch {}: the megakernel holds at most {most_rows} sequences (max_rows in \
+             specs/{MEGAKERNEL_FAMILY}.toml); these batches decode on the graph engine, nothing to tune",
+            list.join(", ")
         );
+    }
+    if batches.is_empty() {
+        return Ok(Vec::new());
     }
     let model = Arc::new(GPT2Model {
         config: cfg.clone(),
@@ -77,7 +85,7 @@ pub(super) fn tune_decode_steps(
     let db_path = default_path(&header);
     let contexts = contexts(cfg);
     let mut out = Vec::new();
-    for &b in batches {
+    for &b in &batches {
         let started = Instant::now();
         let bar = ProgressBar::new_spinner().with_style(
             ProgressStyle::with_template("{spinner} decode step, batch {prefix}: {msg} ({elapsed})")
