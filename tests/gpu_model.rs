@@ -373,6 +373,58 @@ fn the_unfused_path_matches_too() {
     assert!(labels.iter().any(|l| l.starts_with("residual")), "{labels:?}");
 }
 
+/// A decode step of as many sequences as the tensor-core matmuls take (64) folds its layernorms
+/// too (forced here; `tune` decides otherwise): the ln_ kernels run at M = 64, and the logits
+/// of every step match the CPU's and the unfolded GPU path's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_steps_of_64_sequences_fold_their_layernorms() {
+    let _lock = gpu_lock();
+    let model = tiny_model();
+    let batch = 64;
+    let (dtype, bar) = (Dtype::Bf16, 2e-2);
+    let mut folded = gpu_in(&model, batch, false, dtype);
+    if folded.gpu().info.compute_capability != (9, 0) {
+        eprintln!("skipping: the ln_ matmuls are sm_90 kernels");
+        return;
+    }
+    folded.set_layernorm_folding(LayernormFolding::Always);
+    let mut plain = gpu_in(&model, batch, false, dtype);
+    plain.set_layernorm_folding(LayernormFolding::Never);
+    let mut cpu = CpuBackend::new(model.clone());
+    let prompts: Vec<Vec<u32>> = (0..batch as u32).map(|b| prompt(6, 40 + b)).collect();
+    let want = cpu.prefill_last(&prompts).unwrap();
+    folded.prefill_last(&prompts).unwrap();
+    plain.prefill_last(&prompts).unwrap();
+    let mut next: Vec<u32> = (0..batch).map(|b| argmax(want.last(b)).unwrap()).collect();
+    for step in 0..3 {
+        let want = cpu.decode(&next).unwrap();
+        let got = folded.decode(&next).unwrap();
+        for (against, reference) in [
+            ("the CPU", &want.data),
+            ("the unfolded GPU path", &plain.decode(&next).unwrap().data),
+        ] {
+            let e = rel_l2(&got.data, reference);
+            eprintln!("folded decode step {step} at batch {batch}: relative L2 {e:.3e} against {against}");
+            assert!(
+                e < bar,
+                "decode step {step} vs {against}: relative L2 error {e:.3e} >= {bar:e}"
+            );
+        }
+        next = (0..batch).map(|b| argmax(want.last(b)).unwrap()).collect();
+    }
+    let choices = folded.kernel_choices();
+    for (role, epilogue) in [("qkv", "[ln_qkv]"), ("fc", "[ln_bias_gelu]")] {
+        assert!(
+            choices.iter().any(|(r, label, _, shape)| r == role
+                && label.contains(epilogue)
+                && shape.contains("M=64 ")
+                && shape.contains("T=1 ")),
+            "no folded {role} decode kernel at M=64: {choices:?}"
+        );
+    }
+}
+
 /// Layernorms folded into the prefill's matmuls (`ln_1` into qkv, `ln_2` into fc, `ln_f` into
 /// the LM head: the `ln_` epilogues of the Hopper family `matmul_wgmma_tma`), forced with
 /// `LayernormFolding::Always` since no tuning database says it pays for the tiny model: in bf16

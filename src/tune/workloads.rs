@@ -120,14 +120,16 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
         mm("fc projection (bias+residual)", Epilogue::BiasResidual, c, 4 * c, l),
         mm("LM head (tied wte)", Epilogue::None, cfg.padded_vocab_size as i64, c, 1),
     ];
-    if seq > 1 {
-        // The prefill's GEMMs after a layernorm, with the layernorm folded in (an ln_
-        // epilogue): the model runs them instead of layernorm + GEMM where they are faster
-        // than the two (see model/gpu/fold_select.rs). Offers, not needs: `tune` drops them
-        // where no family can run them (SpreadPlan::new). Not the LM head's: summing each row
-        // in the K loop costs its consumers more instructions than the MMAs leave them time
-        // for, and it measured 1.32 against 0.95 + 0.015 ms (bf16, M = 8192, H100;
-        // benches/RESULTS.md); `ln_bias` stays for `tune --op` and the model's forced folding.
+    if seq > 1 || m >= TENSOR_CORE_MIN_ROWS {
+        // The GEMMs after a layernorm, with the layernorm folded in (an ln_ epilogue): the
+        // model runs them instead of layernorm + GEMM where they are faster than the two (see
+        // model/gpu/fold_select.rs), in a prefill and in a decode step of at least
+        // TENSOR_CORE_MIN_ROWS sequences (the tensor-core kernels that fold it). Offers, not
+        // needs: `tune` drops them where no family can run them (SpreadPlan::new). Not the LM
+        // head's: summing each row in the K loop costs its consumers more instructions than the
+        // MMAs leave them time for, and it measured 1.32 against 0.95 + 0.015 ms (bf16,
+        // M = 8192, H100; benches/RESULTS.md); `ln_bias` stays for `tune --op` and the model's
+        // forced folding.
         out.extend([
             mm(
                 "qkv projection (layernorm folded, QKV split)",
@@ -138,6 +140,8 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
             ),
             mm("fc (layernorm folded, bias+GELU)", Epilogue::LnBiasGelu, 4 * c, c, l),
         ]);
+    }
+    if seq > 1 {
         out.insert(
             3,
             Workload {

@@ -12,7 +12,7 @@ use crate::ops::model_dims::decode_context_buckets;
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
 use crate::tune::registry::{variant_kind, Choice};
-use crate::tune::workloads::{decode_attention_shape, kernel_dtype, op_dtype};
+use crate::tune::workloads::{decode_attention_shape, kernel_dtype, op_dtype, TENSOR_CORE_MIN_ROWS};
 
 /// One selected, loaded kernel and where it is used.
 #[derive(Clone)]
@@ -53,8 +53,9 @@ pub(super) struct Kernels {
     pub argmax: Option<Kernel>,
     /// Decode steps only: the next tokens drawn on the device (temperature, top-k, top-p).
     pub sample: Option<Kernel>,
-    /// The layernorms this prefill runs folded into the matmul after them (their kernels are
-    /// `ln_` ones; `fold_select.rs`). None for decode steps and the unfused path.
+    /// The layernorms this prefill or decode step runs folded into the matmul after them (their
+    /// kernels are `ln_` ones; `fold_select.rs`). None for the unfused path and for decode
+    /// steps of fewer than `TENSOR_CORE_MIN_ROWS` sequences.
     pub folded: FoldedLayernorms,
 }
 
@@ -323,8 +324,10 @@ impl GpuBackend {
             None,
         )?;
         // A prefill may fold each layernorm into the matmul after it (not the LM head of the
-        // last rows only, which reads copies of the layernorm's output).
-        let foldable = !decode && !unfused;
+        // last rows only, which reads copies of the layernorm's output), and so may a decode step
+        // of as many sequences as the tensor-core matmuls that fold it take (fewer run on the
+        // megakernel or on matvec kernels, which have no ln_ epilogue).
+        let foldable = !unfused && (!decode || m >= TENSOR_CORE_MIN_ROWS);
         let mut folded = FoldedLayernorms::default();
         let mut fold_report = Vec::new();
         let (qkv, qkv_folded) = self.matmul_after_layernorm(
@@ -429,8 +432,11 @@ impl GpuBackend {
         )?;
         folded.set(FoldRole::LmHead, head_folded);
         if !fold_report.is_empty() {
-            self.notes
-                .push(format!("prefill of {b}x{t}: {}", fold_report.join("; ")));
+            self.notes.push(if decode {
+                format!("decode step of {b}: {}", fold_report.join("; "))
+            } else {
+                format!("prefill of {b}x{t}: {}", fold_report.join("; "))
+            });
         }
         // The next tokens on the device: the argmax, and the sampler (tuned on its default
         // settings: the shape carries no user's temperature or filters).
