@@ -31,9 +31,12 @@ transformers forward (batch 8 x 1024) and cached greedy decode (batch 1 and 8) a
 With `--size gpt2` it also runs the strongest PyTorch decode peer (`--static-peer yes|no|only`):
 transformers bf16 with a static KV cache (`StaticCache`) and the whole greedy decode step (model,
 argmax, feeding the token and the position back) captured once in a `torch.cuda.CUDAGraph` and
-replayed, batch 1 and 8, tokens/s over --steps steps after the same prompt length kernelforge's
-bench uses, printed beside `kernelforge bench --dtype bf16 --decode-engine graph` and
-`--decode-engine megakernel` with the ratios; then the same sampled (--peer-sampling, default
+replayed, at each batch of `--peer-batches` (default 1,8; e.g. 1,8,32,64,128,256), tokens/s over
+--steps steps after the same prompt length kernelforge's bench uses, printed beside
+`kernelforge bench --dtype bf16 --batch LIST --decode-engine graph` and `--decode-engine
+megakernel` (one run each, every batch in it) with the ratios, a column per batch (`n/a` where a
+side cannot run a batch, the reason below the table: the megakernel takes at most 8 sequences);
+then the same sampled (--peer-sampling, default
 temperature 0.8, top-k 40, top-p 0.95: top-k, top-p and the draw inside the peer's graph). Where this transformers has no StaticCache, or its
 GPT-2 cannot run or be captured with one, the peer row says why and the rest still runs.
 """
@@ -411,50 +414,109 @@ def hf_static_graph_decode(model, batch, prefill, steps, repeats, sampling=None)
     return batch * steps / dt, None
 
 
+def parse_batches(text):
+    """`1,8,32` as a list of positive ints; exits with a message naming the bad value."""
+    try:
+        batches = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--peer-batches {text}: give batch sizes such as 1,8,32")
+    if not batches or min(batches) < 1 or len(set(batches)) != len(batches):
+        raise SystemExit(f"--peer-batches {text}: sizes must be at least 1 and listed once, such as 1,8,32")
+    return batches
+
+
+def kf_batches(args, mdir, engine, batches, flags):
+    """`kernelforge bench --batch LIST --decode-engine ENGINE --json`, one run for every batch:
+    {batch: (decode entry, None) or (None, why)}. A batch kernelforge refuses on the engine has
+    its reason; a run that fails as a whole (a batch that does not fit, an engine this build
+    cannot run) gives every batch the last line of its stderr."""
+    p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--dtype", "bf16",
+                             "--batch", ",".join(map(str, batches)), "--seq", str(args.seq),
+                             "--generate", str(args.steps), "--repeats", "1", "--decode-engine", engine,
+                             "--json"] + flags, check=False)
+    if p.returncode != 0:
+        why = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        return {b: (None, why) for b in batches}
+    doc = json.loads(p.stdout.strip().splitlines()[-1])
+    # One batch prints the one-batch document (its `decode` object), a list a `batches` array.
+    entries = doc.get("batches") or [dict(doc["decode"], batch=doc["batch"])]
+    out = {b: (None, "not in kernelforge's output") for b in batches}
+    for e in entries:
+        out[e["batch"]] = (None, e["error"]) if e.get("error") else (e, None)
+    return out
+
+
+def floor_words(d):
+    """`23% of the floor (0.090 ms a step, memory-bound)` from a decode entry, or None."""
+    memory, compute = d.get("floor_ms"), d.get("compute_floor_ms")
+    floor = max(x for x in (memory, compute, 0.0) if x is not None)
+    step = d.get("gpu_ms_per_step") or d.get("ms_per_step")
+    if not floor or not step:
+        return None
+    bound = d.get("floor_bound") or "memory"
+    return f"{100 * floor / step:.0f}% of the floor ({floor:.3f} ms a step, {bound}-bound)"
+
+
 def static_peer(args, mdir):
     """The static-cache CUDA-graph transformers peer beside kernelforge bf16 decode (graph and
-    megakernel engines), batch 1 and 8, greedy and sampled (--peer-sampling): prints a table each."""
+    megakernel engines) at every batch of --peer-batches, greedy and sampled (--peer-sampling):
+    prints a table each, a column per batch (n/a where a side cannot run it, the reasons below)."""
     prefill = min(args.seq, 1024 - args.steps)
+    batches = parse_batches(args.peer_batches)
     sampling = tuple(float(x) for x in args.peer_sampling.split(","))
     sampling = (sampling[0], int(sampling[1]), sampling[2])
     peer = GPT2LMHeadModel.from_pretrained(mdir, torch_dtype=torch.bfloat16).cuda().eval()
     runs = [("greedy", None, []),
             (f"sampled (temperature {sampling[0]}, top-k {sampling[1]}, top-p {sampling[2]})", sampling,
              ["--temperature", str(sampling[0]), "--top-k", str(sampling[1]), "--top-p", str(sampling[2])])]
-    hf = {(name, b): hf_static_graph_decode(peer, b, prefill, args.steps, args.repeats, how)
-          for name, how, _ in runs for b in (1, 8)}
+    hf = {}
+    for name, how, _ in runs:
+        for b in batches:
+            try:
+                hf[name, b] = hf_static_graph_decode(peer, b, prefill, args.steps, args.repeats, how)
+            except torch.cuda.OutOfMemoryError as e:
+                hf[name, b] = (None, f"out of GPU memory: {str(e).splitlines()[0]}")
+            torch.cuda.empty_cache()
     del peer
     torch.cuda.empty_cache()
+    label = 48
+    cell = lambda text: f"{text:>10}"
     for name, _, flags in runs:
         print(f"\nbf16 {name} decode, {args.steps} steps after a {prefill}-token prompt, tokens/s")
-        print(f"{'':<48} {'batch 1':>10} {'batch 8':>10}")
-        peer_row = [f"{hf[name, b][0]:>10.0f}" if hf[name, b][0] else f"{'n/a':>10}" for b in (1, 8)]
-        print(f"{'transformers StaticCache + CUDA graph':<48} {peer_row[0]} {peer_row[1]}")
-        for b in (1, 8):
+        print(f"{'':<{label}} " + " ".join(cell(f"batch {b}") for b in batches))
+        peer_row = [cell(f"{hf[name, b][0]:.0f}" if hf[name, b][0] else "n/a") for b in batches]
+        print(f"{'transformers StaticCache + CUDA graph':<{label}} " + " ".join(peer_row))
+        for b in batches:
             if hf[name, b][1]:
                 print(f"  batch {b}: {hf[name, b][1]}")
         for engine in ("graph", "megakernel"):
+            kf = kf_batches(args, mdir, engine, batches, flags)
             cells, ratios, why = [], [], []
-            for b in (1, 8):
-                p = run_kf(args.binary, ["bench", "--model", mdir, "--device", "cuda", "--dtype", "bf16",
-                                         "--batch", str(b), "--seq", str(args.seq), "--generate", str(args.steps),
-                                         "--repeats", "1", "--decode-engine", engine, "--json"] + flags, check=False)
-                if p.returncode != 0:
-                    cells.append(f"{'n/a':>10}")
-                    ratios.append(f"{'':>10}")
-                    why.append(f"batch {b}: " + ((p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]))
+            reasons = {refused for _, refused in kf.values()}
+            if len(batches) > 1 and all(d is None for d, _ in kf.values()) and len(reasons) == 1:
+                why.append(f"every batch: n/a: {reasons.pop()}")  # the run failed as a whole
+                kf = {b: (None, None) for b in batches}
+            for b in batches:
+                d, refused = kf[b]
+                if d is None:
+                    cells.append(cell("n/a"))
+                    ratios.append(cell(""))
+                    if refused:
+                        why.append(f"batch {b}: n/a: {refused}")
                     continue
-                d = json.loads(p.stdout.strip().splitlines()[-1])["decode"]
                 if d.get("prefill_tokens") != prefill:
                     why.append(f"batch {b}: kernelforge prefilled {d.get('prefill_tokens')} tokens, not {prefill}")
+                ran = d.get("engine")
+                if ran and ran != engine:
+                    why.append(f"batch {b}: ran on the {ran} engine (more sequences than the megakernel holds)")
                 tps = d["tokens_per_s"]
-                cells.append(f"{tps:>10.0f}")
-                ratios.append(f"{tps / hf[name, b][0]:>9.2f}x" if hf[name, b][0] else f"{'':>10}")
-                share = d.get("floor_share")
-                if share is not None:
-                    why.append(f"batch {b}: {100 * share:.0f}% of the memory floor ({d['floor_ms']:.3f} ms a step)")
-            print(f"{'kernelforge --decode-engine ' + engine:<48} {cells[0]} {cells[1]}")
-            print(f"{'  ratio to transformers':<48} {ratios[0]} {ratios[1]}")
+                cells.append(cell(f"{tps:.0f}"))
+                ratios.append(cell(f"{tps / hf[name, b][0]:.2f}x") if hf[name, b][0] else cell(""))
+                reached = floor_words(d)
+                if reached:
+                    why.append(f"batch {b}: {reached}")
+            print(f"{'kernelforge --decode-engine ' + engine:<{label}} " + " ".join(cells))
+            print((f"{'  ratio to transformers':<{label}} " + " ".join(ratios)).rstrip())
             for w in why:
                 print(f"  {w}")
     return 0
@@ -536,6 +598,9 @@ def main():
     ap.add_argument("--steps", type=int, default=64, help="throughput: decode steps")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--unfused", action="store_true", help="throughput: also bench kernelforge --unfused")
+    ap.add_argument("--peer-batches", default="1,8", metavar="B,B,...",
+                    help="the static-peer tables' batches: the peer and kernelforge (one `bench --batch LIST` "
+                         "run per engine) at each, e.g. 1,8,32,64,128,256")
     ap.add_argument("--peer-sampling", default="0.8,40,0.95", metavar="T,K,P",
                     help="the sampled static-peer table's temperature, top-k and top-p")
     ap.add_argument("--static-peer", choices=["yes", "no", "only"], default="yes",
@@ -546,6 +611,7 @@ def main():
                     help="throughput: the kernelforge dtypes to bench (comma-separated)")
     args = ap.parse_args()
     args.binary = os.path.abspath(args.binary)
+    parse_batches(args.peer_batches)  # a bad list is refused before any model is built
     sys.exit(parity(args) if args.size == "small" else throughput(args))
 
 

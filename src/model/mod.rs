@@ -3,7 +3,8 @@
 //! cache, sampling, and the generation loop over a [`generate::Backend`]; [`gpu`] runs it on one
 //! GPU and [`replicas`] on several; [`hub`] turns a size
 //! name into a checkpoint folder (the Hugging Face cache, else a download); [`floor`] counts the
-//! bytes a decode step must read, [`timeline_svg`] draws a megakernel step's blocks × time and
+//! bytes a decode step must read and the FLOPs it must do, [`memory_fit`] whether a batch fits
+//! in a device's memory, [`timeline_svg`] draws a megakernel step's blocks × time and
 //! [`timeline_stats`] sizes where its time goes, per op.
 //!
 //! Everything here is the CPU side: the oracle GPU tests compare with, and the parts (weights,
@@ -19,6 +20,7 @@ pub mod floor;
 pub mod generate;
 pub mod gpu;
 pub mod hub;
+pub mod memory_fit;
 pub mod npy;
 pub mod replicas;
 pub mod sampling;
@@ -31,7 +33,7 @@ pub use config::GPT2Config;
 pub use cpu::{CpuBackend, KvCache};
 pub use engine::{DecodeEngine, TaskStamp, Timeline};
 pub use error::{ModelError, Result};
-pub use floor::{decode_step_bytes, DecodeBytes};
+pub use floor::{decode_step_bytes, decode_step_flops, DecodeBytes, DecodeFlops};
 pub use generate::{generate, Backend, Draw, GenerateOptions, GenerateOutput, GenerateStats, Logits, StopReason};
 pub use gpu::GpuBackend;
 pub use hub::{HubError, HubSettings};

@@ -1,24 +1,23 @@
 //! `kernelforge bench`: forward and decode throughput on random tokens, the decode step's
 //! memory floor and the share of it reached, the per-kernel time table of both, and with the
-//! megakernel a blocks × time picture of one decode step.
+//! megakernel a blocks × time picture of one decode step. A `--batch` list times decode at each
+//! batch in the same process instead (`bench_batches.rs`); what both share is `bench_setup.rs`.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use serde_json::json;
 
-use super::bench_decode::{check_timeline_request, timeline_step, write_atomically, FloorReport};
+use super::batch_list::{BatchList, BATCH_HELP};
+use super::bench_decode::{timeline_step, write_atomically, ComputePeak, FloorReport};
+use super::bench_setup::{bench_tokens, median, set_up};
 use super::sampling::SamplingArgs;
-use super::{decode_engine_for, load, make_gpu_backend, BackendOptions, Device, EngineArgs, ModelArgs};
-use crate::model::cpu::CpuBackend;
+use super::{EngineArgs, ModelArgs};
 use crate::model::engine::DecodeEngine;
-use crate::model::floor::decode_step_bytes;
-use crate::model::generate::{timed_decode, Backend};
+use crate::model::generate::{Backend, Draw};
 use crate::model::gpu::ProfileRow;
-use crate::model::replicas::Replicas;
-use crate::model::sampling::SamplingParams;
 use crate::model::timeline_stats::{summarize, summary_table};
 use crate::model::timeline_svg::render_timeline_svg;
 
@@ -29,10 +28,10 @@ pub struct BenchArgs {
     pub target: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Sequences per batch.
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
-    /// Tokens per sequence of the timed forward pass (random ids).
+    #[arg(long, default_value = "1", value_name = "B[,B...]", value_parser = BatchList::parse, help = BATCH_HELP)]
+    pub batch: BatchList,
+    /// Tokens per sequence of the timed forward pass (random ids); with a --batch list the
+    /// forward pass runs at the list's first batch only.
     #[arg(long, default_value_t = 128)]
     pub seq: usize,
     /// Decode steps to time, after a prefill of --seq tokens (fewer if the steps would not fit
@@ -55,32 +54,6 @@ pub struct BenchArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
-}
-
-/// Deterministic pseudo-random token ids in `0..vocab` (the bench input).
-fn bench_tokens(batch: usize, seq: usize, vocab: usize) -> Vec<Vec<u32>> {
-    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-    (0..batch)
-        .map(|_| {
-            (0..seq)
-                .map(|_| {
-                    state = state
-                        .wrapping_mul(6_364_136_223_846_793_005)
-                        .wrapping_add(1_442_695_040_888_963_407);
-                    ((state >> 33) % vocab as u64) as u32
-                })
-                .collect()
-        })
-        .collect()
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        0.0
-    } else {
-        v[v.len() / 2]
-    }
 }
 
 fn profile_table(rows: &[ProfileRow]) -> String {
@@ -111,157 +84,59 @@ fn profile_table(rows: &[ProfileRow]) -> String {
 /// on the GPU as generation chooses them: the argmax, or drawn with the sampling flags) on the
 /// chosen decode engine,
 /// then (GPU) one more step for `--timeline`, one profiled forward and decode run for the
-/// per-kernel table, and the copy bandwidth the decode floor is divided by.
+/// per-kernel table, and the copy bandwidth the decode floor is divided by (and with `--json`
+/// the compute peak its FLOPs are). A `--batch` list runs [`super::bench_batches`] instead.
 pub fn run_bench(args: &BenchArgs) -> Result<()> {
-    let device = args.target.device()?;
-    if args.batch == 0 || args.seq == 0 {
-        bail!("--batch and --seq must be at least 1");
+    if args.batch.is_list() {
+        return super::bench_batches::run_bench_batches(args);
     }
-    let mut notes = Vec::new();
-    let asked = match (args.engine.decode_engine, args.no_cuda_graphs) {
-        (None, true) => {
-            notes.push("--no-cuda-graphs is deprecated: use --decode-engine launches".to_string());
-            (device == Device::Cuda).then_some(DecodeEngine::Launches)
-        }
-        (asked, _) => asked,
-    };
-    let engine = decode_engine_for(device, asked)?;
-    if let Some(path) = &args.timeline {
-        check_timeline_request(path, engine, args.generate)?;
-        if let Some(devices) = args.target.devices.as_ref().filter(|d| d.is_several()) {
-            bail!("--timeline draws one GPU's megakernel step; drop --devices {devices} (or give one GPU) to draw it");
-        }
-    }
-    args.sampling.draw(SamplingParams::greedy(), usize::MAX)?;
-    let model = load(&args.target.model)?;
-    let cfg = model.config.clone();
-    let (draw, note) = args.sampling.draw(SamplingParams::greedy(), cfg.vocab_size)?;
-    notes.extend(note);
-    if args.seq > cfg.n_ctx {
-        bail!(
-            "--seq {} is longer than the model's context ({} tokens)",
-            args.seq,
-            cfg.n_ctx
-        );
-    }
-    // --timeline runs one step more than the timed ones: the context must hold it too.
-    let extra = usize::from(args.timeline.is_some());
-    let steps = args.generate.min((cfg.n_ctx - 1).saturating_sub(extra));
-    if extra == 1 && steps == 0 {
-        bail!(
-            "--timeline: the model's context ({} tokens) leaves no room for a decode step",
-            cfg.n_ctx
-        );
-    }
-    // The decode steps follow a prefill of up to --seq tokens that leaves room for them.
-    let decode_prefill = args.seq.min(cfg.n_ctx - steps - extra);
-    if steps < args.generate {
-        notes.push(format!(
-            "--generate {} cut to {steps}: the context holds {} tokens",
-            args.generate, cfg.n_ctx
-        ));
-    }
-    if decode_prefill < args.seq && steps > 0 {
-        notes.push(format!(
-            "the decode steps follow a prefill of {decode_prefill} tokens (not {}) so that {} more fit the context ({})",
-            args.seq,
-            steps + extra,
-            cfg.n_ctx
-        ));
-    }
-    let tokens = bench_tokens(args.batch, args.seq, cfg.vocab_size);
+    let batch = args.batch.first();
+    let mut run = set_up(args)?;
+    let (cfg, steps, decode_prefill) = (run.cfg.clone(), run.steps, run.decode_prefill);
+    let tokens = bench_tokens(batch, args.seq, cfg.vocab_size);
     let decode_tokens: Vec<Vec<u32>> = tokens.iter().map(|t| t[..decode_prefill].to_vec()).collect();
     let repeats = args.repeats.max(1);
-    let opts = BackendOptions {
-        decode_engine: engine,
-        ..args.target.backend_options(args.batch)
-    };
-    let mut gpu = match device {
-        Device::Cuda => Some(make_gpu_backend(model.clone(), &opts)?),
-        Device::Cpu => None,
-    };
-    let mut cpu = CpuBackend::new(model.clone());
-    let decode_ok = match &gpu {
-        Some(g) => match g.primary().decode_unavailable() {
-            Some(why) if args.timeline.is_some() => bail!("--timeline: decode steps are unavailable: {why}"),
-            Some(why) => {
-                notes.push(format!("decode not timed: {why}"));
-                false
-            }
-            None => true,
-        },
-        None => true,
-    };
-    let steps = if decode_ok { steps } else { 0 };
-
-    // One forward pass: on the GPU without copying the logits back.
-    let forward = |gpu: &mut Option<Replicas>, cpu: &mut CpuBackend| -> Result<()> {
-        match gpu {
-            Some(g) => g.forward_on_device(&tokens)?,
-            None => {
-                cpu.prefill(&tokens)?;
-            }
-        }
-        Ok(())
-    };
-    // A prefill, then `steps` decode steps each drawing its tokens as asked (greedy unless a
-    // sampling flag is given); returns the decode wall time in ms and the tokens the last step
-    // chose.
-    let decode_run = |gpu: &mut Option<Replicas>, cpu: &mut CpuBackend, steps: usize| -> Result<(f64, Vec<u32>)> {
-        let backend: &mut dyn Backend = match gpu {
-            Some(g) => g,
-            None => cpu,
-        };
-        Ok(timed_decode(backend, &decode_tokens, steps, &draw)?)
-    };
 
     // Warm-up: compiles and loads every kernel, touches every buffer.
     let t0 = Instant::now();
-    forward(&mut gpu, &mut cpu)?;
+    run.forward(&tokens)?;
     if steps > 0 {
-        decode_run(&mut gpu, &mut cpu, steps.min(2))?;
+        run.decode(&decode_tokens, steps.min(2))?;
     }
     let warmup_ms = t0.elapsed().as_secs_f64() * 1e3;
 
     let mut runs = Vec::with_capacity(repeats);
     for _ in 0..repeats {
         let t = Instant::now();
-        forward(&mut gpu, &mut cpu)?;
+        run.forward(&tokens)?;
         runs.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let forward_ms = median(&mut runs.clone());
-    let forward_tps = (args.batch * args.seq) as f64 / (forward_ms / 1e3);
-    if let Some(g) = gpu.as_mut() {
-        g.take_decode_gpu_time()?; // forget the warm-up's steps
-    }
+    let forward_tps = (batch * args.seq) as f64 / (forward_ms / 1e3);
+    run.take_gpu_ms_per_step()?; // forget the warm-up's steps
     let (decode_ms, last_tokens) = if steps > 0 {
-        decode_run(&mut gpu, &mut cpu, steps)?
+        run.decode(&decode_tokens, steps)?
     } else {
         (0.0, Vec::new())
     };
     // GPU time of a decode step (first kernel to last): the rest of ms_per_step is the host's.
-    let decode_gpu_ms_per_step = match gpu.as_mut() {
-        Some(g) => {
-            let (ms, n) = g.take_decode_gpu_time()?;
-            (n > 0).then(|| ms / n as f64)
-        }
-        None => None,
-    };
+    let decode_gpu_ms_per_step = run.take_gpu_ms_per_step()?;
     let ms_per_step = if steps > 0 { decode_ms / steps as f64 } else { 0.0 };
     let decode_tps = if steps > 0 {
-        (args.batch * steps) as f64 / (decode_ms / 1e3)
+        (batch * steps) as f64 / (decode_ms / 1e3)
     } else {
         0.0
     };
     // One more step with the megakernel's task stamps on.
-    let timeline = match (&args.timeline, gpu.as_mut()) {
+    let timeline = match (&args.timeline, run.gpu.as_mut()) {
         (Some(path), Some(g)) if steps > 0 => Some((path, timeline_step(g.primary_mut(), &last_tokens)?)),
         _ => None,
     };
 
     // Per-kernel profile (GPU; the first GPU's slice): one forward, then the decode steps.
     let (mut prof_forward, mut prof_decode) = (Vec::new(), Vec::new());
-    if let Some(g) = gpu.as_mut() {
+    if let Some(g) = run.gpu.as_mut() {
+        let draw = &run.draw;
         g.primary_mut().set_profiling(true);
         g.forward_on_device(&tokens)?;
         prof_forward = g.primary_mut().take_profile()?;
@@ -269,12 +144,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             let logits = g.prefill_last(&decode_tokens)?;
             g.primary_mut().take_profile()?; // the prefill is not part of the decode profile
             let mut position = decode_prefill;
-            let mut next: Vec<u32> = (0..args.batch)
+            let mut next: Vec<u32> = (0..batch)
                 .map(|b| draw.on_host(logits.last(b), b, position))
                 .collect::<Result<_, _>>()?;
             for _ in 0..steps {
                 position += 1;
-                next = g.decode_draw(&next, &draw, position)?;
+                next = g.decode_draw(&next, draw, position)?;
             }
             prof_decode = g.primary_mut().take_profile()?;
         }
@@ -282,35 +157,37 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     }
     // The batch slice of each GPU, and the first GPU's (the largest: the floor and the
     // profile are the first GPU's).
-    let slices: Vec<usize> = gpu
-        .as_ref()
-        .map_or_else(|| vec![args.batch], |g| g.slices().iter().map(|r| r.len()).collect());
-    let first_slice = slices.first().copied().unwrap_or(args.batch);
+    let slices = run.slices(batch);
+    let first_slice = slices.first().copied().unwrap_or(batch);
 
     // The floor: the bytes a step reads at the average cache length of the timed steps, over
-    // the copy bandwidth of this GPU.
-    let floor = (steps > 0).then(|| {
-        let bytes = decode_step_bytes(
-            &cfg,
-            args.target.dtype.storage().bytes(),
+    // the copy bandwidth of this GPU (and with --json its FLOPs over the compute peak).
+    let (floor, peak) = if steps > 0 {
+        let copy = run.copy_bandwidth();
+        let peak = if args.json {
+            run.compute_peak(args.target.dtype)
+        } else {
+            None
+        };
+        let floor = run.floor(
+            args,
             first_slice,
-            decode_prefill + steps / 2,
+            copy,
+            peak.as_ref(),
+            ms_per_step,
+            decode_gpu_ms_per_step,
         );
-        let copy = gpu.as_ref().and_then(|g| {
-            let measured =
-                crate::gpu::bandwidth::copy_bandwidth(g.primary().gpu(), crate::gpu::bandwidth::DEFAULT_COPY_BYTES, 10);
-            measured
-                .map_err(|e| notes.push(format!("copy bandwidth not measured: {e}")))
-                .ok()
-        });
-        FloorReport::new(bytes, copy.map(|c| c.gb_per_s), ms_per_step, decode_gpu_ms_per_step)
-    });
+        (Some(floor), peak)
+    } else {
+        (None, None)
+    };
 
-    let decode_graphs = gpu.as_ref().is_some_and(|g| g.primary().decode_graphs());
+    let decode_graphs = run.gpu.as_ref().is_some_and(|g| g.primary().decode_graphs());
     // the engine the steps ran on (a batch the megakernel cannot hold runs on the graph engine)
-    let engine = gpu.as_ref().map(|g| g.primary().engine_for(first_slice));
+    let engine = run.gpu.as_ref().map(|g| g.primary().engine_for(first_slice));
     // The point the megakernel ran (after the timed steps it is the one set up last).
-    let megakernel = gpu
+    let megakernel = run
+        .gpu
         .as_ref()
         .filter(|_| steps > 0 && engine == Some(DecodeEngine::Megakernel))
         .and_then(|g| g.primary().megakernel_summary());
@@ -319,9 +196,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         Some((path, tl)) => {
             let gpu_ms = decode_gpu_ms_per_step.map_or(String::new(), |g| format!(", {g:.3} ms GPU"));
             let title = format!(
-                "{} {dtype}, batch {}: a megakernel decode step at {} cached tokens (timed steps: {ms_per_step:.3} ms wall{gpu_ms})",
+                "{} {dtype}, batch {batch}: a megakernel decode step at {} cached tokens (timed steps: {ms_per_step:.3} ms wall{gpu_ms})",
                 args.target.model,
-                args.batch,
                 decode_prefill + steps
             );
             write_atomically(path, &render_timeline_svg(tl, &title))?;
@@ -329,28 +205,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         }
         None => None,
     };
-    let (device_name, devices, tuned, choices, backend_notes) = match gpu.as_mut() {
-        Some(g) => {
-            let p = g.primary();
-            let several = match g.devices().len() {
-                1 => String::new(),
-                n => format!(" x{n}"),
-            };
-            (
-                format!(
-                    "{}{several} ({})",
-                    p.gpu().info.name,
-                    if p.unfused() { "unfused" } else { "fused" }
-                ),
-                g.devices().to_vec(),
-                Some(p.tuned_kernels()),
-                p.kernel_choices(),
-                g.notes()?,
-            )
-        }
-        None => ("cpu".to_string(), Vec::new(), None, Vec::new(), Vec::new()),
-    };
-    notes.extend(backend_notes);
+    let facts = run.facts()?;
+    let mut notes = std::mem::take(&mut run.notes);
+    notes.extend(facts.notes.iter().cloned());
+    let (device_name, devices, tuned) = (&facts.device_name, &facts.devices, facts.tuned);
+    let draw = &run.draw;
     let mut out = std::io::stdout().lock();
     if args.json {
         let mut decode = json!({
@@ -372,7 +231,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             }
         }
         let j = json!({
-            "device": device.as_str(),
+            "device": run.device.as_str(),
             "device_name": device_name,
             "devices": devices,
             "batch_slices": slices,
@@ -380,23 +239,21 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
             "dtype": dtype,
             "model": args.target.model,
             "config": cfg,
-            "batch": args.batch,
+            "batch": batch,
             "seq": args.seq,
             "warmup_ms": warmup_ms,
             "forward": {
                 "median_ms": forward_ms,
                 "runs_ms": runs,
-                "tokens": args.batch * args.seq,
+                "tokens": batch * args.seq,
                 "tokens_per_s": forward_tps,
             },
             "decode": decode,
+            "compute_peak": ComputePeak::json(peak.as_ref()),
             "timeline_svg": timeline_svg,
             "timeline_ops": timeline.as_ref().map(|(_, tl)| summarize(tl)),
             "tuned_kernels": tuned.map(|(t, n)| json!({ "tuned": t, "total": n })),
-            "kernels": choices
-                .iter()
-                .map(|(role, kernel, choice, shape)| json!({ "role": role, "kernel": kernel, "choice": choice, "shape": shape }))
-                .collect::<Vec<_>>(),
+            "kernels": facts.kernels_json(),
             "profile": { "forward": prof_forward, "decode": prof_decode },
             "notes": notes,
         });
@@ -405,8 +262,8 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     }
     writeln!(
         out,
-        "{device_name}: {} (L={}, NH={}, C={}), {dtype}, batch {} x seq {}",
-        args.target.model, cfg.n_layer, cfg.n_head, cfg.n_embd, args.batch, args.seq
+        "{device_name}: {} (L={}, NH={}, C={}), {dtype}, batch {batch} x seq {}",
+        args.target.model, cfg.n_layer, cfg.n_head, cfg.n_embd, args.seq
     )?;
     if devices.len() > 1 {
         let on: Vec<String> = devices.iter().map(|d| format!("cuda:{d}")).collect();
@@ -425,22 +282,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
         "forward: median {forward_ms:.2} ms of {repeats} ({forward_tps:.0} tokens/s)"
     )?;
     if steps > 0 {
-        let how = match engine {
-            Some(DecodeEngine::Graph) if !decode_graphs => {
-                ", graph engine run as launches (KERNELFORGE_SYNC_EACH)".to_string()
-            }
-            Some(e) => format!(", {e} engine"),
-            None => String::new(),
-        };
-        let how = if draw.params.is_greedy() {
-            format!("{how}, greedy")
-        } else {
-            let p = &draw.params;
-            format!(
-                "{how}, sampled: temperature {} top-k {} top-p {}",
-                p.temperature, p.top_k, p.top_p
-            )
-        };
+        let how = format!("{}{}", engine_words(engine, decode_graphs), draw_words(draw));
         writeln!(
             out,
             "decode: {steps} steps after a {decode_prefill}-token prefill in {decode_ms:.1} ms ({ms_per_step:.3} ms/step{}, {decode_tps:.1} tokens/s{how})",
@@ -450,7 +292,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     if let Some(m) = &megakernel {
         writeln!(out, "megakernel: {}", m.line())?;
     }
-    if let (Some(f), true) = (&floor, gpu.is_some()) {
+    if let (Some(f), true) = (&floor, run.gpu.is_some()) {
         writeln!(out, "{}", f.line())?;
     }
     if let (Some(path), Some((_, tl))) = (&timeline_svg, &timeline) {
@@ -482,6 +324,30 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `, graph engine` (or how the graph engine ran) for the decode line.
+pub(super) fn engine_words(engine: Option<DecodeEngine>, decode_graphs: bool) -> String {
+    match engine {
+        Some(DecodeEngine::Graph) if !decode_graphs => {
+            ", graph engine run as launches (KERNELFORGE_SYNC_EACH)".to_string()
+        }
+        Some(e) => format!(", {e} engine"),
+        None => String::new(),
+    }
+}
+
+/// `, greedy` or `, sampled: temperature T top-k K top-p P` for the decode line.
+pub(super) fn draw_words(draw: &Draw) -> String {
+    if draw.params.is_greedy() {
+        ", greedy".to_string()
+    } else {
+        let p = &draw.params;
+        format!(
+            ", sampled: temperature {} top-k {} top-p {}",
+            p.temperature, p.top_k, p.top_p
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::cpu_target;
@@ -498,7 +364,7 @@ mod tests {
         let args = BenchArgs {
             target: cpu_target(&bin.display().to_string()),
             engine: EngineArgs::default(),
-            batch: 2,
+            batch: BatchList::parse("2").unwrap(),
             seq: 12,
             generate: 8, // 12 + 8 > 16: the decode prefill shrinks to 8 tokens
             sampling: SamplingArgs {

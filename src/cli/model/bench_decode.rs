@@ -1,6 +1,7 @@
-//! The decode parts of `kernelforge bench` beyond tokens/s: the memory floor of a step and the
-//! share of it the timed steps reached ([`FloorReport`]), and the megakernel's blocks × time
-//! picture (`--timeline FILE.svg`).
+//! The decode parts of `kernelforge bench` beyond tokens/s: the floor of a step (the larger of
+//! its memory bound and its compute bound) and the share of it the timed steps reached
+//! ([`FloorReport`], [`ComputePeak`]), and the megakernel's blocks × time picture
+//! (`--timeline FILE.svg`).
 
 use std::io::Write;
 use std::path::Path;
@@ -8,23 +9,87 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Map, Value};
 
+use crate::gpu::Gpu;
 use crate::model::engine::{DecodeEngine, Timeline};
-use crate::model::floor::DecodeBytes;
+use crate::model::floor::{DecodeBytes, DecodeFlops};
 use crate::model::gpu::GpuBackend;
+use crate::spec::Dtype;
 
-/// The bytes a decode step must read, the copy bandwidth, and how close the steps came.
+/// The bytes a decode step must read, the copy bandwidth, and how close the steps came; with
+/// [`FloorReport::with_compute`] also the FLOPs it must do over the compute peak.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct FloorReport {
     pub bytes: DecodeBytes,
     /// Measured device-to-device copy bandwidth (read + written), GB/s; `None` on the CPU or
     /// when it could not be measured.
     pub copy_gb_per_s: Option<f64>,
-    /// `bytes.total` at that bandwidth.
+    /// `bytes.total` at that bandwidth: the memory bound.
     pub floor_ms: Option<f64>,
     /// `floor_ms` over the wall time of a step (what tokens/s sees).
     pub share: Option<f64>,
     /// `floor_ms` over the GPU time of a step, when the backend reports it.
     pub share_gpu: Option<f64>,
+    /// The FLOPs of the step, when the compute bound is asked for.
+    pub flops: Option<DecodeFlops>,
+    /// `flops.total` at the measured compute peak: the compute bound.
+    pub compute_floor_ms: Option<f64>,
+}
+
+/// Which bound sets a decode step's floor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum FloorBound {
+    /// The weights and the live KV cache over the copy bandwidth.
+    Memory,
+    /// The step's FLOPs over the compute peak.
+    Compute,
+}
+
+impl FloorBound {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FloorBound::Memory => "memory",
+            FloorBound::Compute => "compute",
+        }
+    }
+}
+
+/// The arithmetic peak a decode step's FLOPs are divided by, for its dtype: the 16-bit
+/// tensor-core rate (cuBLAS BF16) for f16 and bf16, the TF32 one (cuBLAS TF32) for tf32, the
+/// FP32 FMA peak for f32, measured as `kernelforge tune` measures its "% peak"
+/// ([`crate::tune::peaks`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub(crate) struct ComputePeak {
+    /// FLOP/s.
+    pub flops_per_s: f64,
+    /// What it is: `cuBLAS BF16 on 8192x8192x8192`, `FP32 FMA (SMs x 128 lanes x 2 x clock)`.
+    pub source: String,
+}
+
+impl ComputePeak {
+    /// Measures (or, for f32, computes from the clock and SM count) the peak for `dtype` on `gpu`.
+    pub fn measure(gpu: &Gpu, dtype: Dtype) -> Result<ComputePeak> {
+        use crate::tune::peaks::{fp32_peak_flops, measure_half_peak, measure_tf32_peak, TF32_PEAK_SIZE};
+        let n = TF32_PEAK_SIZE;
+        let (flops_per_s, source) = match dtype {
+            Dtype::F16 | Dtype::Bf16 => (measure_half_peak(gpu)?, format!("cuBLAS BF16 on {n}x{n}x{n}")),
+            Dtype::Tf32 => (measure_tf32_peak(gpu)?, format!("cuBLAS TF32 on {n}x{n}x{n}")),
+            Dtype::F32 => (
+                fp32_peak_flops(gpu)?,
+                "FP32 FMA (SMs x 128 lanes x 2 x clock)".to_string(),
+            ),
+        };
+        Ok(ComputePeak { flops_per_s, source })
+    }
+
+    /// `{"tflops": 800.1, "source": "cuBLAS BF16 on 8192x8192x8192"}` (`bench --json`'s
+    /// `compute_peak`).
+    pub fn json(peak: Option<&ComputePeak>) -> Value {
+        match peak {
+            Some(p) => json!({ "tflops": p.flops_per_s / 1e12, "source": p.source }),
+            None => Value::Null,
+        }
+    }
 }
 
 impl FloorReport {
@@ -39,6 +104,32 @@ impl FloorReport {
             floor_ms,
             share: share_of(ms_per_step),
             share_gpu: gpu_ms_per_step.and_then(share_of),
+            flops: None,
+            compute_floor_ms: None,
+        }
+    }
+
+    /// The report with the compute bound: `flops` at `peak_flops_per_s` (`None`: the peak was not
+    /// measured; the bound is then unknown).
+    pub fn with_compute(self, flops: DecodeFlops, peak_flops_per_s: Option<f64>) -> Self {
+        let compute_floor_ms = peak_flops_per_s
+            .filter(|&p| p > 0.0)
+            .map(|p| flops.total as f64 / p * 1e3);
+        FloorReport {
+            flops: Some(flops),
+            compute_floor_ms,
+            ..self
+        }
+    }
+
+    /// The floor and the bound that sets it: the larger of the memory and the compute bound,
+    /// or the one known when the other is not (`None` when neither is).
+    pub fn bound(&self) -> Option<(FloorBound, f64)> {
+        match (self.floor_ms, self.compute_floor_ms) {
+            (Some(m), Some(c)) if c > m => Some((FloorBound::Compute, c)),
+            (Some(m), _) => Some((FloorBound::Memory, m)),
+            (None, Some(c)) => Some((FloorBound::Compute, c)),
+            (None, None) => None,
         }
     }
 
@@ -53,6 +144,8 @@ impl FloorReport {
             ("floor_ms", json!(r.and_then(|r| r.floor_ms))),
             ("floor_share", json!(r.and_then(|r| r.share))),
             ("floor_share_gpu", json!(r.and_then(|r| r.share_gpu))),
+            ("floor_bound", json!(r.and_then(FloorReport::bound).map(|(b, _)| b))),
+            ("compute_floor_ms", json!(r.and_then(|r| r.compute_floor_ms))),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -196,6 +289,8 @@ mod tests {
             "floor_ms",
             "floor_share",
             "floor_share_gpu",
+            "floor_bound",
+            "compute_floor_ms",
         ] {
             assert!(keys.contains(&k), "{k} missing from {keys:?}");
         }
@@ -216,6 +311,43 @@ mod tests {
             r.line()
         );
         assert!(!r.line().contains("GPU"));
+    }
+
+    #[test]
+    fn the_floor_is_the_larger_of_the_memory_and_the_compute_bound() {
+        use crate::model::floor::decode_step_flops;
+        let cfg = GPT2Config::preset("gpt2").unwrap();
+        // 124M bf16 at batch 1 after 144 cached tokens: 252.7 MB over 4,000 GB/s = 0.0632 ms
+        // against 252.4 MFLOP over 800 TFLOP/s = 0.000316 ms: memory-bound.
+        let (bytes, flops) = (decode_step_bytes(&cfg, 2, 1, 144), decode_step_flops(&cfg, 1, 144));
+        let r = FloorReport::new(bytes, Some(4000.0), 0.3, Some(0.2)).with_compute(flops, Some(800e12));
+        let memory_ms = bytes.total as f64 / 4000e9 * 1e3;
+        assert!((r.compute_floor_ms.unwrap() - 252_444_672.0 / 800e12 * 1e3).abs() < 1e-15);
+        assert_eq!(r.bound(), Some((FloorBound::Memory, memory_ms)));
+        let j = FloorReport::json_fields(Some(&r));
+        assert_eq!(j["floor_bound"], "memory");
+        assert!((j["compute_floor_ms"].as_f64().unwrap() - r.compute_floor_ms.unwrap()).abs() < 1e-18);
+        // f32 at batch 256 with an empty cache against a 60 TFLOP/s FP32 peak: 0.49 GB of
+        // weights (0.12 ms) against 63.3 GFLOP (1.05 ms): compute-bound.
+        let (bytes, flops) = (decode_step_bytes(&cfg, 4, 256, 0), decode_step_flops(&cfg, 256, 0));
+        let r = FloorReport::new(bytes, Some(4000.0), 2.0, Some(1.5)).with_compute(flops, Some(60e12));
+        let (bound, ms) = r.bound().unwrap();
+        assert_eq!(bound, FloorBound::Compute);
+        assert!((ms - 256.0 * 247_136_256.0 / 60e12 * 1e3).abs() < 1e-12, "{ms}");
+        assert_eq!(FloorReport::json_fields(Some(&r))["floor_bound"], "compute");
+        // The memory bound's fields keep their meaning.
+        assert!((r.floor_ms.unwrap() - bytes.total as f64 / 4000e9 * 1e3).abs() < 1e-12);
+        // One bound unknown: the other sets the floor; neither: none.
+        let no_peak = FloorReport::new(bytes, Some(4000.0), 2.0, None).with_compute(flops, None);
+        assert_eq!(no_peak.bound().map(|b| b.0), Some(FloorBound::Memory));
+        assert!(FloorReport::json_fields(Some(&no_peak))["compute_floor_ms"].is_null());
+        let no_copy = FloorReport::new(bytes, None, 2.0, None).with_compute(flops, Some(60e12));
+        assert_eq!(no_copy.bound().map(|b| b.0), Some(FloorBound::Compute));
+        let neither = FloorReport::new(bytes, None, 2.0, None);
+        assert_eq!(neither.bound(), None);
+        assert!(FloorReport::json_fields(Some(&neither))["floor_bound"].is_null());
+        // The line of a single-batch run does not change.
+        assert_eq!(r.line(), FloorReport::new(bytes, Some(4000.0), 2.0, Some(1.5)).line());
     }
 
     #[test]

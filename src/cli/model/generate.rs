@@ -6,6 +6,7 @@ use std::io::Write;
 use anyhow::{bail, Result};
 use serde_json::json;
 
+use super::fits::{check_batch_fits, CpuTokens};
 use super::sampling::SamplingArgs;
 use super::{decode_engine_for, join_ids, load, make_backend, prompt_ids, BackendOptions, EngineArgs, ModelArgs};
 use crate::model::generate::{generate, GenerateOptions};
@@ -59,15 +60,21 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     if let Some(note) = note {
         eprintln!("note: {note}");
     }
-    let mut backend = make_backend(
-        device,
-        args.target.dtype,
-        model,
-        &BackendOptions {
-            decode_engine: engine,
-            ..args.target.backend_options(args.batch)
-        },
-    )?;
+    let backend_options = BackendOptions {
+        decode_engine: engine,
+        ..args.target.backend_options(args.batch)
+    };
+    // Refused before anything is allocated when the batch does not fit (on the CPU: the prompt's
+    // prefill, keeping the last position's logits, and the cache up to the last new token).
+    let cpu_tokens = CpuTokens {
+        cached: (ids.len() + args.max_new_tokens).min(model.config.n_ctx),
+        step: ids.len(),
+        logits: 1,
+    };
+    let flag = format!("--batch {}", args.batch);
+    let checked = check_batch_fits(&flag, device, &model.config, &backend_options, cpu_tokens)?;
+    let mut backend = make_backend(device, args.target.dtype, model, &backend_options)?;
+    drop(checked); // the contexts the check opened, kept until the backend holds them
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling: draw.params,

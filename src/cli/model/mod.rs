@@ -6,8 +6,12 @@
 //! This file holds what the commands share (the model arguments, device choice, building a
 //! backend); each command has its own file.
 
+mod batch_list;
 mod bench;
+mod bench_batches;
 mod bench_decode;
+mod bench_setup;
+mod fits;
 mod forward;
 mod generate;
 mod sampling;
@@ -28,6 +32,7 @@ use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::{load_model, GPT2Model};
 use crate::spec::Dtype;
 
+pub use batch_list::{BatchList, BatchListError};
 pub use bench::{run_bench, BenchArgs};
 pub use forward::{run_forward, ForwardArgs};
 pub use generate::{run_generate, GenerateArgs};
