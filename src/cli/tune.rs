@@ -118,9 +118,9 @@ pub struct TuneArgs {
     /// decode steps on random weights of the model's shape (the mean after a short prompt and
     /// after one of three quarters of the context, where attention's chunking shows), against
     /// the graph engine timed the same way beside it. Saved into GPU 0's default database,
-    /// where `generate` and `bench` pick the faster engine by default. Measured anew
-    /// on every run (about a minute per batch): the graph engine's time depends on the kernels
-    /// the rest of the run may just have tuned.
+    /// where `generate` and `bench` pick the faster engine by default. About a minute per
+    /// batch; read back from the database in seconds when this run tuned no kernel anew (the
+    /// graph engine's time depends on the kernels) and --force is not given.
     #[arg(long, requires = "model", conflicts_with_all = ["db", "devices"])]
     pub decode_step: bool,
     /// Re-tune shapes the database already has.
@@ -336,6 +336,9 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
     let decode = match (&args.model, args.decode_step) {
         (Some(model), true) => {
             let batches: Vec<usize> = args.batch.iter().map(|&b| b.max(1) as usize).collect();
+            // The decode steps the database holds are read back unless a kernel was just
+            // (re)tuned, which may have moved the graph engine's time they were compared with.
+            let kernels_unchanged = kinds.iter().flat_map(|k| &k.results).all(|r| r.result.from_db);
             super::tune_decode::tune_decode_steps(
                 root,
                 &catalog,
@@ -343,6 +346,7 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
                 args.dtype,
                 &batches,
                 args.seed,
+                !args.force && kernels_unchanged,
             )?
         }
         _ => Vec::new(),

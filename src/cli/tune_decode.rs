@@ -11,10 +11,11 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::model::gpu::{fitted_default, most_rows, point_text, GpuBackend, MEGAKERNEL_FAMILY};
+use crate::gpu::{Compiler, Gpu};
+use crate::model::gpu::{decode_step_key, fitted_default, most_rows, point_text, GpuBackend, MEGAKERNEL_FAMILY};
 use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
 use crate::spec::{Catalog, Dtype};
-use crate::tune::db::{default_path, Entry, TuningDb};
+use crate::tune::db::{default_path, DbHeader, Entry, TuningDb};
 use crate::tune::decode_search::{coordinate_descent, Point};
 use crate::tune::records::Candidate;
 use crate::tune::workloads::op_dtype;
@@ -46,10 +47,13 @@ pub(super) struct DecodeTuned {
     pub tried: usize,
     pub refused: usize,
     pub seconds: f64,
+    /// Read back from the tuning database, not measured in this run.
+    pub from_db: bool,
 }
 
 /// Tunes the decode step of `cfg` in `dtype` for each batch of `batches` on GPU 0 and saves each
-/// winner into that GPU's default tuning database.
+/// winner into that GPU's default tuning database. With `reuse`, a batch the database already
+/// holds is read back instead (no backend is built when every batch is).
 pub(super) fn tune_decode_steps(
     root: &Path,
     catalog: &Catalog,
@@ -57,6 +61,7 @@ pub(super) fn tune_decode_steps(
     dtype: Dtype,
     batches: &[usize],
     seed: u64,
+    reuse: bool,
 ) -> Result<Vec<DecodeTuned>> {
     let family = catalog.family(MEGAKERNEL_FAMILY)?.clone();
     let most_rows = most_rows(&family).max(1);
@@ -71,8 +76,17 @@ pub(super) fn tune_decode_steps(
             list.join(", ")
         );
     }
+    let mut out = if reuse {
+        stored_decode_steps(cfg, dtype, &batches)?
+    } else {
+        Vec::new()
+    };
+    let batches: Vec<usize> = batches
+        .into_iter()
+        .filter(|b| !out.iter().any(|r| r.batch == *b))
+        .collect();
     if batches.is_empty() {
-        return Ok(Vec::new());
+        return Ok(out);
     }
     let model = Arc::new(GPT2Model {
         config: cfg.clone(),
@@ -84,7 +98,6 @@ pub(super) fn tune_decode_steps(
     let header = gpu.tuning_db_header().clone();
     let db_path = default_path(&header);
     let contexts = contexts(cfg);
-    let mut out = Vec::new();
     for &b in &batches {
         let started = Instant::now();
         let bar = ProgressBar::new_spinner().with_style(
@@ -166,12 +179,43 @@ pub(super) fn tune_decode_steps(
             tried: descent.trials.len(),
             refused,
             seconds: started.elapsed().as_secs_f64(),
+            from_db: false,
         });
     }
     Ok(out)
 }
 
+/// The decode steps of `batches` that GPU 0's default tuning database holds, read back (the
+/// database is found from the GPU and NVRTC, without building a backend).
+fn stored_decode_steps(cfg: &GPT2Config, dtype: Dtype, batches: &[usize]) -> Result<Vec<DecodeTuned>> {
+    let gpu = Gpu::new(0).context("opening GPU 0")?;
+    let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
+    let header = DbHeader::for_device(&gpu, &compiler);
+    let path = default_path(&header);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let db = TuningDb::open(&path, header)?;
+    Ok(batches
+        .iter()
+        .filter_map(|&b| DecodeTuned::from_entry(b, db.get(&decode_step_key(cfg, dtype, b))?))
+        .collect())
+}
+
 impl DecodeTuned {
+    /// A batch's outcome as a previous run stored it (`None` without the graph engine's time).
+    fn from_entry(batch: usize, entry: &Entry) -> Option<DecodeTuned> {
+        Some(DecodeTuned {
+            batch,
+            graph_ms: entry.baseline_ms?,
+            best: Some((entry.params.clone(), entry.median_ms)),
+            tried: entry.variants_tried,
+            refused: entry.candidates.iter().filter(|c| c.rejected.is_some()).count(),
+            seconds: 0.0,
+            from_db: true,
+        })
+    }
+
     /// The `decode_step` rows of `tune --json`.
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({
@@ -182,6 +226,7 @@ impl DecodeTuned {
             "points_tried": self.tried,
             "points_refused": self.refused,
             "seconds": self.seconds,
+            "from_db": self.from_db,
         })
     }
 }
@@ -201,16 +246,20 @@ pub(super) fn decode_table(rows: &[DecodeTuned]) -> String {
             ),
             None => ("-".into(), "-".into(), "graph", "no point ran".to_string()),
         };
+        let when = if r.from_db {
+            "from the database".to_string()
+        } else {
+            format!("{:.0} s", r.seconds)
+        };
         s.push_str(&format!(
-            "{:>5} {:>9.3} {:>14} {:>15}  {:<10} {:>3}/{:<3} {label} ({:.0} s)\n",
+            "{:>5} {:>9.3} {:>14} {:>15}  {:<10} {:>3}/{:<3} {label} ({when})\n",
             r.batch,
             r.graph_ms,
             mk,
             ratio,
             engine,
             r.tried - r.refused,
-            r.tried,
-            r.seconds
+            r.tried
         ));
     }
     s
@@ -242,6 +291,7 @@ mod tests {
                 tried: 20,
                 refused: 3,
                 seconds: 31.0,
+                from_db: false,
             },
             DecodeTuned {
                 batch: 8,
@@ -250,6 +300,7 @@ mod tests {
                 tried: 12,
                 refused: 0,
                 seconds: 20.0,
+                from_db: true,
             },
             DecodeTuned {
                 batch: 4,
@@ -258,6 +309,7 @@ mod tests {
                 tried: 5,
                 refused: 5,
                 seconds: 2.0,
+                from_db: false,
             },
         ];
         let t = decode_table(&rows);
@@ -271,6 +323,10 @@ mod tests {
             "{t}"
         );
         assert!(lines[3].contains("0.78x") && lines[3].contains(" graph "), "{t}");
+        assert!(
+            lines[2].contains("(31 s)") && lines[3].contains("(from the database)"),
+            "{t}"
+        );
         assert!(lines[4].contains("no point ran") && lines[4].contains("0/5"), "{t}");
         assert_eq!(rows[0].json()["megakernel_point"]["slot_kib"], 48);
     }

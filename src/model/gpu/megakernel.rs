@@ -20,9 +20,11 @@ use super::stage_table::{
 };
 use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
+use crate::model::config::GPT2Config;
 use crate::model::engine::{TaskStamp, Timeline};
 use crate::model::weights::transpose;
 use crate::ops::{Epilogue, Mask};
+use crate::spec::Dtype;
 use crate::tune::registry::variant_kind;
 use crate::tune::workloads::op_dtype;
 
@@ -49,26 +51,31 @@ pub(super) struct MegakernelState {
     stamped: bool,
 }
 
+/// The tuning-database key of the decode step of `b` sequences of `cfg` in `dtype`: the
+/// megakernel's op, dtype and shape (the model's dimensions). `tune --decode-step` reads it back
+/// without a backend.
+pub fn decode_step_key(cfg: &GPT2Config, dtype: Dtype, b: usize) -> crate::tune::db::TuneKey {
+    crate::tune::db::TuneKey {
+        op: DECODE_STEP_OP.to_string(),
+        dtype: op_dtype(dtype).to_string(),
+        variant_kind: variant_kind(Epilogue::None, Mask::None).to_string(),
+        shape: shape(&[
+            ("B", b as i64),
+            ("C", cfg.n_embd as i64),
+            ("NH", cfg.n_head as i64),
+            ("L", cfg.n_layer as i64),
+            ("HS", cfg.head_dim() as i64),
+            ("Vp", cfg.padded_vocab_size as i64),
+            ("max_T", cfg.n_ctx as i64),
+            ("elem_bytes", dtype.storage().bytes() as i64),
+        ]),
+    }
+}
+
 impl GpuBackend {
-    /// The tuning-database key of the decode step of `b` sequences: the megakernel's op, dtype
-    /// and shape (the model's dimensions).
+    /// [`decode_step_key`] of this backend's model and dtype.
     pub fn decode_step_key(&self, b: usize) -> crate::tune::db::TuneKey {
-        let cfg = &self.model.config;
-        crate::tune::db::TuneKey {
-            op: DECODE_STEP_OP.to_string(),
-            dtype: op_dtype(self.dtype).to_string(),
-            variant_kind: variant_kind(Epilogue::None, Mask::None).to_string(),
-            shape: shape(&[
-                ("B", b as i64),
-                ("C", cfg.n_embd as i64),
-                ("NH", cfg.n_head as i64),
-                ("L", cfg.n_layer as i64),
-                ("HS", cfg.head_dim() as i64),
-                ("Vp", cfg.padded_vocab_size as i64),
-                ("max_T", cfg.n_ctx as i64),
-                ("elem_bytes", self.dtype.storage().bytes() as i64),
-            ]),
-        }
+        decode_step_key(&self.model.config, self.dtype, b)
     }
 
     /// The decode_step kernel for batch `b`: tuned or default point of the megakernel family,

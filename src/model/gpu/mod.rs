@@ -77,6 +77,7 @@ pub use buffers::ReplicaMemory;
 use buffers::{Activations, DeviceTensor};
 use exec::LaunchMode;
 pub use fold_select::{LayernormFolding, FOLD_LAYERNORMS_ENV};
+pub use megakernel::decode_step_key;
 pub use megakernel_point::{fitted_default, most_rows, point_text, MegakernelSummary, MEGAKERNEL_FAMILY};
 use plan::HeadRows;
 pub use profile::ProfileRow;
