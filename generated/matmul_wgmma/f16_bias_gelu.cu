@@ -134,20 +134,40 @@ __device__ __forceinline__ unsigned smem_address(const void* shared_ptr) {
 }
 
 __device__ __forceinline__ void cp_async_16(unsigned smem_dst, const void* global_src, int src_bytes) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_dst), "l"(global_src), "r"(src_bytes) : "memory");
+#else
+    // Before sm_80 there is no cp.async: load the 16 bytes into registers and store them to
+    // shared memory now, zeros past src_bytes as cp.async writes them. The stages still
+    // rotate; what is lost is only the overlap of the copies with the math.
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (src_bytes >= 16) {
+        v = *reinterpret_cast<const uint4*>(global_src);
+    } else {
+        unsigned char* bytes = reinterpret_cast<unsigned char*>(&v);
+        for (int i = 0; i < src_bytes; ++i) bytes[i] = static_cast<const unsigned char*>(global_src)[i];
+    }
+    asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };\n"
+                 :: "r"(smem_dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#endif
 }
 
 // Closes the copies issued so far by this thread into one group (one pipeline stage).
 __device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
 }
 
 // Blocks until at most N of this thread's most recent groups are still in flight. Groups
 // complete in commit order, so "at most N pending" means "every older group has landed".
+// (Before sm_80 every copy has landed already: nothing to wait for.)
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+#endif
 }
 // ---- wgmma (sm_90a): m64n96k16 f16 from shared-memory descriptors, f32 accumulators ----
 #define WGMMA_K_STEP 16
