@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use kernelforge::codegen::Renderer;
-use kernelforge::spec::{expand, DeviceLimits, Family, Points};
+use kernelforge::spec::{expand, DeviceLimits, Dtype, Family, Points};
 
 /// A templates folder with one template that renders, and one that references an unknown variable.
 fn templates() -> tempfile::TempDir {
@@ -345,6 +345,55 @@ fn arch_targets() {
     };
     assert_eq!(compiler.for_family(&hopper).arch, "sm_90a");
     assert_eq!(compiler.for_family(&parse(GOOD, t.path()).unwrap()).arch, "sm_90");
+}
+
+/// `[family] min_arch`: the oldest GPU per dtype (`all` or a listed dtype), a plain `sm_XY`;
+/// a variant of that dtype is refused on older GPUs with the spec named, newer ones run it.
+#[test]
+fn min_arch_per_dtype() {
+    let with = |table: &str| {
+        GOOD.replace(
+            "dtypes = [\"f32\"]",
+            &format!("dtypes = [\"f32\", \"f16\"]\nmin_arch = {table}"),
+        )
+    };
+    let e = error_of(&with(r#"{ bf16 = "sm_80" }"#));
+    assert!(e.contains("family.min_arch.bf16") && e.contains("dtypes"), "{e}");
+    let e = error_of(&with(r#"{ all = "sm_90a" }"#));
+    assert!(e.contains("family.min_arch.all") && e.contains("plain sm_XY"), "{e}");
+    let e = error_of(&with(r#"{ f16 = "ampere" }"#));
+    assert!(
+        e.contains("family.min_arch.f16") && e.contains("not a GPU target"),
+        "{e}"
+    );
+
+    let t = templates();
+    let family = std::sync::Arc::new(parse(&with(r#"{ f16 = "sm_80" }"#), t.path()).unwrap());
+    assert_eq!(family.min_compute.get(&Dtype::F16), Some(&(8, 0)));
+    assert_eq!(family.min_compute.get(&Dtype::F32), None);
+    let shape: kernelforge::ops::Shape = [("N".to_string(), 1000)].into_iter().collect();
+    let t4 = DeviceLimits {
+        compute_capability: (7, 5),
+        ..DeviceLimits::default()
+    };
+    for v in expand(&family, Points::Default, &t4).unwrap() {
+        let on_t4 = v.check_shape(&shape, &t4);
+        if v.dtype == Dtype::F16 {
+            let why = on_t4.unwrap_err();
+            assert!(
+                why.contains("8.0") && why.contains("7.5") && why.contains("min_arch"),
+                "{why}"
+            );
+            assert!(
+                v.check_shape(&shape, &DeviceLimits::default()).is_ok(),
+                "Hopper runs it"
+            );
+        } else {
+            assert_eq!(on_t4, Ok(()), "f32 has no minimum");
+        }
+    }
+    let all = parse(&with(r#"{ all = "sm_80" }"#), t.path()).unwrap();
+    assert_eq!(all.min_compute.len(), 2);
 }
 
 /// `[[kernels.tensor_maps]]`: the argument must be one of the op's tensors, the swizzle one TMA

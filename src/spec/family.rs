@@ -88,6 +88,10 @@ pub struct Family {
     /// `[family] arch`: the exact target the family is compiled for, and so the only devices
     /// it runs on; `None` compiles for whatever GPU is present.
     pub arch: Option<ArchTarget>,
+    /// `[family] min_arch`: the oldest compute capability each dtype's kernels compile for (a
+    /// dtype not in it has no minimum): `cp.async`, `mma.sync` m16n8k16 and bf16/tf32 tensor
+    /// cores need 8.0.
+    pub min_compute: std::collections::BTreeMap<Dtype, (i32, i32)>,
     pub params: IndexMap<String, Vec<i64>>,
     pub derived: IndexMap<String, Expr>,
     pub require: Vec<Expr>,

@@ -54,6 +54,10 @@ struct RawFamily {
     masks: Vec<Mask>,
     /// An exact compile target such as `sm_90a` (see [`ArchTarget`]).
     arch: Option<String>,
+    /// The oldest GPU each dtype's kernels compile for: `{ all = "sm_80" }` for every dtype,
+    /// `{ bf16 = "sm_80", tf32 = "sm_80" }` for some (a dtype not named has no minimum).
+    #[serde(default)]
+    min_arch: IndexMap<String, String>,
     // (`extends = "base"`, another spec of the same folder this one is laid over, is read and
     // removed before this layout: see `lay_over_base`.)
 }
@@ -259,6 +263,35 @@ impl Family {
             .as_deref()
             .map(|text| ArchTarget::parse(text).map_err(|message| field_err("family.arch", message)))
             .transpose()?;
+        let mut min_compute = std::collections::BTreeMap::new();
+        for (key, value) in &f.min_arch {
+            let field = format!("family.min_arch.{key}");
+            let target = ArchTarget::parse(value).map_err(|message| field_err(&field, message))?;
+            if target.name.ends_with('a') {
+                return Err(field_err(
+                    &field,
+                    format!(
+                        "`{value}` is an exact target; a minimum is a plain sm_XY (exact targets go in family.arch)"
+                    ),
+                ));
+            }
+            let dtypes: Vec<Dtype> = if key == "all" {
+                f.dtypes.clone()
+            } else {
+                match key.parse::<Dtype>() {
+                    Ok(d) if f.dtypes.contains(&d) => vec![d],
+                    _ => {
+                        return Err(field_err(
+                            &field,
+                            format!("`{key}` is not `all` nor one of this family's dtypes ({:?})", f.dtypes),
+                        ))
+                    }
+                }
+            };
+            for d in dtypes {
+                min_compute.insert(d, target.compute_capability);
+            }
+        }
         let masks = if f.masks.is_empty() {
             vec![Mask::None]
         } else {
@@ -471,6 +504,7 @@ impl Family {
             epilogues,
             masks,
             arch,
+            min_compute,
             params: raw.params,
             derived,
             require,

@@ -180,11 +180,31 @@ impl Variant {
     }
 
     /// Whether the variant can run on the device `limits` describes at all: a family with an
-    /// exact `[family] arch` target runs only on that compute capability.
+    /// exact `[family] arch` target runs only on that compute capability, and one with a
+    /// `[family] min_arch` for this dtype only from that one on.
     pub fn check_device(&self, limits: &DeviceLimits) -> Result<(), String> {
-        match &self.family.arch {
-            Some(target) => target.check_device(limits.compute_capability),
-            None => Ok(()),
+        if let Some(target) = &self.family.arch {
+            target.check_device(limits.compute_capability)?;
+        }
+        let have = limits.compute_capability;
+        match self.family.min_compute.get(&self.dtype) {
+            Some(&need) if have < need => Err(format!(
+                "needs compute capability {}.{} (sm_{}{}) or newer for {} (`min_arch` in {}); this GPU is {}.{}{}",
+                need.0,
+                need.1,
+                need.0,
+                need.1,
+                self.dtype,
+                self.family.file.display(),
+                have.0,
+                have.1,
+                if self.dtype == Dtype::F32 {
+                    ""
+                } else {
+                    ": --dtype f32 runs everywhere"
+                }
+            )),
+            _ => Ok(()),
         }
     }
 

@@ -76,7 +76,8 @@ pub fn fitted_default(family: &Arc<Family>, shape: &Shape, dtype: Dtype, limits:
     // Tensor cores for several rows in 16-bit storage. Measured on an H200, GPT-2 small: bf16
     // batch 8 0.517 -> 0.413 ms a step, f16 0.508 -> 0.413; at batch 1 the FMAs are faster
     // (bf16 0.294 against 0.308 ms a step).
-    let tensor_cores = elem_bytes == 2 && rows.is_some_and(|r| r > 1);
+    // (mma.sync m16n8k16 needs sm_80: a T4 keeps the FMAs.)
+    let tensor_cores = elem_bytes == 2 && rows.is_some_and(|r| r > 1) && limits.compute_capability >= (8, 0);
     if values("tensor_cores").contains(&1) {
         point.push(("tensor_cores".to_string(), i64::from(tensor_cores)));
     }
@@ -96,6 +97,11 @@ pub fn fitted_default(family: &Arc<Family>, shape: &Shape, dtype: Dtype, limits:
     // with 3 of 64.
     if values("slots").contains(&2) {
         point.push(("slots".to_string(), 2));
+    }
+    // The copy engine's bulk copies (`cp.async.bulk`) exist from sm_90 (Hopper) on: older GPUs
+    // fill the ring with cp.async (below sm_80, synchronous copies: common/async_copy.cu.tera).
+    if limits.compute_capability < (9, 0) && values("bulk_copy").contains(&0) {
+        point.push(("bulk_copy".to_string(), 0));
     }
     // One row: each layer's fc and fc projection as one stage (atomic adds into an f32 residual
     // stream). Measured on the H100 (GPT-2 small, one call, two rounds): bf16 0.267 -> 0.242 ms
@@ -218,6 +224,36 @@ mod tests {
         // 2 slots of 96 KiB, 8 rows of 4 * 768 bf16 and the static 16 KiB exceed 227 KiB
         assert_eq!((batch["slots"], batch["slot_kib"]), (2, 64));
         assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
+        // the copy engine's bulk copies need sm_90: older GPUs fill the ring with cp.async
+        assert!(!bf16.contains_key("bulk_copy"), "Hopper keeps the default bulk copies");
+        let catalog = catalog();
+        let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
+        let ampere = DeviceLimits {
+            compute_capability: (8, 6),
+            ..DeviceLimits::default()
+        };
+        let point: std::collections::BTreeMap<String, i64> = fitted_default(
+            family,
+            &gpt2_shape(1, 768, 12, 12, 2),
+            crate::spec::Dtype::Bf16,
+            &ampere,
+        )
+        .into_iter()
+        .collect();
+        assert_eq!(point["bulk_copy"], 0, "{point:?}");
+        let turing = DeviceLimits {
+            compute_capability: (7, 5),
+            ..DeviceLimits::default()
+        };
+        let point: std::collections::BTreeMap<String, i64> =
+            fitted_default(family, &gpt2_shape(5, 768, 12, 12, 2), crate::spec::Dtype::F16, &turing)
+                .into_iter()
+                .collect();
+        assert_eq!(
+            (point["bulk_copy"], point["tensor_cores"]),
+            (0, 0),
+            "no m16n8k16 on a T4: {point:?}"
+        );
     }
 
     /// The line `bench` prints (the point without the model's head size, then where it came

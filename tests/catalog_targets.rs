@@ -1,0 +1,148 @@
+//! Which families run on which GPU, from the specs alone (`[family] arch`, `[family] min_arch`):
+//! every op has a path in every dtype on every target from Turing (sm_75, the T4) to Blackwell
+//! (sm_100, sm_120), or a refusal written down here and in the README; and the README's table of
+//! families x targets is the catalog's.
+//!
+//! Only the compute capability changes between targets here; the shared-memory and register
+//! limits of each GPU (which would drop some points of a family, not the family) are issue 49's
+//! `--target`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use kernelforge::ops::all_ops;
+use kernelforge::spec::{expand, Catalog, DeviceLimits, Dtype, Family, Points};
+
+/// The targets of the table: name and compute capability.
+const TARGETS: [(&str, (i32, i32)); 7] = [
+    ("sm_75", (7, 5)),
+    ("sm_80", (8, 0)),
+    ("sm_86", (8, 6)),
+    ("sm_89", (8, 9)),
+    ("sm_90", (9, 0)),
+    ("sm_100", (10, 0)),
+    ("sm_120", (12, 0)),
+];
+
+/// (op, dtype, the first target with a path): the documented refusals. Below that target the
+/// model refuses the dtype with the families' reasons ("needs compute capability 8.0 ...: --dtype
+/// f32 runs everywhere"). tf32 exists only on Ampere's tensor cores and later; a T4 has no
+/// m16n8k16 MMA for the prefill's attention in halves (`attention_flash` is f32 only).
+const REFUSALS: [(&str, Dtype, &str); 4] = [
+    ("attention", Dtype::F16, "sm_80"),
+    ("attention", Dtype::Bf16, "sm_80"),
+    ("attention", Dtype::Tf32, "sm_80"),
+    ("matmul", Dtype::Tf32, "sm_80"),
+];
+
+fn catalog() -> Catalog {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    Catalog::load(&root.join("specs"), &root.join("templates")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn limits(cc: (i32, i32)) -> DeviceLimits {
+    DeviceLimits {
+        compute_capability: cc,
+        ..DeviceLimits::default()
+    }
+}
+
+/// Whether the default point of `family` in `dtype` may run on compute capability `cc`, asked
+/// the way verify, the tuner and the registry ask (`Variant::check_device`).
+fn runs(family: &Arc<Family>, dtype: Dtype, cc: (i32, i32)) -> bool {
+    expand(family, Points::Default, &limits(cc))
+        .unwrap_or_else(|e| panic!("{}: {e}", family.name))
+        .iter()
+        .find(|v| v.dtype == dtype)
+        .is_some_and(|v| v.check_device(&limits(cc)).is_ok())
+}
+
+#[test]
+fn every_op_has_a_path_in_every_dtype_on_every_target_or_a_documented_refusal() {
+    let catalog = catalog();
+    let mut gaps = Vec::new();
+    for op in all_ops() {
+        let families: Vec<&Arc<Family>> = catalog.families.iter().filter(|f| f.op.name() == op.name()).collect();
+        let mut dtypes: Vec<Dtype> = families.iter().flat_map(|f| f.dtypes.clone()).collect();
+        dtypes.sort();
+        dtypes.dedup();
+        for dtype in dtypes {
+            let first = TARGETS.iter().find(|(_, cc)| {
+                families
+                    .iter()
+                    .any(|f| f.dtypes.contains(&dtype) && runs(f, dtype, *cc))
+            });
+            let later_all = first.is_some_and(|(name, _)| {
+                let from = TARGETS.iter().position(|(n, _)| n == name).unwrap();
+                TARGETS[from..].iter().all(|(_, cc)| {
+                    families
+                        .iter()
+                        .any(|f| f.dtypes.contains(&dtype) && runs(f, dtype, *cc))
+                })
+            });
+            assert!(
+                later_all,
+                "{} in {dtype}: a target after {first:?} has no family",
+                op.name()
+            );
+            let first = first.map(|(name, _)| *name).unwrap_or("none");
+            if first != TARGETS[0].0 {
+                gaps.push((op.name(), dtype, first));
+            }
+        }
+    }
+    let mut documented: Vec<(&str, Dtype, &str)> = REFUSALS.to_vec();
+    documented.sort();
+    gaps.sort();
+    assert_eq!(
+        gaps, documented,
+        "(op, dtype, first target with a family): the gaps changed"
+    );
+}
+
+/// The README's table: a row a family, a column a target, each cell the dtypes that run there
+/// (`all` for every dtype the family lists, `-` for none).
+fn targets_table(catalog: &Catalog) -> String {
+    let mut rows = BTreeMap::new();
+    for f in &catalog.families {
+        let cells: Vec<String> = TARGETS
+            .iter()
+            .map(|(_, cc)| {
+                let ok: Vec<String> = f
+                    .dtypes
+                    .iter()
+                    .filter(|d| runs(f, **d, *cc))
+                    .map(|d| d.to_string())
+                    .collect();
+                if ok.len() == f.dtypes.len() {
+                    "all".to_string()
+                } else if ok.is_empty() {
+                    "-".to_string()
+                } else {
+                    ok.join(", ")
+                }
+            })
+            .collect();
+        rows.insert(f.name.clone(), cells);
+    }
+    let mut text = format!(
+        "| family | {} |\n| --- |{}\n",
+        TARGETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" | "),
+        " --- |".repeat(TARGETS.len())
+    );
+    for (name, cells) in rows {
+        text += &format!("| `{name}` | {} |\n", cells.join(" | "));
+    }
+    text
+}
+
+#[test]
+fn the_readme_table_of_families_and_targets_is_the_catalogs() {
+    let table = targets_table(&catalog());
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    assert!(
+        readme.contains(&table),
+        "README.md's families x targets table differs from the catalog; it should read:\n{table}"
+    );
+}
