@@ -3,6 +3,9 @@
 //! (sm_100, sm_120), or a refusal written down here and in the README; and the README's table of
 //! families x targets is the catalog's.
 //!
+//! Where NVRTC is present, every family the catalog offers on a target compiles to that
+//! target's CUBIN (ptxas checks every instruction; PTX alone would not).
+//!
 //! Only the compute capability changes between targets here; the shared-memory and register
 //! limits of each GPU (which would drop some points of a family, not the family) are issue 49's
 //! `--target`.
@@ -11,8 +14,13 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use kernelforge::codegen::Renderer;
+use kernelforge::gpu::compile::nvrtc_present;
+use kernelforge::gpu::Compiler;
+use kernelforge::model::config::GPT2Config;
+use kernelforge::model::gpu::{decode_step_key, fitted_default, MEGAKERNEL_FAMILY};
 use kernelforge::ops::all_ops;
-use kernelforge::spec::{expand, Catalog, DeviceLimits, Dtype, Family, Points};
+use kernelforge::spec::{expand, variant_with, Catalog, DeviceLimits, Dtype, Family, Points, Variant};
 
 /// The targets of the table: name and compute capability.
 const TARGETS: [(&str, (i32, i32)); 7] = [
@@ -144,5 +152,65 @@ fn the_readme_table_of_families_and_targets_is_the_catalogs() {
     assert!(
         readme.contains(&table),
         "README.md's families x targets table differs from the catalog; it should read:\n{table}"
+    );
+}
+
+/// The variant of `family` in `dtype` a model would run on compute capability `cc`: the default
+/// point (its first epilogue and mask), or for the decode megakernel the point fitted to the
+/// GPU (no bulk copies before sm_90, no tensor cores before sm_80).
+fn variant_for(family: &Arc<Family>, dtype: Dtype, cc: (i32, i32)) -> Variant {
+    let limits = limits(cc);
+    if family.name == MEGAKERNEL_FAMILY {
+        let shape = decode_step_key(&GPT2Config::gpt2(), dtype, 8).shape;
+        let point = fitted_default(family, &shape, dtype, &limits);
+        return variant_with(family, &point, dtype, family.epilogues[0], family.masks[0], &limits)
+            .unwrap_or_else(|e| panic!("{} {dtype} {point:?}: {e}", family.name));
+    }
+    expand(family, Points::Default, &limits)
+        .unwrap_or_else(|e| panic!("{}: {e}", family.name))
+        .into_iter()
+        .find(|v| v.dtype == dtype)
+        .expect("the family lists the dtype")
+}
+
+#[test]
+fn every_family_compiles_for_every_target_the_catalog_offers_it_on() {
+    if !nvrtc_present() {
+        eprintln!("skipping: NVRTC is not on this machine (the GPU machine has it)");
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let catalog = catalog();
+    let renderer = Renderer::new(&root.join("templates")).unwrap();
+    let mut failures = Vec::new();
+    let mut compiled = 0;
+    for (name, cc) in TARGETS {
+        let mut compiler = Compiler::new(name).unwrap();
+        compiler.cache_dir = None; // a fresh compile: the cache would answer for an older NVRTC
+        for family in &catalog.families {
+            for &dtype in &family.dtypes {
+                let variant = variant_for(family, dtype, cc);
+                if variant.check_device(&limits(cc)).is_err() {
+                    continue; // not offered there: the catalog says why
+                }
+                let source = renderer.render(&variant).unwrap();
+                compiled += 1;
+                if let Err(e) = compiler.for_family(family).compile(&source) {
+                    let first = e
+                        .to_string()
+                        .lines()
+                        .find(|l| l.contains("error"))
+                        .unwrap_or_default()
+                        .to_string();
+                    failures.push(format!("{name} {} {dtype}: {first}", family.name));
+                }
+            }
+        }
+    }
+    eprintln!("{compiled} variants compiled for {} targets", TARGETS.len());
+    assert!(
+        failures.is_empty(),
+        "offered but not compiling:\n{}",
+        failures.join("\n")
     );
 }
