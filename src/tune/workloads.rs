@@ -120,7 +120,7 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
         mm("fc projection (bias+residual)", Epilogue::BiasResidual, c, 4 * c, l),
         mm("LM head (tied wte)", Epilogue::None, cfg.padded_vocab_size as i64, c, 1),
     ];
-    if seq > 1 || m >= TENSOR_CORE_MIN_ROWS {
+    if folds_layernorms(seq == 1, m) {
         // The GEMMs after a layernorm, with the layernorm folded in (an ln_ epilogue): the
         // model runs them instead of layernorm + GEMM where they are faster than the two (see
         // model/gpu/fold_select.rs), in a prefill and in a decode step of at least
@@ -158,6 +158,14 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
         out.extend(decode_attention_workloads(cfg, batch, requested));
     }
     out
+}
+
+/// Whether a prefill, or a decode step (`decode`), of `rows` rows in all may fold its
+/// layernorms into the GEMMs after them (the `ln_` epilogues): every prefill, and a decode step
+/// of as many rows as the tensor-core kernels that fold them take. The tuner offers those
+/// workloads (a seq of 1 being the decode step) and the model considers folding by this one rule.
+pub fn folds_layernorms(decode: bool, rows: i64) -> bool {
+    !decode || rows >= TENSOR_CORE_MIN_ROWS
 }
 
 /// The decode step's attention at each cache-length bucket

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::batch_list::{BatchList, BATCH_HELP};
 use super::bench_decode::{timeline_step, write_atomically, ComputePeak, FloorReport};
-use super::bench_setup::{bench_tokens, median, set_up};
+use super::bench_setup::{bench_tokens, set_up};
 use super::sampling::SamplingArgs;
 use super::{EngineArgs, ModelArgs};
 use crate::model::engine::DecodeEngine;
@@ -105,13 +105,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     }
     let warmup_ms = t0.elapsed().as_secs_f64() * 1e3;
 
-    let mut runs = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        let t = Instant::now();
-        run.forward(&tokens)?;
-        runs.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    let forward_ms = median(&mut runs.clone());
+    let (runs, forward_ms) = run.time_forward(&tokens, repeats)?;
     let forward_tps = (batch * args.seq) as f64 / (forward_ms / 1e3);
     run.take_gpu_ms_per_step()?; // forget the warm-up's steps
     let (decode_ms, last_tokens) = if steps > 0 {

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 use super::bench::{draw_words, BenchArgs};
 use super::bench_decode::{grouped, ComputePeak, FloorReport};
-use super::bench_setup::{bench_tokens, median, set_up, BackendFacts, BenchSetup};
+use super::bench_setup::{bench_tokens, set_up, BackendFacts, BenchSetup};
 use crate::model::engine::DecodeEngine;
 use crate::model::generate::Draw;
 use crate::model::gpu::MegakernelSummary;
@@ -97,13 +97,7 @@ fn measure_batches(args: &BenchArgs) -> Result<BatchesReport> {
     let t0 = Instant::now();
     run.forward(&tokens)?; // warm-up
     let warmup_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let mut forward_runs = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        let t = Instant::now();
-        run.forward(&tokens)?;
-        forward_runs.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    let forward_ms = median(&mut forward_runs.clone());
+    let (forward_runs, forward_ms) = run.time_forward(&tokens, repeats)?;
     let forward_tps = (first * args.seq) as f64 / (forward_ms / 1e3);
 
     let count = args.batch.sizes().len();

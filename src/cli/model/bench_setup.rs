@@ -175,6 +175,18 @@ impl BenchSetup {
         Ok(())
     }
 
+    /// `repeats` timed forward passes over `tokens`: each one's wall ms, and their median.
+    pub fn time_forward(&mut self, tokens: &[Vec<u32>], repeats: usize) -> Result<(Vec<f64>, f64)> {
+        let mut runs = Vec::with_capacity(repeats);
+        for _ in 0..repeats {
+            let t = std::time::Instant::now();
+            self.forward(tokens)?;
+            runs.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let median_ms = median(&mut runs.clone());
+        Ok((runs, median_ms))
+    }
+
     /// A prefill of `prompts`, then `steps` decode steps each drawing its tokens as asked
     /// (greedy unless a sampling flag is given); the decode wall time in ms and the tokens the
     /// last step chose.

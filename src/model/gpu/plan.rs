@@ -185,7 +185,7 @@ impl GpuBackend {
         };
         // Decode: the kernel of the cache's length bucket, launched for the current length.
         let att_kernel = if decode {
-            ks.decode_attention_for(pos + t)
+            ks.decode_attention_for(self.model.config.n_ctx, pos + t)
         } else {
             &ks.attention
         };

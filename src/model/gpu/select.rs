@@ -8,11 +8,11 @@ use anyhow::{anyhow, bail, Context, Result as AnyResult};
 use super::fold::{FoldRole, FoldedLayernorms};
 use super::{shape, GpuBackend, ARGMAX_OP, ATTENTION_DECODE_OP, KV_APPEND_OP, SAMPLE_OP, UNFUSED_ATTENTION_FAMILY};
 use crate::gpu::{GpuError, LoadedVariant};
-use crate::ops::model_dims::decode_context_buckets;
+use crate::ops::model_dims::{context_bucket, decode_context_buckets};
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
 use crate::tune::registry::{variant_kind, Choice};
-use crate::tune::workloads::{decode_attention_shape, kernel_dtype, op_dtype, TENSOR_CORE_MIN_ROWS};
+use crate::tune::workloads::{decode_attention_shape, folds_layernorms, kernel_dtype, op_dtype};
 
 /// One selected, loaded kernel and where it is used.
 #[derive(Clone)]
@@ -60,13 +60,14 @@ pub(super) struct Kernels {
 }
 
 impl Kernels {
-    /// The decode attention kernel for a cache of `len` positions (the prefill's attention
-    /// when this is not a decode set).
-    pub fn decode_attention_for(&self, len: usize) -> &Kernel {
+    /// The decode attention kernel for a cache of `len` positions of a model of `n_ctx`: the
+    /// kernel of its bucket (`ops::model_dims::context_bucket`; the prefill's attention when
+    /// this is not a decode set).
+    pub fn decode_attention_for(&self, n_ctx: usize, len: usize) -> &Kernel {
+        let bucket = context_bucket(n_ctx, len);
         self.decode_attention
             .iter()
-            .find(|(bucket, _)| len <= *bucket)
-            .or(self.decode_attention.last())
+            .find(|(b, _)| *b == bucket)
             .map_or(&self.attention, |(_, k)| k)
     }
 }
@@ -327,7 +328,7 @@ impl GpuBackend {
         // last rows only, which reads copies of the layernorm's output), and so may a decode step
         // of as many sequences as the tensor-core matmuls that fold it take (fewer run on the
         // megakernel or on matvec kernels, which have no ln_ epilogue).
-        let foldable = !unfused && (!decode || m >= TENSOR_CORE_MIN_ROWS);
+        let foldable = !unfused && folds_layernorms(decode, m);
         let mut folded = FoldedLayernorms::default();
         let mut fold_report = Vec::new();
         let (qkv, qkv_folded) = self.matmul_after_layernorm(
