@@ -6,9 +6,9 @@
 //! Where NVRTC is present, every family the catalog offers on a target compiles to that
 //! target's CUBIN (ptxas checks every instruction; PTX alone would not).
 //!
-//! Only the compute capability changes between targets here; the shared-memory and register
-//! limits of each GPU (which would drop some points of a family, not the family) are issue 49's
-//! `--target`.
+//! The paths per target read only the compute capability; the default points are checked
+//! against the limits of the GPUs `--target` stands in for (`gpu::stand_in`: a T4's 64 KiB of
+//! shared memory drops some points of a family, never the family).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use kernelforge::codegen::Renderer;
 use kernelforge::gpu::compile::nvrtc_present;
+use kernelforge::gpu::stand_in::{self, STAND_INS};
 use kernelforge::gpu::Compiler;
 use kernelforge::model::config::GPT2Config;
 use kernelforge::model::gpu::{decode_step_key, fitted_default, MEGAKERNEL_FAMILY};
@@ -35,13 +36,13 @@ const TARGETS: [(&str, (i32, i32)); 7] = [
 
 /// (op, dtype, the first target with a path): the documented refusals. Below that target the
 /// model refuses the dtype with the families' reasons ("needs compute capability 8.0 ...: --dtype
-/// f32 runs everywhere"). tf32 exists only on Ampere's tensor cores and later; a T4 has no
-/// m16n8k16 MMA for the prefill's attention in halves (`attention_flash` is f32 only).
-const REFUSALS: [(&str, Dtype, &str); 4] = [
-    ("attention", Dtype::F16, "sm_80"),
-    ("attention", Dtype::Bf16, "sm_80"),
+/// f32 runs everywhere"). tf32 exists only on Ampere's tensor cores and later, and so do the bf16
+/// MMAs of every prefill matmul family; f16 runs everywhere (a T4's prefill attention in halves is
+/// `attention_flash`, on the FMAs, its matmuls `matmul_wmma`).
+const REFUSALS: [(&str, Dtype, &str); 3] = [
     ("attention", Dtype::Tf32, "sm_80"),
     ("matmul", Dtype::Tf32, "sm_80"),
+    ("matmul", Dtype::Bf16, "sm_80"),
 ];
 
 fn catalog() -> Catalog {
@@ -71,7 +72,13 @@ fn every_op_has_a_path_in_every_dtype_on_every_target_or_a_documented_refusal() 
     let catalog = catalog();
     let mut gaps = Vec::new();
     for op in all_ops() {
-        let families: Vec<&Arc<Family>> = catalog.families.iter().filter(|f| f.op.name() == op.name()).collect();
+        // A specialist for a few rows (matmul_gemv: the decode step, M <= 16) is no path for a
+        // prefill: an op's path must take every shape.
+        let families: Vec<&Arc<Family>> = catalog
+            .families
+            .iter()
+            .filter(|f| f.op.name() == op.name() && f.prefer_when.is_none())
+            .collect();
         let mut dtypes: Vec<Dtype> = families.iter().flat_map(|f| f.dtypes.clone()).collect();
         dtypes.sort();
         dtypes.dedup();
@@ -213,4 +220,33 @@ fn every_family_compiles_for_every_target_the_catalog_offers_it_on() {
         "offered but not compiling:\n{}",
         failures.join("\n")
     );
+}
+
+/// Every family's default point on every GPU `--target` stands in for is one that GPU takes:
+/// where the spec's `[default]` does not fit (its shared memory), the nearest point that does.
+#[test]
+fn every_default_point_fits_the_gpus_a_target_stands_in_for() {
+    let catalog = catalog();
+    for target in &STAND_INS {
+        let limits = target.limits(&DeviceLimits::default());
+        for family in &catalog.families {
+            for v in expand(family, Points::Default, &limits).unwrap() {
+                if v.check_device(&limits).is_err() {
+                    continue;
+                }
+                let point: Vec<(String, i64)> = v.params.iter().map(|(k, x)| (k.clone(), *x)).collect();
+                variant_with(family, &point, v.dtype, v.epilogue, v.mask, &limits)
+                    .unwrap_or_else(|e| panic!("{} on {} ({}): {e}", family.name, target.arch, target.gpu));
+            }
+        }
+    }
+    // The H100's default is the spec's own; the T4 gets a tile that fits its 64 KiB.
+    let wmma = catalog.families.iter().find(|f| f.name == "matmul_wmma").unwrap();
+    let default_on = |limits: &DeviceLimits| expand(wmma, Points::Default, limits).unwrap().remove(0);
+    let h100 = default_on(&DeviceLimits::default());
+    assert_eq!(h100.params, wmma.default);
+    let t4 = stand_in::parse("sm_75").unwrap().limits(&DeviceLimits::default());
+    let on_t4 = default_on(&t4);
+    assert!(on_t4.derived["smem_bytes"] <= 64 * 1024, "{:?}", on_t4.derived);
+    assert_ne!(on_t4.params, wmma.default);
 }

@@ -81,7 +81,7 @@ fn the_worker_compiles_what_this_process_compiles_or_says_nvrtc_is_missing() {
     here.cache_dir = None;
     let expected: Vec<Vec<u8>> = jobs
         .iter()
-        .map(|(family, source)| here.for_family(family).compile(source).unwrap().cubin)
+        .map(|(family, source)| here.for_family(family).compile(source).unwrap().image)
         .collect();
     use_worker_processes(program());
     let got = std::sync::Mutex::new(Vec::new());
@@ -96,7 +96,7 @@ fn the_worker_compiles_what_this_process_compiles_or_says_nvrtc_is_missing() {
         assert!(!compiled.cached);
         assert!(compiled.spill_stores.is_some());
         assert!(
-            compiled.cubin == *cubin,
+            compiled.image == *cubin,
             "{}: the worker's CUBIN differs",
             source.kernel_name
         );

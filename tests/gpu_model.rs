@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kernelforge::cli::model::{make_backend, BackendOptions, Device};
 use kernelforge::gpu::device::driver_present;
+use kernelforge::gpu::Gpu;
 use kernelforge::model::config::GPT2Config;
 use kernelforge::model::cpu::CpuBackend;
 use kernelforge::model::generate::{generate, Backend, GenerateOptions, Logits};
@@ -180,6 +181,26 @@ fn greedy_tokens_chosen_on_the_device_are_the_argmax_of_the_logits() {
     }
 }
 
+/// On a GPU before Ampere (a T4, or `KERNELFORGE_TARGET=sm_75`), tf32 and bf16 have no prefill
+/// kernels: true when `dtype` is refused there, in one line offering the dtypes that run.
+fn refused_before_ampere(model: &Arc<GPT2Model>, dtype: Dtype) -> bool {
+    let gpu = Gpu::new(0).expect("a CUDA GPU");
+    if gpu.info.compute_capability >= (8, 0) || dtype == Dtype::F16 {
+        return false;
+    }
+    drop(gpu);
+    let err = match GpuBackend::new(model.clone(), 1, false, dtype) {
+        Ok(_) => panic!("{dtype} runs before Ampere: drop it from the refusals"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        err.contains(&format!("--dtype {dtype} does not run on")) && err.contains("--dtype f32"),
+        "{err}"
+    );
+    eprintln!("{dtype} refused: {err}");
+    true
+}
+
 /// tf32 matmuls (tensor cores, inputs rounded to TF32): the prefill matmuls come from a tf32
 /// family, the decode step's few-row matmuls stay f32, and the logits stay close to the f32 CPU
 /// reference (TF32 keeps 10 mantissa bits: a looser bar than f32's).
@@ -188,6 +209,9 @@ fn greedy_tokens_chosen_on_the_device_are_the_argmax_of_the_logits() {
 fn tf32_matmuls_stay_close_to_the_f32_reference() {
     let _lock = gpu_lock();
     let model = tiny_model();
+    if refused_before_ampere(&model, Dtype::Tf32) {
+        return;
+    }
     let mut cpu = CpuBackend::new(model.clone());
     let mut g = gpu_in(&model, 1, false, Dtype::Tf32);
     let p = vec![prompt(100, 3)];
@@ -229,6 +253,9 @@ fn half_storage_stays_close_to_the_f32_reference() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let catalog = kernelforge::spec::Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
     for dtype in [Dtype::Bf16, Dtype::F16] {
+        if refused_before_ampere(&model, dtype) {
+            continue;
+        }
         let mut g = gpu_in(&model, 2, false, dtype);
         let bar = 2e-2;
         for len in [1, 37, 100] {
@@ -610,7 +637,9 @@ fn a_dtype_without_kernels_is_refused_naming_the_op() {
     let dir = tempfile::tempdir().unwrap();
     copy_dir(&root.join("specs"), &dir.path().join("specs"));
     copy_dir(&root.join("templates"), &dir.path().join("templates"));
-    std::fs::remove_file(dir.path().join("specs/attention_flash_mma.toml")).unwrap();
+    for bf16_attention in ["attention_flash_mma", "attention_flash"] {
+        std::fs::remove_file(dir.path().join(format!("specs/{bf16_attention}.toml"))).unwrap();
+    }
     let err = match GpuBackend::with_root(dir.path(), tiny_model(), 1, false, Dtype::Bf16) {
         Ok(_) => panic!("bf16 without a bf16 attention family"),
         Err(e) => format!("{e:#}"),

@@ -247,7 +247,7 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
         if args.code_size {
             println!("// ---- machine code ({arch}) ----");
             let mut table = vec![vec!["function".to_string(), "code bytes".into()]];
-            for (function, bytes) in code_sizes(&compiled.cubin)? {
+            for (function, bytes) in code_sizes(&compiled.image)? {
                 table.push(vec![function, bytes.to_string()]);
             }
             print!("{}", render_table(&table));

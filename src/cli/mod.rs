@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-use crate::gpu::compile_workers;
+use crate::gpu::{compile_workers, StandIn};
 
 /// Generate, verify and autotune GPU kernels for GPT-2 from declarative specs.
 ///
@@ -28,6 +28,17 @@ pub struct Cli {
     /// specs/, else the folder kernelforge was built from).
     #[arg(long, global = true, env = "KERNELFORGE_ROOT", value_name = "DIR")]
     pub root: Option<PathBuf>,
+
+    /// Stand in for an older GPU (tune, verify, forward, generate, bench): the GPU here takes
+    /// that target's compute capability (families that need a newer GPU drop out), the limits
+    /// of one real GPU of it (sm_75 T4, sm_80 A100, sm_86 RTX 3090, sm_89 RTX 4090, sm_90
+    /// H100: SMs, shared memory, occupancy, memory), compiles every kernel to its PTX
+    /// (compute_XY, which the driver JIT-compiles here, so a newer instruction fails as it would
+    /// there) and tunes into a database of its own. Proves the pipeline for a GPU you do not
+    /// have; figures are this GPU's, not the target's.
+    #[arg(long, global = true, env = crate::gpu::stand_in::TARGET_VAR, value_name = "sm_75|sm_80|sm_86|sm_89|sm_90",
+          value_parser = crate::gpu::stand_in::parse)]
+    pub target: Option<&'static StandIn>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -61,6 +72,18 @@ pub fn main() -> Result<()> {
             exe,
             args: vec!["compile-worker".into()],
         });
+    }
+    crate::gpu::stand_in::select(cli.target);
+    if let (Some(target), false) = (cli.target, worker) {
+        eprintln!(
+            "standing in for {} ({}): {} SMs, {} KiB of shared memory per block, kernels as {} PTX, its own \
+             tuning database",
+            target.arch,
+            target.gpu,
+            target.sms,
+            target.smem_per_block / 1024,
+            target.virtual_arch()
+        );
     }
     let root = || project_root(cli.root.as_deref());
     match cli.command {

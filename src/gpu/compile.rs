@@ -33,11 +33,13 @@ pub enum CompileError {
     Worker { kernel: String, message: String },
 }
 
-/// A compiled variant: the CUBIN to load and NVRTC's log (warnings).
+/// A compiled variant: the image to load and NVRTC's log (warnings).
 #[derive(Debug, Clone)]
 pub struct Compiled {
     pub kernel_name: String,
-    pub cubin: Vec<u8>,
+    /// The module image: a CUBIN for a real target (`sm_90`), NUL-terminated PTX for a virtual
+    /// one (`compute_86`, a stand-in: the driver JIT-compiles it when it loads).
+    pub image: Vec<u8>,
     /// NVRTC's warnings (ptxas's resource report taken out).
     pub log: String,
     /// Whether it came from the on-disk cache.
@@ -65,7 +67,7 @@ pub fn split_ptxas_report(log: &str) -> (String, u64) {
 /// Compiles CUDA sources with NVRTC for one architecture.
 #[derive(Debug, Clone)]
 pub struct Compiler {
-    /// `sm_90` etc.
+    /// `sm_90` etc.; a virtual target (`compute_86`, see [`super::stand_in`]) compiles to PTX.
     pub arch: String,
     pub include_dir: Option<PathBuf>,
     pub cache_dir: Option<PathBuf>,
@@ -160,14 +162,19 @@ impl Compiler {
     /// [`Compiler::compile`], with NVRTC run by a worker of `workers` when given.
     fn compile_via(&self, source: &Source, workers: Option<&WorkerPool>) -> Result<Compiled, CompileError> {
         let mut options = self.options(&self.arch);
+        let output = Output::for_options(&options);
         // ptxas's resource report (registers, stack, spills) goes to the log: the tuner prunes
-        // variants that spill before running them.
-        options.push("--ptxas-options=--verbose".to_string());
+        // variants that spill before running them. PTX for a virtual target meets ptxas only in
+        // the driver, so its spills are unknown.
+        if output == Output::Cubin {
+            options.push("--ptxas-options=--verbose".to_string());
+        }
         let cache_file = self.cache_dir.as_ref().map(|d| {
             d.join(format!(
-                "{}-{}.cubin",
+                "{}-{}.{}",
                 source.kernel_name,
-                self.cache_key(source, &options)
+                self.cache_key(source, &options),
+                output.extension()
             ))
         });
         // The spill count lives beside the CUBIN, written first (a CUBIN without it reads as
@@ -180,30 +187,35 @@ impl Compiler {
                 .and_then(|t| t.trim().parse().ok());
             return Ok(Compiled {
                 kernel_name: source.kernel_name.clone(),
-                cubin: bytes,
+                image: bytes,
                 log: String::new(),
                 cached: true,
                 spill_stores,
             });
         }
         let in_worker = workers.and_then(|pool| pool.compile(&source.kernel_name, &source.code, &options));
-        let (cubin, log) = match in_worker {
+        let (image, log) = match in_worker {
             Some(compiled) => compiled?,
-            None => nvrtc_compile(&source.kernel_name, &source.code, &options, Output::Cubin)?,
+            None => nvrtc_compile(&source.kernel_name, &source.code, &options, output)?,
         };
         let (log, spills) = split_ptxas_report(&log);
+        let spill_stores = (output == Output::Cubin).then_some(spills);
         if let Some(file) = &cache_file {
             // A cache that cannot be written only costs time.
-            if write_atomic(&spill_file(file), spills.to_string().as_bytes()) {
-                write_atomic(file, &cubin);
+            let spills_written = match spill_stores {
+                Some(spills) => write_atomic(&spill_file(file), spills.to_string().as_bytes()),
+                None => true,
+            };
+            if spills_written {
+                write_atomic(file, &image);
             }
         }
         Ok(Compiled {
             kernel_name: source.kernel_name.clone(),
-            cubin,
+            image,
             log,
             cached: false,
-            spill_stores: Some(spills),
+            spill_stores,
         })
     }
 
@@ -332,9 +344,34 @@ pub(crate) fn nvrtc_compile(
     Ok((bytes, log))
 }
 
+/// What NVRTC hands back: PTX, or a CUBIN (for a real target only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Output {
     Ptx,
     Cubin,
+}
+
+impl Output {
+    /// What a compile with `options` gives: PTX for a virtual target (`compute_86`), else a
+    /// CUBIN. The target is the `--gpu-architecture=` option.
+    pub(crate) fn for_options(options: &[String]) -> Output {
+        let virtual_target = options
+            .iter()
+            .filter_map(|o| o.strip_prefix("--gpu-architecture="))
+            .any(|arch| arch.starts_with("compute_"));
+        if virtual_target {
+            Output::Ptx
+        } else {
+            Output::Cubin
+        }
+    }
+
+    fn extension(self) -> &'static str {
+        match self {
+            Output::Ptx => "ptx",
+            Output::Cubin => "cubin",
+        }
+    }
 }
 
 struct ProgramGuard(sys::nvrtcProgram);

@@ -281,7 +281,12 @@ fn compile_here(request: &Request) -> Reply {
             message: CompileError::NoNvrtc.to_string(),
         };
     }
-    match nvrtc_compile(&request.kernel, &request.code, &request.options, Output::Cubin) {
+    match nvrtc_compile(
+        &request.kernel,
+        &request.code,
+        &request.options,
+        Output::for_options(&request.options),
+    ) {
         Ok((cubin, log)) => Reply::Compiled { cubin, log },
         Err(CompileError::Failed { log, .. }) => Reply::Failed { log },
         Err(CompileError::Nvrtc { call, message, .. }) => Reply::Call {

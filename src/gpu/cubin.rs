@@ -2,6 +2,7 @@
 //! function's machine code size (its `.text.NAME` section). A kernel whose code outgrows the SM's
 //! instruction caches fetches instructions from L2 while it runs; a persistent kernel that
 //! switches between several kinds of task (the decode megakernel) runs its code cold each time.
+//! Also which functions a module image (CUBIN or PTX) defines, so a loader asks only for those.
 
 use object::{Object, ObjectSection};
 
@@ -28,12 +29,45 @@ pub fn code_sizes(cubin: &[u8]) -> Result<Vec<(String, u64)>, CubinError> {
         .collect())
 }
 
+/// The `__global__` functions a module image defines: the `.text.NAME` sections of a CUBIN, or
+/// the `.entry NAME` lines of PTX (a stand-in's image). `None` when it is neither.
+pub fn entry_points(image: &[u8]) -> Option<Vec<String>> {
+    if let Ok(sizes) = code_sizes(image) {
+        return Some(sizes.into_iter().map(|(name, _)| name).collect());
+    }
+    let text = std::str::from_utf8(image).ok()?.trim_end_matches('\0');
+    if !text.contains(".target") {
+        return None;
+    }
+    Some(
+        text.lines()
+            .filter_map(|line| {
+                let rest = line.trim_start().strip_prefix(".visible .entry ")?;
+                let name = rest.split(|c: char| c == '(' || c.is_whitespace()).next()?;
+                Some(name.to_string())
+            })
+            .collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::codegen::Source;
     use crate::gpu::compile::nvrtc_present;
     use crate::gpu::Compiler;
+
+    #[test]
+    fn ptx_entries_are_read_from_its_text() {
+        let ptx = b".version 8.0\n.target sm_86\n.address_size 64\n\n\t// .globl\tk_main\n\
+                    .visible .entry k_main(\n\t.param .u64 k_main_param_0\n)\n{\n\tret;\n}\n\
+                    .visible .entry k_combine()\n{\n\tret;\n}\n\0";
+        assert_eq!(
+            entry_points(ptx),
+            Some(vec!["k_main".to_string(), "k_combine".to_string()])
+        );
+        assert_eq!(entry_points(b"neither"), None);
+    }
 
     #[test]
     fn bytes_that_are_not_elf_are_refused_with_their_size() {
@@ -61,7 +95,7 @@ mod tests {
             .into(),
         };
         let compiled = compiler.compile(&source).unwrap();
-        let sizes = code_sizes(&compiled.cubin).unwrap();
+        let sizes = code_sizes(&compiled.image).unwrap();
         eprintln!("code sizes: {sizes:?}");
         let size = |name: &str| {
             sizes

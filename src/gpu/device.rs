@@ -5,6 +5,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 
+use super::stand_in::StandIn;
 use crate::spec::DeviceLimits;
 
 /// No usable GPU, or a CUDA call failed.
@@ -16,6 +17,8 @@ pub enum GpuError {
     NoDevice { ordinal: usize, source: DriverError },
     #[error("CUDA error while {what}: {source}")]
     Cuda { what: String, source: DriverError },
+    #[error("{0} (from --target or ${var})", var = super::stand_in::TARGET_VAR)]
+    Target(#[from] super::stand_in::UnknownTarget),
     #[error("cannot build the TMA tensor map of `{arg}` for {function}: {message}")]
     TensorMap {
         function: String,
@@ -31,7 +34,8 @@ impl GpuError {
     }
 }
 
-/// What kernelforge knows about the device it runs on.
+/// What kernelforge knows about the device it runs on. Under a stand-in
+/// ([`super::stand_in`]) the name, compute capability, memory and limits are the target's.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct DeviceInfo {
     pub name: String,
@@ -41,12 +45,18 @@ pub struct DeviceInfo {
     pub driver_version: i32,
     pub total_memory_bytes: usize,
     pub limits: DeviceLimits,
+    /// The older GPU this one stands in for (`--target`), if any.
+    pub stand_in: Option<&'static StandIn>,
 }
 
 impl DeviceInfo {
-    /// `sm_90` for compute capability 9.0: what NVRTC compiles for.
+    /// What NVRTC compiles for: `sm_90` for compute capability 9.0, or the stand-in's PTX
+    /// target (`compute_86`), which the driver JIT-compiles for the GPU underneath.
     pub fn arch(&self) -> String {
-        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+        match self.stand_in {
+            Some(target) => target.virtual_arch(),
+            None => format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1),
+        }
     }
 }
 
@@ -116,8 +126,15 @@ pub fn driver_version() -> Result<i32, GpuError> {
 }
 
 impl Gpu {
-    /// Opens device `ordinal`.
+    /// Opens device `ordinal`, standing in for this process's target if it has one
+    /// ([`super::stand_in::active`]: `--target` or `$KERNELFORGE_TARGET`).
     pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
+        Gpu::standing_in(ordinal, super::stand_in::active()?)
+    }
+
+    /// Opens device `ordinal` as a GPU of `target`'s kind (its compute capability, limits and
+    /// PTX target), or as itself with `None`.
+    pub fn standing_in(ordinal: usize, stand_in: Option<&'static StandIn>) -> Result<Gpu, GpuError> {
         if !driver_present() {
             return Err(GpuError::NoDriver);
         }
@@ -136,12 +153,25 @@ impl Gpu {
             .map_err(GpuError::cuda("reading the compute capability"))?;
         let limits = read_limits(attr, compute_capability)?;
         let driver_version = driver_version()?;
-        let info = DeviceInfo {
-            name: ctx.name().map_err(GpuError::cuda("reading the device name"))?,
-            compute_capability,
-            driver_version,
-            total_memory_bytes: ctx.total_mem().map_err(GpuError::cuda("reading the memory size"))?,
-            limits,
+        let name = ctx.name().map_err(GpuError::cuda("reading the device name"))?;
+        let total_memory_bytes = ctx.total_mem().map_err(GpuError::cuda("reading the memory size"))?;
+        let info = match stand_in {
+            Some(target) => DeviceInfo {
+                name: target.name_on(&name),
+                compute_capability: target.compute_capability,
+                driver_version,
+                total_memory_bytes: total_memory_bytes.min(target.memory_bytes),
+                limits: target.limits(&limits),
+                stand_in,
+            },
+            None => DeviceInfo {
+                name,
+                compute_capability,
+                driver_version,
+                total_memory_bytes,
+                limits,
+                stand_in,
+            },
         };
         Ok(Gpu {
             ctx,
@@ -180,6 +210,27 @@ impl Gpu {
         // SAFETY: the kernel takes one u64 and touches no memory.
         unsafe { launch.launch(cfg) }.map_err(GpuError::cuda("launching the hold kernel"))?;
         Ok(())
+    }
+
+    /// Blocks of `function` one SM holds at once with `threads` threads and `dynamic_smem`
+    /// bytes of dynamic shared memory: the driver's answer, and under a stand-in no more than
+    /// an SM of the target holds (its registers, shared memory and threads per SM).
+    pub fn blocks_per_sm(&self, function: &CudaFunction, threads: u32, dynamic_smem: u32) -> Result<u32, GpuError> {
+        let what = || GpuError::cuda("asking a kernel's occupancy");
+        let here = function
+            .occupancy_max_active_blocks_per_multiprocessor(threads, dynamic_smem as usize, None)
+            .map_err(what())?;
+        let Some(target) = self.info.stand_in else {
+            return Ok(here);
+        };
+        let registers = function.num_regs().map_err(what())?;
+        let static_smem = function.shared_size_bytes().map_err(what())?;
+        let there = target.blocks_per_sm(
+            threads,
+            u32::try_from(registers).unwrap_or(0),
+            u64::try_from(static_smem).unwrap_or(0) + u64::from(dynamic_smem),
+        );
+        Ok(here.min(there))
     }
 
     /// Waits for all queued work; a kernel fault surfaces here.

@@ -147,6 +147,9 @@ pub struct DeviceIdentity {
     pub compute_capability: (i32, i32),
     #[serde(skip)]
     pub limits: DeviceLimits,
+    /// The older GPU this one stands in for (`--target`), if any.
+    #[serde(skip)]
+    pub stand_in: Option<&'static super::StandIn>,
 }
 
 impl DeviceIdentity {
@@ -155,9 +158,13 @@ impl DeviceIdentity {
         format!("cuda:{} ({})", self.ordinal, self.name)
     }
 
-    /// `sm_90` for compute capability 9.0.
+    /// What NVRTC compiles for: `sm_90` for compute capability 9.0, or the stand-in's PTX
+    /// target (`compute_86`).
     pub fn arch(&self) -> String {
-        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+        match self.stand_in {
+            Some(target) => target.virtual_arch(),
+            None => format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1),
+        }
     }
 }
 
@@ -184,11 +191,21 @@ pub fn identify(ordinal: usize) -> Result<DeviceIdentity, super::GpuError> {
     let limits = super::device::read_limits(attr, compute_capability)?;
     let name = result::device::get_name(device)
         .map_err(super::GpuError::cuda(format!("reading the name of cuda:{ordinal}")))?;
-    Ok(DeviceIdentity {
-        ordinal,
-        name,
-        compute_capability,
-        limits,
+    Ok(match super::stand_in::active()? {
+        Some(target) => DeviceIdentity {
+            ordinal,
+            name: target.name_on(&name),
+            compute_capability: target.compute_capability,
+            limits: target.limits(&limits),
+            stand_in: Some(target),
+        },
+        None => DeviceIdentity {
+            ordinal,
+            name,
+            compute_capability,
+            limits,
+            stand_in: None,
+        },
     })
 }
 

@@ -142,23 +142,20 @@ fn missing_function(variant: &Variant, name: &str, why: &str) -> RunError {
 }
 
 impl LoadedVariant {
-    /// Loads the CUBIN and finds every kernel the spec names. A kernel with a `when` may be
+    /// Loads the module image and finds every kernel the spec names. A kernel with a `when` may be
     /// absent (the template defines it only where it runs); one that a launch needs is not.
     pub fn load(gpu: &Gpu, variant: &Variant, compiled: &Compiled) -> Result<LoadedVariant, RunError> {
         let module = gpu
             .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin.clone()))
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.image.clone()))
             .map_err(GpuError::cuda(format!(
                 "loading the module of {}",
                 compiled.kernel_name
             )))?;
-        // The functions the CUBIN defines (its `.text.NAME` sections): a kernel with a `when`
-        // that the template left out is not asked for, so that no lookup fails (a failed
-        // cuModuleGetFunction is an error in compute-sanitizer's count, noise that hides real
-        // ones). A module that is not ELF is asked as before.
-        let defined: Option<Vec<String>> = super::cubin::code_sizes(&compiled.cubin)
-            .ok()
-            .map(|sizes| sizes.into_iter().map(|(name, _)| name).collect());
+        // The functions the image defines: a kernel with a `when` that the template left out
+        // is not asked for, so that no lookup fails (a failed cuModuleGetFunction is an error
+        // in compute-sanitizer's count, noise that hides real ones).
+        let defined = super::cubin::entry_points(&compiled.image);
         let functions = variant
             .family
             .kernels

@@ -350,6 +350,29 @@ impl Family {
         Ok(((point.clone(), derived), vars))
     }
 
+    /// The point `[default]` stands for under `limits`: the spec's own where the device takes
+    /// it, else the valid point that differs from it in the fewest parameters (the first in the
+    /// space's order among equals). A T4's 64 KiB of shared memory cannot hold matmul_wmma's
+    /// default 128 x 128 tile in 3 stages; it gets the nearest tile that fits. Where no point
+    /// is valid, the spec's own, for the caller's checks to refuse with their reasons.
+    pub(super) fn default_point(&self, limits: &DeviceLimits) -> Result<Point, SpecError> {
+        let default = self.evaluate_point(&self.default, limits)?;
+        if self.failed_constraint(&default.0, &default.1, limits)?.is_none() {
+            return Ok(default);
+        }
+        let differences = |point: &IndexMap<String, i64>| {
+            point
+                .iter()
+                .filter(|&(name, value)| self.default.get(name) != Some(value))
+                .count()
+        };
+        let nearest = self
+            .points(limits)?
+            .into_iter()
+            .min_by_key(|(point, _)| differences(point));
+        Ok(nearest.unwrap_or(default))
+    }
+
     /// The first `require` constraint the point violates, if any.
     pub(super) fn failed_constraint(
         &self,

@@ -59,7 +59,7 @@ impl ArchTarget {
 }
 
 /// What the device allows; expressions see these as `max_threads`, `max_smem_static`,
-/// `max_smem_dynamic`, `num_sms` and `warp_size`.
+/// `max_smem_dynamic`, `num_sms`, `warp_size` and `compute_capability` (86 for 8.6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct DeviceLimits {
     pub max_threads: i64,
@@ -67,8 +67,9 @@ pub struct DeviceLimits {
     pub max_smem_dynamic: i64,
     pub num_sms: i64,
     pub warp_size: i64,
-    /// Compute capability (major, minor). Not an expression variable: it decides which
-    /// families with an exact `[family] arch` target may run at all.
+    /// Compute capability (major, minor). It decides which families with an exact
+    /// `[family] arch` target or a `min_arch` may run at all; expressions see it as one number
+    /// (`compute_capability`, 86 for 8.6), for parameters that need a newer GPU.
     #[serde(default = "hopper")]
     pub compute_capability: (i32, i32),
 }
@@ -92,21 +93,24 @@ impl Default for DeviceLimits {
 }
 
 impl DeviceLimits {
-    pub(super) fn vars(&self) -> [(&'static str, i64); 5] {
+    pub(super) fn vars(&self) -> [(&'static str, i64); 6] {
+        let (major, minor) = self.compute_capability;
         [
             ("max_threads", self.max_threads),
             ("max_smem_static", self.max_smem_static),
             ("max_smem_dynamic", self.max_smem_dynamic),
             ("num_sms", self.num_sms),
             ("warp_size", self.warp_size),
+            ("compute_capability", i64::from(major) * 10 + i64::from(minor)),
         ]
     }
 }
 
-pub(super) const DEVICE_VARS: [&str; 5] = [
+pub(super) const DEVICE_VARS: [&str; 6] = [
     "max_threads",
     "max_smem_static",
     "max_smem_dynamic",
     "num_sms",
     "warp_size",
+    "compute_capability",
 ];

@@ -39,7 +39,8 @@ pub struct Launch {
 /// Which variants of a family to produce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Points {
-    /// Only the default point.
+    /// Only the default point (where the device cannot take the spec's `[default]`, the valid
+    /// point nearest to it: see `Family::default_point`).
     Default,
     /// Every valid point.
     All,
@@ -50,11 +51,11 @@ pub enum Points {
 /// Expands `family` into variants: each selected point × dtype × epilogue × mask.
 pub fn expand(family: &Arc<Family>, points: Points, limits: &DeviceLimits) -> Result<Vec<Variant>, SpecError> {
     let selected = match points {
-        Points::Default => vec![family.evaluate_point(&family.default, limits)?],
+        Points::Default => vec![family.default_point(limits)?],
         Points::All => family.points(limits)?,
         Points::Sample { count, seed } => {
             use rand::seq::IndexedRandom;
-            let default = family.evaluate_point(&family.default, limits)?;
+            let default = family.default_point(limits)?;
             let others: Vec<_> = family
                 .points(limits)?
                 .into_iter()

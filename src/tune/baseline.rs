@@ -362,7 +362,7 @@ impl CublasBaseline {
                     .map_err(|err| launch_err(function)(err.to_string()))?;
                 let module = gpu
                     .ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.image))
                     .map_err(GpuError::cuda(format!("loading {function}")))?;
                 Ok(module
                     .load_function(function)

@@ -218,8 +218,8 @@ impl<'a> Evaluator<'a> {
                 .find(|r| r.kernel == v.family.kernels[launch.kernel].name)
                 .ok_or_else(|| format!("no resources of {}", launch.function))?;
             let threads = launch.block.iter().product::<u32>();
-            let per_sm = function
-                .occupancy_max_active_blocks_per_multiprocessor(threads, launch.smem_bytes as usize, None)
+            let per_sm = gpu
+                .blocks_per_sm(function, threads, launch.smem_bytes)
                 .map_err(|e| format!("occupancy query of {}: {e}", r.kernel))?;
             if per_sm == 0 {
                 return Err(format!(

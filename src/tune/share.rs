@@ -254,6 +254,7 @@ mod tests {
             name: name.into(),
             compute_capability: cc,
             limits: DeviceLimits::default(),
+            stand_in: None,
         }
     }
 

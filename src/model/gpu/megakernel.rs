@@ -95,18 +95,50 @@ impl GpuBackend {
                 return self.kernel(DECODE_STEP_OP, DECODE_STEP_OP, Epilogue::None, Mask::None, s, None);
             }
             let family = self.registry.catalog.family(MEGAKERNEL_FAMILY)?;
-            fitted_default(family, &s, op_dtype(self.dtype), &self.gpu.info.limits)
+            let point = fitted_default(family, &s, op_dtype(self.dtype), &self.gpu.info.limits);
+            let kernel = self.megakernel_at(&s, &point)?;
+            // The fitted point is chosen from the limits alone. Where an SM cannot hold a block
+            // of it (512 threads of 126 registers fill a 64 Ki register file exactly: measured
+            // on an H200 standing in for a T4, the driver allows none), 256 threads do.
+            if self.megakernel_fits(&kernel)? || !point.iter().any(|(k, v)| k == "threads" && *v > 256) {
+                return Ok(kernel);
+            }
+            let mut narrower = point.clone();
+            narrower.retain(|(k, _)| k != "threads");
+            narrower.push(("threads".to_string(), 256));
+            return Ok(self.megakernel_at(&s, &narrower).unwrap_or(kernel));
         };
+        self.megakernel_at(&s, &point)
+    }
+
+    fn megakernel_at(&mut self, s: &crate::ops::Shape, point: &[(String, i64)]) -> AnyResult<Kernel> {
         let family = Some(MEGAKERNEL_FAMILY);
         self.kernel_at(
             DECODE_STEP_OP,
             DECODE_STEP_OP,
             Epilogue::None,
             Mask::None,
-            s,
+            s.clone(),
             family,
-            &point,
+            point,
         )
+    }
+
+    /// Whether every SM holds the `blocks_per_sm` blocks of `kernel` at once (a cooperative
+    /// launch needs them all resident).
+    fn megakernel_fits(&self, kernel: &Kernel) -> AnyResult<bool> {
+        let launch = &kernel.launches[0];
+        kernel.loaded.allow_shared_memory(&kernel.launches)?;
+        let function = kernel.loaded.function(launch)?;
+        let want = kernel
+            .loaded
+            .variant
+            .params
+            .get("blocks_per_sm")
+            .copied()
+            .unwrap_or(1)
+            .max(1) as u32;
+        Ok(self.gpu.blocks_per_sm(function, launch.block[0], launch.smem_bytes)? >= want)
     }
 
     /// The batch the megakernel's point and attention chunks are chosen for when it runs `b`
@@ -209,18 +241,19 @@ impl GpuBackend {
         // Every block must be resident at once: ask the driver how many fit, before launching.
         kernel.loaded.allow_shared_memory(&kernel.launches)?;
         let function = kernel.loaded.function(&launch)?;
-        let per_sm = function
-            .occupancy_max_active_blocks_per_multiprocessor(launch.block[0], launch.smem_bytes as usize, None)
-            .map_err(GpuError::cuda("asking the occupancy of the megakernel"))?;
+        let per_sm = self.gpu.blocks_per_sm(function, launch.block[0], launch.smem_bytes)?;
         let want = param("blocks_per_sm") as u32;
         if per_sm < want {
+            let registers = function.num_regs().unwrap_or(-1);
+            let static_smem = function.shared_size_bytes().unwrap_or(-1);
             anyhow::bail!(
-                "{}: {want} blocks per SM of {} threads and {} bytes of shared memory do not fit on this GPU \
-                 (the occupancy query allows {per_sm}); choose a smaller point (blocks_per_sm, slot_kib, slots, \
-                 max_rows) or run --decode-engine graph",
+                "{}: {want} blocks per SM of {} threads ({registers} registers each) and {} + {static_smem} bytes of \
+                 dynamic + static shared memory do not fit on {} (the occupancy query allows {per_sm}); choose a \
+                 smaller point (threads, blocks_per_sm, slot_kib, slots, max_rows) or run --decode-engine graph",
                 kernel.label,
                 launch.block[0],
-                launch.smem_bytes
+                launch.smem_bytes,
+                self.gpu.info.name
             );
         }
         let stream = &self.gpu.stream;

@@ -14,11 +14,12 @@ use super::{ptr, GpuBackend, LayerPtrs, LayernormFolding, ATTENTION_DECODE_OP, F
 use crate::gpu::{Compiler, Gpu, GpuError};
 use crate::model::engine::DecodeEngine;
 use crate::model::weights::GPT2Model;
+use crate::ops::model_dims::ModelDims;
 use crate::ops::{self, Storage};
-use crate::spec::{Catalog, Dtype};
+use crate::spec::{Catalog, DeviceLimits, Dtype};
 use crate::tune::db::{default_path, DbHeader, TuningDb};
 use crate::tune::registry::Registry;
-use crate::tune::workloads::kernel_dtype;
+use crate::tune::workloads::{forward_workloads, kernel_dtype};
 
 impl GpuBackend {
     /// Open GPU 0, load the kernel catalog from the project folder (see
@@ -102,6 +103,8 @@ impl GpuBackend {
             .ctx
             .mem_get_info()
             .map_err(GpuError::cuda(format!("reading the free memory of cuda:{device}")))?;
+        // Standing in for a smaller GPU (`--target`), the target's memory bounds what is free.
+        let free = free.min(gpu.info.total_memory_bytes);
         need.check(&format!("cuda:{device} ({})", gpu.info.name), free, max_batch)
             .map_err(|why| anyhow!(why))?;
         let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
@@ -125,7 +128,30 @@ impl GpuBackend {
         } else {
             None
         };
-        let registry = Registry::new(catalog, db, compiler)?;
+        let mut registry = Registry::new(catalog, db, compiler)?;
+        // A dtype this GPU has no kernels for (bf16 or tf32 before Ampere) is refused now, in
+        // one line, with the dtypes that do run here.
+        let dims = cfg.dims();
+        if !unfused {
+            if let Err(why) = prefill_kernels(&mut registry, &dims, dtype, &gpu.info.limits) {
+                let here: Vec<String> = Dtype::ALL
+                    .into_iter()
+                    .filter(|&other| other != dtype)
+                    .filter(|&other| prefill_kernels(&mut registry, &dims, other, &gpu.info.limits).is_ok())
+                    .map(|other| format!("--dtype {other}"))
+                    .collect();
+                let (major, minor) = gpu.info.compute_capability;
+                bail!(
+                    "--dtype {dtype} does not run on {} (compute capability {major}.{minor}): {why}; {} here",
+                    gpu.info.name,
+                    if here.is_empty() {
+                        "no other dtype runs either".to_string()
+                    } else {
+                        format!("{} run{}", here.join(" or "), if here.len() == 1 { "s" } else { "" })
+                    }
+                );
+            }
+        }
 
         // Weights, once.
         let w = &model.weights;
@@ -226,5 +252,78 @@ impl GpuBackend {
             backend.engine = backend.tuned_decode_engine(max_batch);
         }
         Ok(backend)
+    }
+}
+
+/// Whether every kernel of a short prefill in `dtype` has a family that runs on a GPU with
+/// `limits`; `Err` names the first op without one and every family's reason.
+fn prefill_kernels(
+    registry: &mut Registry,
+    dims: &ModelDims,
+    dtype: Dtype,
+    limits: &DeviceLimits,
+) -> Result<(), String> {
+    let seq = 64.min(dims.n_ctx as i64);
+    // The folded-layernorm GEMMs (an ln_ epilogue) are offers the model takes only where a
+    // family has them: the plain ones are what every GPU needs.
+    for w in forward_workloads(dims, 1, seq, dtype)
+        .into_iter()
+        .filter(|w| !w.epilogue.standardizes_input())
+    {
+        let mut shape = w.shape.clone();
+        if let Some(contract) = ops::op_by_name(w.op) {
+            contract
+                .complete_shape(&mut shape, w.epilogue, w.mask)
+                .map_err(|e| e.to_string())?;
+        }
+        registry
+            .select(w.op, w.dtype, w.epilogue, w.mask, &shape, limits)
+            .map_err(|e| format!("{}: {e}", w.role))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::stand_in;
+    use crate::model::config::GPT2Config;
+
+    fn registry() -> Registry {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
+        // Selection reads the specs only: a compiler that never runs (no NVRTC needed).
+        let compiler = Compiler {
+            arch: "sm_90".into(),
+            include_dir: None,
+            cache_dir: None,
+            nvrtc_version: (0, 0),
+        };
+        Registry::new(catalog, None, compiler).unwrap()
+    }
+
+    #[test]
+    fn every_dtype_runs_from_ampere_on_and_a_t4_refuses_bf16_and_tf32_naming_why() {
+        let mut registry = registry();
+        let dims = GPT2Config::gpt2().dims();
+        for dtype in Dtype::ALL {
+            prefill_kernels(&mut registry, &dims, dtype, &DeviceLimits::default())
+                .unwrap_or_else(|e| panic!("{dtype} on an H100: {e}"));
+        }
+        for ampere_on in ["sm_80", "sm_86", "sm_89"] {
+            let limits = stand_in::parse(ampere_on).unwrap().limits(&DeviceLimits::default());
+            for dtype in Dtype::ALL {
+                prefill_kernels(&mut registry, &dims, dtype, &limits)
+                    .unwrap_or_else(|e| panic!("{dtype} on {ampere_on}: {e}"));
+            }
+        }
+        let t4 = stand_in::parse("sm_75").unwrap().limits(&DeviceLimits::default());
+        for dtype in [Dtype::F32, Dtype::F16] {
+            prefill_kernels(&mut registry, &dims, dtype, &t4).unwrap_or_else(|e| panic!("{dtype} on a T4: {e}"));
+        }
+        for dtype in [Dtype::Bf16, Dtype::Tf32] {
+            let e = prefill_kernels(&mut registry, &dims, dtype, &t4).unwrap_err();
+            assert!(e.contains("needs compute capability 8.0"), "{dtype} on a T4: {e}");
+        }
     }
 }
