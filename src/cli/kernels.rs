@@ -213,15 +213,25 @@ pub fn inspect(root: &Path, args: InspectArgs) -> Result<()> {
     if compiles || args.resources {
         let arch = match (&args.arch, &gpu) {
             (Some(a), _) => a.clone(),
-            (None, Some(g)) => g.info.arch(),
+            // Standing in (`--target`): the target's own CUBIN for reading (its ptxas, as on
+            // that GPU); its PTX only where the variant is loaded here (--resources).
+            (None, Some(g)) => match g.info.stand_in {
+                Some(target) if !args.resources => target.arch.to_string(),
+                _ => g.info.arch(),
+            },
             (None, None) => unreachable!("a GPU was opened above"),
         };
         // A family with an exact `[family] arch` target (sm_90a for wgmma) is compiled for that
         // target, and only for a device or --arch of the same compute capability.
         if let Some(target) = &family.arch {
-            let cc = ArchTarget::parse(&arch)
-                .map_err(|e| anyhow::anyhow!("--arch: {e}"))?
-                .compute_capability;
+            let cc = match (&args.arch, &gpu) {
+                (None, Some(g)) => g.info.compute_capability,
+                _ => {
+                    ArchTarget::parse(&arch)
+                        .map_err(|e| anyhow::anyhow!("--arch: {e}"))?
+                        .compute_capability
+                }
+            };
             if target.check_device(cc).is_err() {
                 bail!(
                     "{} is built for {} only (compute capability {}.{}), not for {arch}",

@@ -305,6 +305,21 @@ mod tests {
     #[test]
     fn every_dtype_runs_from_ampere_on_and_a_t4_refuses_bf16_and_tf32_naming_why() {
         let mut registry = registry();
+        // GPT-2 and the small models of the GPU tests (awkward widths, vocabularies, contexts).
+        let models = [
+            (2, 128, 128, 300),
+            (2, 128, 64, 300),
+            (18, 1152, 256, 1001),
+            (5, 320, 512, 1001),
+            (4, 256, 256, 50257),
+        ];
+        for (heads, width, n_ctx, vocab) in models {
+            let dims = GPT2Config::new(2, heads, width, n_ctx, vocab).unwrap().dims();
+            for dtype in Dtype::ALL {
+                prefill_kernels(&mut registry, &dims, dtype, &DeviceLimits::default())
+                    .unwrap_or_else(|e| panic!("{dtype} on an H100, {dims:?}: {e}"));
+            }
+        }
         let dims = GPT2Config::gpt2().dims();
         for dtype in Dtype::ALL {
             prefill_kernels(&mut registry, &dims, dtype, &DeviceLimits::default())
