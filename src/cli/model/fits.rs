@@ -94,7 +94,8 @@ fn check_gpus(flag: &str, cfg: &GPT2Config, opts: &BackendOptions) -> Result<Che
         let Ok((bytes, _)) = gpu.ctx.mem_get_info() else {
             return unchecked(contexts);
         };
-        free.push(bytes);
+        // Standing in for a smaller GPU (`--target`), the target's memory bounds what is free.
+        free.push(bytes.min(gpu.info.total_memory_bytes));
         sms.push(gpu.info.limits.num_sms as f64);
         contexts.push(gpu);
     }

@@ -127,6 +127,12 @@ impl GpuBackend {
     /// Whether every SM holds the `blocks_per_sm` blocks of `kernel` at once (a cooperative
     /// launch needs them all resident).
     fn megakernel_fits(&self, kernel: &Kernel) -> AnyResult<bool> {
+        let (per_sm, want) = self.megakernel_occupancy(kernel)?;
+        Ok(per_sm >= want)
+    }
+
+    /// The blocks of `kernel` an SM holds at once, and the blocks per SM its point asks for.
+    fn megakernel_occupancy(&self, kernel: &Kernel) -> AnyResult<(u32, u32)> {
         let launch = &kernel.launches[0];
         kernel.loaded.allow_shared_memory(&kernel.launches)?;
         let function = kernel.loaded.function(launch)?;
@@ -137,8 +143,9 @@ impl GpuBackend {
             .get("blocks_per_sm")
             .copied()
             .unwrap_or(1)
-            .max(1) as u32;
-        Ok(self.gpu.blocks_per_sm(function, launch.block[0], launch.smem_bytes)? >= want)
+            .max(1);
+        let per_sm = self.gpu.blocks_per_sm(function, launch.block[0], launch.smem_bytes)?;
+        Ok((per_sm, u32::try_from(want).unwrap_or(u32::MAX)))
     }
 
     /// The batch the megakernel's point and attention chunks are chosen for when it runs `b`
@@ -239,11 +246,9 @@ impl GpuBackend {
         let lowered = lower(&ops, &geo, mlp.as_ref())?;
         check_schedule(&lowered)?;
         // Every block must be resident at once: ask the driver how many fit, before launching.
-        kernel.loaded.allow_shared_memory(&kernel.launches)?;
-        let function = kernel.loaded.function(&launch)?;
-        let per_sm = self.gpu.blocks_per_sm(function, launch.block[0], launch.smem_bytes)?;
-        let want = param("blocks_per_sm") as u32;
+        let (per_sm, want) = self.megakernel_occupancy(&kernel)?;
         if per_sm < want {
+            let function = kernel.loaded.function(&launch)?;
             let registers = function.num_regs().unwrap_or(-1);
             let static_smem = function.shared_size_bytes().unwrap_or(-1);
             anyhow::bail!(

@@ -306,3 +306,22 @@ fn read_only_names_the_bad_file_and_leaves_it_alone() {
     );
     assert!(path.exists(), "the report never moves a file");
 }
+
+#[test]
+fn a_stand_in_tunes_into_a_database_of_its_own() {
+    let rtx3090 = crate::gpu::stand_in::parse("sm_86").unwrap();
+    let standing_in = DbHeader::new(
+        &rtx3090.name_on("NVIDIA H200"),
+        rtx3090.compute_capability,
+        13000,
+        (13, 0),
+    );
+    assert!(default_path(&standing_in).ends_with("tuning/nvidia-h200-as-rtx-3090-sm86.json"));
+    // The H200's own database is not the stand-in's: opening it as the stand-in is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h200.json");
+    let own = DbHeader::new("NVIDIA H200", (9, 0), 13000, (13, 0));
+    TuningDb::open(&path, own).unwrap().save().unwrap();
+    let e = TuningDb::open(&path, standing_in).unwrap_err().to_string();
+    assert!(e.contains("NVIDIA H200 as RTX 3090"), "{e}");
+}
