@@ -53,10 +53,7 @@ impl DeviceInfo {
     /// What NVRTC compiles for: `sm_90` for compute capability 9.0, or the stand-in's PTX
     /// target (`compute_86`), which the driver JIT-compiles for the GPU underneath.
     pub fn arch(&self) -> String {
-        match self.stand_in {
-            Some(target) => target.virtual_arch(),
-            None => format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1),
-        }
+        super::stand_in::compile_arch(self.compute_capability, self.stand_in)
     }
 }
 
@@ -155,23 +152,17 @@ impl Gpu {
         let driver_version = driver_version()?;
         let name = ctx.name().map_err(GpuError::cuda("reading the device name"))?;
         let total_memory_bytes = ctx.total_mem().map_err(GpuError::cuda("reading the memory size"))?;
-        let info = match stand_in {
-            Some(target) => DeviceInfo {
-                name: target.name_on(&name),
-                compute_capability: target.compute_capability,
-                driver_version,
-                total_memory_bytes: total_memory_bytes.min(target.memory_bytes),
-                limits: target.limits(&limits),
-                stand_in,
-            },
-            None => DeviceInfo {
-                name,
-                compute_capability,
-                driver_version,
-                total_memory_bytes,
-                limits,
-                stand_in,
-            },
+        let (name, compute_capability, limits) = match stand_in {
+            Some(target) => target.disguise(&name, &limits),
+            None => (name, compute_capability, limits),
+        };
+        let info = DeviceInfo {
+            name,
+            compute_capability,
+            driver_version,
+            total_memory_bytes: stand_in.map_or(total_memory_bytes, |t| total_memory_bytes.min(t.memory_bytes)),
+            limits,
+            stand_in,
         };
         Ok(Gpu {
             ctx,
@@ -210,6 +201,13 @@ impl Gpu {
         // SAFETY: the kernel takes one u64 and touches no memory.
         unsafe { launch.launch(cfg) }.map_err(GpuError::cuda("launching the hold kernel"))?;
         Ok(())
+    }
+
+    /// The device's free memory in bytes now; standing in for a smaller GPU (`--target`), no
+    /// more than the target has in all.
+    pub fn free_memory(&self) -> Result<usize, DriverError> {
+        let (free, _) = self.ctx.mem_get_info()?;
+        Ok(free.min(self.info.total_memory_bytes))
     }
 
     /// Blocks of `function` one SM holds at once with `threads` threads and `dynamic_smem`

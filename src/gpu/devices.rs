@@ -161,10 +161,7 @@ impl DeviceIdentity {
     /// What NVRTC compiles for: `sm_90` for compute capability 9.0, or the stand-in's PTX
     /// target (`compute_86`).
     pub fn arch(&self) -> String {
-        match self.stand_in {
-            Some(target) => target.virtual_arch(),
-            None => format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1),
-        }
+        super::stand_in::compile_arch(self.compute_capability, self.stand_in)
     }
 }
 
@@ -191,21 +188,17 @@ pub fn identify(ordinal: usize) -> Result<DeviceIdentity, super::GpuError> {
     let limits = super::device::read_limits(attr, compute_capability)?;
     let name = result::device::get_name(device)
         .map_err(super::GpuError::cuda(format!("reading the name of cuda:{ordinal}")))?;
-    Ok(match super::stand_in::active()? {
-        Some(target) => DeviceIdentity {
-            ordinal,
-            name: target.name_on(&name),
-            compute_capability: target.compute_capability,
-            limits: target.limits(&limits),
-            stand_in: Some(target),
-        },
-        None => DeviceIdentity {
-            ordinal,
-            name,
-            compute_capability,
-            limits,
-            stand_in: None,
-        },
+    let stand_in = super::stand_in::active()?;
+    let (name, compute_capability, limits) = match stand_in {
+        Some(target) => target.disguise(&name, &limits),
+        None => (name, compute_capability, limits),
+    };
+    Ok(DeviceIdentity {
+        ordinal,
+        name,
+        compute_capability,
+        limits,
+        stand_in,
     })
 }
 

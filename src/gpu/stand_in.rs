@@ -135,6 +135,15 @@ impl std::str::FromStr for &'static StandIn {
     }
 }
 
+/// What NVRTC compiles for on a GPU of compute capability `cc`: its CUBIN target (`sm_90`), or
+/// standing in, the target's PTX (`compute_86`), which the driver JIT-compiles when it loads.
+pub fn compile_arch(cc: (i32, i32), stand_in: Option<&StandIn>) -> String {
+    match stand_in {
+        Some(target) => target.virtual_arch(),
+        None => format!("sm_{}{}", cc.0, cc.1),
+    }
+}
+
 /// The parser `--target` uses.
 pub fn parse(text: &str) -> Result<&'static StandIn, UnknownTarget> {
     text.parse()
@@ -165,6 +174,13 @@ impl StandIn {
     /// name heads the tuning database, so each target tunes into a file of its own.
     pub fn name_on(&self, real: &str) -> String {
         format!("{real} as {}", self.gpu)
+    }
+
+    /// What a GPU called `name` with `limits` is while it stands in: its name, compute
+    /// capability and limits as [`Gpu`](super::Gpu) and [`identify`](super::identify) report
+    /// them.
+    pub fn disguise(&self, name: &str, limits: &DeviceLimits) -> (String, (i32, i32), DeviceLimits) {
+        (self.name_on(name), self.compute_capability, self.limits(limits))
     }
 
     /// The PTX target every kernel is compiled to: `compute_86`.

@@ -91,11 +91,10 @@ fn check_gpus(flag: &str, cfg: &GPT2Config, opts: &BackendOptions) -> Result<Che
         let Ok(gpu) = Gpu::new(d) else {
             return unchecked(contexts);
         };
-        let Ok((bytes, _)) = gpu.ctx.mem_get_info() else {
+        let Ok(bytes) = gpu.free_memory() else {
             return unchecked(contexts);
         };
-        // Standing in for a smaller GPU (`--target`), the target's memory bounds what is free.
-        free.push(bytes.min(gpu.info.total_memory_bytes));
+        free.push(bytes);
         sms.push(gpu.info.limits.num_sms as f64);
         contexts.push(gpu);
     }

@@ -124,10 +124,9 @@ impl GpuBackend {
     /// The device's free bytes now, before an upload the start-up estimate did not count (copies
     /// of weights that only some choices make); `before` says which in an error.
     pub(super) fn free_memory(&self, before: &str) -> AnyResult<usize> {
-        let (free, _) = self
+        let free = self
             .gpu
-            .ctx
-            .mem_get_info()
+            .free_memory()
             .map_err(GpuError::cuda(format!("reading the free memory before {before}")))?;
         Ok(free)
     }

@@ -99,12 +99,9 @@ impl GpuBackend {
             }
         );
         let need = ReplicaMemory::estimate(&cfg, storage.bytes(), max_batch, unfused);
-        let (free, _) = gpu
-            .ctx
-            .mem_get_info()
+        let free = gpu
+            .free_memory()
             .map_err(GpuError::cuda(format!("reading the free memory of cuda:{device}")))?;
-        // Standing in for a smaller GPU (`--target`), the target's memory bounds what is free.
-        let free = free.min(gpu.info.total_memory_bytes);
         need.check(&format!("cuda:{device} ({})", gpu.info.name), free, max_batch)
             .map_err(|why| anyhow!(why))?;
         let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
