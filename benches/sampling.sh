@@ -5,7 +5,7 @@
 # ratios the sampling issue is judged by, the prefill and start-up times `generate` reports, and
 # the wall time of a whole 20-token `generate` process (kernel cache warm).
 #   [BIN=.device/kernelforge] [MODEL=DIR] [DTYPE=bf16] [BATCHES="1 8"] [STEPS=500] \
-#     [ENGINES="launches graph megakernel"] benches/sampling.sh
+#     [ENGINES="launches graph megakernel"] [SAMPLED="--temperature 1 --seed 1"] benches/sampling.sh
 # MODEL defaults to a random GPT-2 124M written to /tmp/models/gpt2 (needs torch + transformers).
 # Logs in $OUT/r, one per run.
 set -uo pipefail
@@ -15,7 +15,7 @@ bin=${BIN:-.device/kernelforge}
 dir=${MODEL:-/tmp/models/gpt2}
 dtype=${DTYPE:-bf16}
 steps=${STEPS:-500}
-sampled="--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"
+sampled=${SAMPLED:-"--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1"}
 prompt=15496,11,616,3290,318  # 5 tokens, as bench --seq 5
 [ -d "$dir" ] || python3 - "$dir" <<'PY'
 import sys, torch

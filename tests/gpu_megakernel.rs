@@ -15,9 +15,9 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kernelforge::model::config::GPT2Config;
-use kernelforge::model::generate::{Backend, Logits};
+use kernelforge::model::generate::{Backend, Draw, Logits};
 use kernelforge::model::gpu::GpuBackend;
-use kernelforge::model::sampling::argmax;
+use kernelforge::model::sampling::{argmax, SamplingParams};
 use kernelforge::model::weights::{GPT2Model, GPT2Weights};
 use kernelforge::model::DecodeEngine;
 use kernelforge::spec::Dtype;
@@ -258,6 +258,19 @@ fn megakernel_small_for_the_sanitizer() {
     let mut next = vec![argmax(first.last(0)).unwrap()];
     for _ in 0..3 {
         next = g.decode_argmax(&next).unwrap();
+        assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
+    }
+    // A plain temperature: the Gumbel-max drawn in the LM head (Philox noise, float4 reads).
+    let draw = Draw {
+        params: SamplingParams {
+            temperature: 0.7,
+            ..SamplingParams::default()
+        },
+        seed: 5,
+        first_sequence: 0,
+    };
+    for step in 0..3 {
+        next = g.decode_draw(&next, &draw, 154 + step).unwrap();
         assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
     }
 }

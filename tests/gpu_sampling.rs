@@ -248,8 +248,9 @@ fn gpu_sampling_bf16_logits_fit() {
 
 /// One seed, the same tokens: `generate` with temperature, top-k and top-p gives the same ids
 /// on the launches, graph and megakernel engines in f32 (the tokens drawn on the device by the
-/// sampler, keyed by seed, sequence and position), and the CPU backend (drawing on the host
-/// with the reference) agrees too; a ragged batch included (prompt tokens fed, not drawn).
+/// sampler, keyed by seed, sequence and position; on the megakernel a plain temperature is drawn
+/// by its LM head), and the CPU backend (drawing on the host with the reference) agrees too; a
+/// ragged batch included (prompt tokens fed, not drawn).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_same_seed_same_tokens_on_every_engine() {
@@ -277,6 +278,12 @@ fn gpu_same_seed_same_tokens_on_every_engine() {
             temperature: 1.3,
             top_k: 0,
             top_p: 0.7,
+        },
+        // Drawn inside the megakernel's LM head (neither top-k nor top-p cuts the row).
+        SamplingParams {
+            temperature: 0.5,
+            top_k: 300,
+            top_p: 1.0,
         },
     ];
     for sampling in settings {

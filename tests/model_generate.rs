@@ -198,6 +198,14 @@ fn broken_logits_stop_generation_naming_the_sequence_and_step() {
         assert_eq!(err.lines().count(), 1, "{err}");
     }
     let mut be = Scripted::new(vec![100]);
-    let out = generate(&mut be, &[vec![1]], &sampled, &mut |_, _| Ok(())).unwrap();
+    let mut out = generate(&mut be, &[vec![1]], &sampled, &mut |_, _| Ok(())).unwrap();
     assert!(out.stats.startup_ms >= 0.0 && out.stats.summary().contains("start-up"));
+    // What the caller timed before generate (the CLI: the checkpoint, the backend) leads the line.
+    assert!(!out.stats.summary().contains("checkpoint"));
+    (out.stats.load_ms, out.stats.open_ms) = (312.5, 401.0);
+    let line = out.stats.summary();
+    assert!(
+        line.contains("checkpoint 312.5 ms, backend opened in 401.0 ms, start-up"),
+        "{line}"
+    );
 }

@@ -8,7 +8,7 @@
 // decode_megakernel / decode_megakernel_aef9bc9889503979
 // params: blocks_per_sm=1 bulk_copy=1 cols_per_warp=2 fuse_mlp=0 head_dim=64 kslice=0 max_rows=8 min_chunk_keys=128 slot_kib=32 slots=3 tensor_cores=0 threads=512
 //
-// The whole GPT-2 decode step (embedding, every layer, the LM head and the greedy argmax) as ONE
+// The whole GPT-2 decode step (embedding, every layer, the LM head and the next token) as ONE
 // persistent kernel. Batch-1 decode reads every weight once and does almost no arithmetic, so
 // the only thing that should take time is streaming the weights from memory. Run as ~100
 // separate kernels, the step also pays for every launch and for the gap between two kernels,
@@ -24,7 +24,8 @@
 //   fc          gelu(layernorm(x') @ Wfc^T + b)
 //   fc_proj     x'' = x' + fc @ Wfcproj^T + b
 //   (mlp        fc and fc_proj as one stage, with fuse_mlp = 1: see StageFlags)
-//   lm_head     logits = layernorm(x) @ wte^T, and the greedy argmax folded in
+//   lm_head     logits = layernorm(x) @ wte^T, and the next token drawn in it: the greedy argmax,
+//               or at a temperature with neither top-k nor top-p the Gumbel-max (an argmax too)
 //
 // GRID_BLOCKS blocks stay resident (the launch is cooperative: the driver refuses it rather
 // than start blocks that could not all run at once). Block i takes tasks i, i + grid, i + 2*grid,
@@ -130,6 +131,43 @@ __device__ __forceinline__ void warp_reduce_argmax(float& best, int& best_index)
         const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
         if (beats(other, other_index, best, best_index)) { best = other; best_index = other_index; }
     }
+}
+// Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3",
+// SC 2011). A counter-based generator: four 32-bit words are a pure function of a 128-bit
+// counter and a 64-bit key, so any thread can draw the number of any (token, position,
+// sequence) directly, in any order, without a state to carry from step to step. Ten rounds of
+// two 32x32->64-bit multiplies, the key bumped by Weyl constants between rounds.
+__device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
+    #pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) { key.x += 0x9E3779B9u; key.y += 0xBB67AE85u; }
+        const unsigned hi0 = __umulhi(0xD2511F53u, counter.x), lo0 = 0xD2511F53u * counter.x;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, counter.z), lo1 = 0xCD9E8D57u * counter.z;
+        counter = make_uint4(hi1 ^ counter.y ^ key.x, lo1, hi0 ^ counter.w ^ key.y, lo0);
+    }
+    return counter;
+}
+
+// The key of one draw: the user's seed, and the counter's fixed words (position, sequence).
+struct DrawKey {
+    uint2 seed;
+    unsigned position, sequence;
+};
+
+// The four Philox words of tokens 4g .. 4g+3 (token t uses word t % 4).
+__device__ __forceinline__ uint4 noise_words(const DrawKey& key, unsigned group) {
+    return philox4x32_10(make_uint4(group, key.position, key.sequence, 0u), key.seed);
+}
+
+// Gumbel noise -ln(-ln(u)) from one word: u = (23 high bits + 1/2) / 2^23 lies strictly inside
+// (0, 1), and the sum is exact in f32, so u is never 0 or 1 and the noise is always finite.
+__device__ __forceinline__ float gumbel_of(unsigned word) {
+    const float u = (__uint2float_rn(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
+    return -logf(-logf(u));
+}
+
+__device__ __forceinline__ unsigned word_of(const uint4& words, int which) {
+    return which == 0 ? words.x : which == 1 ? words.y : which == 2 ? words.z : words.w;
 }
 // ---- cp.async: asynchronous global -> shared copies (sm_80+) ----------------------------------
 // `cp.async.cg` copies 16 bytes straight into shared memory without passing through registers
@@ -914,16 +952,38 @@ __device__ void matvec_task(const Stage& stage, int task, int B, unsigned slot_a
 }
 
 // Folds the task's logits (in `tile`) into the block's running best of each row; NaN taints
-// the row (its answer is -1, as the argmax op says).
+// the row (its answer is -1, as the argmax op says). With `inv_temperature` > 0 the best is that
+// of the Gumbel scores logit / T + g(token) instead (the sample op's plain-temperature draw,
+// templates/sampling/sample.cu.tera: the same scores, so the same token), and +inf taints the
+// row too. A lane scores 4 consecutive tokens, read as one float4: one Philox call gives the
+// noise of a group of 4 tokens (two calls where the task's first column is not a multiple of 4).
 __device__ void argmax_task(const Stage& s, int task, int B, int V, const float* tile, float* best_val,
-                            int* best_idx, int* saw_nan) {
+                            int* best_idx, int* saw_nan, float inv_temperature, DrawKey draw) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     if (warp >= B) return;
     const int n0 = task * s.cols;
     const int cols = min(s.cols, V - n0);  // padded vocabulary columns never win
+    const float* row = tile + warp * MAX_TASK_COLS;
     float v = __int_as_float(0xff800000);
     int i = 0x7fffffff, nan = 0;
-    for (int c = lane; c < cols; c += 32) consider(tile[warp * MAX_TASK_COLS + c], n0 + c, v, i, nan);
+    if (inv_temperature > 0.0f) {
+        draw.sequence += warp;
+        for (int c = 4 * lane; c < cols; c += 4 * 32) {
+            const float4 four = *reinterpret_cast<const float4*>(row + c);
+            const float logits[4] = {four.x, four.y, four.z, four.w};
+            uint4 words = noise_words(draw, (unsigned)(n0 + c) / 4u);
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int id = n0 + c + j;
+                if (c + j >= cols) break;
+                if ((n0 + c + j) % 4 == 0 && j > 0) words = noise_words(draw, (unsigned)id / 4u);  // (n0 % 4 != 0)
+                if (logits[j] == __int_as_float(0x7f800000)) nan = 1;
+                consider(fmaf(logits[j], inv_temperature, gumbel_of(word_of(words, id % 4))), id, v, i, nan);
+            }
+        }
+    } else {
+        for (int c = lane; c < cols; c += 32) consider(row[c], n0 + c, v, i, nan);
+    }
     warp_reduce_argmax(v, i);
     nan = __any_sync(0xffffffffu, nan);
     if (lane == 0) {
@@ -1154,7 +1214,10 @@ __device__ __forceinline__ unsigned dynamic_smem_address() {
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, unsigned* counters, float* workspace,
                        const int* tokens, int* next_ids, unsigned long long* timeline,
-                       int B, int pos, int NH, int max_T, int V, float scale) {
+                       int B, int pos, int NH, int max_T, int V, float scale,
+                       float inv_temperature, int seed_lo, int seed_hi, int seq0) {
+    // The draw of this step's next tokens (at position pos + 1): 0 = greedy; see argmax_task.
+    const DrawKey draw = {make_uint2((unsigned)seed_lo, (unsigned)seed_hi), (unsigned)(pos + 1), (unsigned)seq0};
     storage_t* ring = reinterpret_cast<storage_t*>(dynamic_smem);                   // SLOTS x SLOT_BYTES
     storage_t* xs = reinterpret_cast<storage_t*>(dynamic_smem + SLOTS * SLOT_BYTES);  // MAX_ROWS x k
     __shared__ float scratch[WARPS * MAX_ROWS];
@@ -1162,7 +1225,7 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
     __shared__ int stage_end[MAX_STAGES];  // first task after each stage
     __shared__ float partial_s[WARPS * HEAD_DIM];  // attention's partials; a split matrix-vector task's sums
     static_assert(OUTPUTS <= HEAD_DIM, "a split matrix-vector task's sums fit in partial_s");
-    __shared__ float tile[MAX_ROWS * MAX_TASK_COLS];
+    __shared__ __align__(16) float tile[MAX_ROWS * MAX_TASK_COLS];  // (the draw reads it as float4)
     __shared__ float bias_s[MAX_TASK_COLS];
     __shared__ float best_val[MAX_ROWS];
     __shared__ int best_idx[MAX_ROWS];
@@ -1264,7 +1327,7 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
                 matvec_task(st, local, B, slot_addr, xs_addr, bias_s, tile, partial_s, pos, NH, max_T);
                 if (st.flags & FLAG_ARGMAX) {
                     __syncthreads();
-                    argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan);
+                    argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan, inv_temperature, draw);
                 }
             } else {
                 attention_task(st, local, B, pos, NH, max_T, scale, slot, arrivals, workspace, warp_state, partial_s,
@@ -1300,7 +1363,7 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
         }
     }
 
-    // Greedy argmax: every block parks its best of each row; the last to arrive picks the winner.
+    // The draw: every block parks its best of each row; the last to arrive picks the winner.
     if (last_stage.flags & FLAG_ARGMAX) {
         float2* partials = reinterpret_cast<float2*>(workspace + last_stage.ws_offset);
         if (threadIdx.x < B)
@@ -1325,7 +1388,7 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
                 }
                 warp_reduce_argmax(v, idx);
                 nan = __any_sync(0xffffffffu, nan);
-                if (lane == 0) next_ids[warp] = nan ? -1 : idx;
+                if (lane == 0) next_ids[warp] = nan || idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
             }
             if (threadIdx.x == SYNC_THREAD) *argmax_arrivals = 0;
         }

@@ -325,11 +325,23 @@ impl LoadedVariant {
         self.launch_args(gpu, &values, launches)
     }
 
-    /// Raises the dynamic shared memory limit of the kernels that need more than the default
-    /// 48 KiB for `launches` (before launching them directly or in a graph).
+    /// Raises the dynamic shared memory limit of the kernels whose static and dynamic shared
+    /// memory together pass the default 48 KiB for `launches` (before launching them directly or
+    /// in a graph; the occupancy query counts none of them resident otherwise).
     pub fn allow_shared_memory(&self, launches: &[Launch]) -> Result<(), RunError> {
+        const DEFAULT_LIMIT: usize = 48 * 1024; // static + dynamic, without the opt-in below
         for l in launches {
-            if l.smem_bytes > 48 * 1024 {
+            let smem = l.smem_bytes as usize;
+            // (static shared memory counts toward the limit too: asked only where it can matter)
+            let over = smem > DEFAULT_LIMIT
+                || (smem > 0 && {
+                    let function = self.function(l)?;
+                    let static_bytes = function
+                        .get_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                        .map_err(GpuError::cuda("asking a kernel's static shared memory"))?;
+                    smem + usize::try_from(static_bytes).unwrap_or(0) > DEFAULT_LIMIT
+                });
+            if over {
                 self.function(l)?
                     .set_attribute(
                         FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -253,6 +253,11 @@ pub struct GenerateStats {
     pub batch: usize,
     /// Prompt tokens over the whole batch.
     pub prompt_tokens: usize,
+    /// Wall time of reading the checkpoint, when the caller timed it (0: not timed).
+    pub load_ms: f64,
+    /// Wall time of opening the backend (on a GPU: the context, the weights converted and
+    /// uploaded), when the caller timed it (0: not timed).
+    pub open_ms: f64,
     /// Wall time of setting the backend up for this batch before the prefill (kernel choice
     /// and loading, buffers, the decode engine: [`Backend::prepare`]).
     pub startup_ms: f64,
@@ -277,8 +282,16 @@ impl GenerateStats {
 
     /// One human-readable line.
     pub fn summary(&self) -> String {
+        let loading = if self.load_ms > 0.0 || self.open_ms > 0.0 {
+            format!(
+                "checkpoint {:.1} ms, backend opened in {:.1} ms, ",
+                self.load_ms, self.open_ms
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "{}: batch {}, prompt {} tokens, start-up {:.1} ms, prefill {:.1} ms, generated {} tokens, decode {} steps in {:.1} ms ({:.1} tok/s)",
+            "{}: batch {}, prompt {} tokens, {loading}start-up {:.1} ms, prefill {:.1} ms, generated {} tokens, decode {} steps in {:.1} ms ({:.1} tok/s)",
             self.backend,
             self.batch,
             self.prompt_tokens,

@@ -1,11 +1,13 @@
-//! decode_step: one whole GPT-2 decode step (embedding, every layer, LM head, greedy argmax) as
+//! decode_step: one whole GPT-2 decode step (embedding, every layer, LM head, next token) as
 //! a single persistent kernel that runs a task table the model builds from its step plan (see
 //! `src/model/gpu/stage_table.rs` for the table and `templates/decode/megakernel.cu.tera` for
 //! the kernel).
 //!
 //! Kernel arguments: `const int* stage_table, int n_stages, unsigned* counters, float* workspace,
 //! const int* tokens, int* next_ids, unsigned long long* timeline, int B, int pos, int NH,
-//! int max_T, int V, float scale`.
+//! int max_T, int V, float scale, float inv_temperature, int seed_lo, int seed_hi, int seq0`: the
+//! next tokens are the argmax (`inv_temperature` 0) or the Gumbel-max of a plain temperature,
+//! keyed as the `sample` op keys its draws (seed, sequence `seq0 + b`, position `pos + 1`).
 //! Shape: `B` (sequences), `C` (embedding width), `NH` (heads), `L` (layers); optional `HS`
 //! (`C / NH`), `Vp` (padded vocabulary, default 50304), `max_T` (context, default 1024) and
 //! `elem_bytes` (bytes of the storage type, default 4) that the launch geometry reads.
@@ -32,7 +34,7 @@ impl OpContract for DecodeStep {
         "a whole GPT-2 decode step from a task table (the megakernel decode engine)"
     }
     fn signature(&self) -> &'static str {
-        "const int* stage_table, int n_stages, unsigned* counters, float* workspace, const int* tokens, int* next_ids, unsigned long long* timeline, int B, int pos, int NH, int max_T, int V, float scale"
+        "const int* stage_table, int n_stages, unsigned* counters, float* workspace, const int* tokens, int* next_ids, unsigned long long* timeline, int B, int pos, int NH, int max_T, int V, float scale, float inv_temperature, int seed_lo, int seed_hi, int seq0"
     }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "C", "NH", "L"]

@@ -80,6 +80,13 @@ impl SamplingParams {
     pub fn cuts_top_k(&self, vocab: usize) -> bool {
         self.top_k > 0 && self.top_k < vocab
     }
+
+    /// Whether neither top-k nor top-p cuts a row of `vocab` tokens: the draw is then an argmax
+    /// over the whole row (of the logits, or of their Gumbel scores), which the decode
+    /// megakernel takes inside its LM head.
+    pub fn keeps_every_token(&self, vocab: usize) -> bool {
+        !self.cuts_top_k(vocab) && self.top_p >= 1.0
+    }
 }
 
 /// What the random draw of one token is keyed by: the user's seed, the sequence's index in the

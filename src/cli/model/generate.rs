@@ -2,6 +2,7 @@
 //! ids / JSON), with a stats line at the end.
 
 use std::io::Write;
+use std::time::Instant;
 
 use anyhow::{bail, Result};
 use serde_json::json;
@@ -55,7 +56,9 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
     // Checked before the model loads (the vocabulary is GPT-2's until then).
     args.sampling.draw(SamplingParams::default(), usize::MAX)?;
+    let loading = Instant::now();
     let model = load(&args.target.model)?;
+    let load_ms = loading.elapsed().as_secs_f64() * 1e3;
     let (draw, note) = args.sampling.draw(SamplingParams::default(), model.config.vocab_size)?;
     if let Some(note) = note {
         eprintln!("note: {note}");
@@ -72,9 +75,11 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
         logits: 1,
     };
     let flag = format!("--batch {}", args.batch);
+    let opening = Instant::now();
     let checked = check_batch_fits(&flag, device, &model.config, &backend_options, cpu_tokens)?;
     let mut backend = make_backend(device, args.target.dtype, model, &backend_options)?;
     drop(checked); // the contexts the check opened, kept until the backend holds them
+    let open_ms = opening.elapsed().as_secs_f64() * 1e3;
     let opts = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling: draw.params,
@@ -89,7 +94,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
         write!(stdout, "{}", tok.decode(&ids)?)?;
         stdout.flush()?;
     }
-    let result = generate(backend.as_mut(), &prompts, &opts, &mut |_, id| {
+    let mut result = generate(backend.as_mut(), &prompts, &opts, &mut |_, id| {
         if stream {
             let piece = dec.push(&tok, id)?;
             let io = |e: std::io::Error| crate::model::ModelError::io("<stdout>", e);
@@ -98,6 +103,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
         }
         Ok(())
     })?;
+    (result.stats.load_ms, result.stats.open_ms) = (load_ms, open_ms);
     if stream {
         writeln!(stdout, "{}", dec.finish())?;
     } else if args.json {

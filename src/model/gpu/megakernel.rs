@@ -22,6 +22,7 @@ use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
 use crate::model::config::GPT2Config;
 use crate::model::engine::{TaskStamp, Timeline};
+use crate::model::generate::Draw;
 use crate::model::weights::transpose;
 use crate::ops::{Epilogue, Mask};
 use crate::spec::Dtype;
@@ -100,7 +101,9 @@ impl GpuBackend {
             // The fitted point is chosen from the limits alone. Where an SM cannot hold a block
             // of it (512 threads of 126 registers fill a 64 Ki register file exactly: measured
             // on an H200 standing in for a T4, the driver allows none), 256 threads do.
-            if self.megakernel_fits(&kernel)? || !point.iter().any(|(k, v)| k == "threads" && *v > 256) {
+            // (The point names `threads` only where it changes the spec's default: ask the variant.)
+            let threads = kernel.loaded.variant.params.get("threads").copied().unwrap_or(0);
+            if threads <= 256 || self.megakernel_fits(&kernel)? {
                 return Ok(kernel);
             }
             let mut narrower = point.clone();
@@ -326,15 +329,18 @@ impl GpuBackend {
     }
 
     /// One decode step of batch `b` at position `pos` as one cooperative launch: writes the
-    /// logits and the greedy next ids. Its input tokens are the uploaded ids, or with
-    /// `tokens_on_device` the previous step's next ids (read by the embedding at the start of the
-    /// step, overwritten with this step's at its end). Launched, not waited for.
+    /// logits and the next ids, drawn by `draw` (greedy, or a temperature that keeps every token:
+    /// see `SamplingParams::keeps_every_token`; `None`: greedy). Its input tokens are the
+    /// uploaded ids, or with `tokens_on_device` the previous step's next ids (read by the
+    /// embedding at the start of the step, overwritten with this step's at its end). Launched,
+    /// not waited for.
     pub(super) fn megakernel_step(
         &mut self,
         ks: &Kernels,
         b: usize,
         pos: usize,
         tokens_on_device: bool,
+        draw: Option<&Draw>,
     ) -> AnyResult<()> {
         self.prepare_megakernel(ks, b)?;
         let cfg = self.model.config.clone();
@@ -370,6 +376,19 @@ impl GpuBackend {
             cfg.vocab_size as i32,
         );
         let scale = 1.0f32 / (cfg.head_dim() as f32).sqrt();
+        // 0: the argmax; else the Gumbel-max at this temperature, keyed as the sampler keys it.
+        let (inv_temperature, seed_lo, seed_hi, seq0) = match draw {
+            Some(d) if !d.params.is_greedy() => {
+                debug_assert!(d.params.keeps_every_token(cfg.vocab_size));
+                (
+                    1.0f32 / d.params.temperature,
+                    d.seed as u32 as i32,
+                    (d.seed >> 32) as u32 as i32,
+                    i32::try_from(d.first_sequence).unwrap_or(i32::MAX),
+                )
+            }
+            _ => (0.0f32, 0, 0, 0),
+        };
         let mut launch = gpu
             .stream
             .launch_builder(m.kernel.loaded.function(&m.kernel.launches[0])?);
@@ -386,7 +405,11 @@ impl GpuBackend {
             .arg(&n_head)
             .arg(&max_t)
             .arg(&vocab)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&inv_temperature)
+            .arg(&seed_lo)
+            .arg(&seed_hi)
+            .arg(&seq0);
         // SAFETY: the arguments follow the decode_step signature; the table points into this
         // backend's live weights and buffers (rebuilt whenever a buffer is reallocated), the
         // counters are zero between launches (the kernel resets them on exit), and the launch is

@@ -201,9 +201,13 @@ impl GpuBackend {
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
         // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
-        // none for a greedy megakernel step, whose LM head stage takes the argmax itself.
+        // none where the megakernel's LM head stage draws them itself (greedy, or a temperature
+        // with neither top-k nor top-p).
+        let megakernel = self.step_engine() == DecodeEngine::Megakernel;
+        let in_lm_head = choose
+            .filter(|draw| megakernel && (draw.params.is_greedy() || draw.params.keeps_every_token(cfg.vocab_size)));
         let chooser = match choose {
-            Some(draw) if !(self.step_engine() == DecodeEngine::Megakernel && draw.params.is_greedy()) => Some(Plan {
+            Some(draw) if in_lm_head.is_none() => Some(Plan {
                 steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],
                 head_rows: b,
             }),
@@ -211,9 +215,9 @@ impl GpuBackend {
         };
         let (start, end) = (self.timing_event()?, self.timing_event()?);
         let graphs = self.decode_graphs();
-        if self.step_engine() == DecodeEngine::Megakernel {
+        if megakernel {
             record_event(&start, &self.gpu)?;
-            self.megakernel_step(&ks, b, pos, last.is_none())?;
+            self.megakernel_step(&ks, b, pos, last.is_none(), in_lm_head)?;
         } else if graphs {
             if self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
