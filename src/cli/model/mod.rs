@@ -9,6 +9,7 @@
 mod batch_list;
 mod bench;
 mod bench_batches;
+mod bench_batches_report;
 mod bench_decode;
 mod bench_setup;
 mod fits;
