@@ -165,22 +165,34 @@ impl HfReader<'_, '_> {
     }
 }
 
-pub(super) fn bytes_to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
+/// Reads one little-endian element as f32.
+type ElementReader = fn(&[u8]) -> f32;
+
+/// One little-endian element of `dtype` as f32, and its width in bytes (f32, f16, bf16 only).
+fn element_reader(dtype: Dtype) -> Option<(usize, ElementReader)> {
     Some(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
+        Dtype::F32 => (4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::F16 => (2, |b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Dtype::BF16 => (2, |b| bf16::from_le_bytes([b[0], b[1]]).to_f32()),
         _ => return None,
     })
+}
+
+/// A tensor's little-endian bytes as f32 (f32, f16 or bf16; `None` for another dtype), in
+/// parallel pieces (the first touch of a mapped checkpoint's pages is much of a load's time).
+pub(super) fn bytes_to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
+    use rayon::prelude::*;
+    const PIECE: usize = 1 << 16; // elements per parallel piece
+    let (width, read) = element_reader(dtype)?;
+    let mut out = vec![0.0f32; bytes.len() / width];
+    out.par_chunks_mut(PIECE)
+        .zip(bytes.par_chunks(PIECE * width))
+        .for_each(|(out, bytes)| {
+            out.iter_mut()
+                .zip(bytes.chunks_exact(width))
+                .for_each(|(o, b)| *o = read(b))
+        });
+    Some(out)
 }
 
 /// Storage dtype of a written Hugging Face checkpoint.

@@ -250,14 +250,29 @@ pub struct GPT2Model {
     pub source: String,
 }
 
-/// Transpose a row-major `[rows, cols]` matrix into `[cols, rows]` (output rows in parallel).
+/// Transpose a row-major `[rows, cols]` matrix into `[cols, rows]`: bands of output rows in
+/// parallel, each filled tile by tile, so that both the reads (along a source row) and the
+/// writes (along an output row) stay within a few cache lines per row of the tile. (Element by
+/// element down the source's columns, GPT-2 124M's Conv1D weights took 0.35 s of a 0.65 s load.)
 pub fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     use rayon::prelude::*;
+    const TILE: usize = 32;
     debug_assert_eq!(src.len(), rows * cols);
     let mut out = vec![0.0f32; src.len()];
-    out.par_chunks_mut(rows.max(1)).enumerate().for_each(|(c, column)| {
-        for (r, o) in column.iter_mut().enumerate() {
-            *o = src[r * cols + c];
+    if rows == 0 || cols == 0 {
+        return out;
+    }
+    // A band: TILE output rows (source columns c0 .. c0 + TILE), all `rows` long.
+    out.par_chunks_mut(TILE * rows).enumerate().for_each(|(band, block)| {
+        let c0 = band * TILE;
+        let width = block.len() / rows;
+        for r0 in (0..rows).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                let source = &src[r * cols + c0..r * cols + c0 + width];
+                for (c, &x) in source.iter().enumerate() {
+                    block[c * rows + r] = x;
+                }
+            }
         }
     });
     out
@@ -336,4 +351,28 @@ pub fn atomic_write(path: &Path, fill: impl FnOnce(&mut BufWriter<File>) -> std:
         let _ = std::fs::remove_file(&tmp);
         ModelError::io(path, e)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transpose;
+
+    /// Against the definition, on shapes that are not multiples of the tile (and degenerate ones).
+    #[test]
+    fn transpose_matches_the_definition_on_awkward_shapes() {
+        for (rows, cols) in [(37, 70), (1, 5), (5, 1), (64, 33), (33, 64), (96, 300), (0, 4)] {
+            let src: Vec<f32> = (0..rows * cols).map(|i| (i as f32).sin() * 1e3 + i as f32).collect();
+            let out = transpose(&src, rows, cols);
+            assert_eq!(out.len(), src.len());
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(
+                        out[c * rows + r].to_bits(),
+                        src[r * cols + c].to_bits(),
+                        "{rows}x{cols} at ({r}, {c})"
+                    );
+                }
+            }
+        }
+    }
 }
