@@ -273,6 +273,19 @@ fn megakernel_small_for_the_sanitizer() {
         next = g.decode_draw(&next, &draw, 154 + step).unwrap();
         assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
     }
+    // Top-k and top-p: every block's best keys, merged by the last block (warp sorts, rounds).
+    let draw = Draw {
+        params: SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.9,
+        },
+        ..draw
+    };
+    for step in 0..3 {
+        next = g.decode_draw(&next, &draw, 157 + step).unwrap();
+        assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
+    }
 }
 
 #[test]

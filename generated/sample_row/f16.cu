@@ -230,7 +230,25 @@ __device__ __forceinline__ unsigned word_of(const uint4& words, int which) {
     return which == 0 ? words.x : which == 1 ? words.y : which == 2 ? words.z : words.w;
 }
 
+// A token's 64-bit key: the logit's bits made order-preserving as an unsigned number in the high
+// half, ~id in the low half, so that a larger key is a larger logit or, on equal logits, a lower
+// id. Keys are unique, so every cut is a single key; 0 is below every real key (an empty slot).
 typedef unsigned long long key_t;
+
+// Flipping: a positive float's bits grow with it, so setting the sign bit puts it above every
+// negative one; a negative float's bits grow as it falls, so inverting them all reverses that.
+__device__ __forceinline__ key_t key_of(float value, int id) {
+    const unsigned bits = __float_as_uint(value);
+    const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return ((key_t)ordered << 32) | (unsigned)(~id);
+}
+__device__ __forceinline__ float value_of(key_t key) {
+    const unsigned ordered = (unsigned)(key >> 32);
+    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+__device__ __forceinline__ int id_of(key_t key) { return (int)~(unsigned)key; }
+__device__ __forceinline__ key_t max_key(key_t a, key_t b) { return a > b ? a : b; }
+__device__ __forceinline__ key_t min_key(key_t a, key_t b) { return a < b ? a : b; }
 #define NEG_INF __int_as_float(0xff800000)  // -inf (NVRTC has no <math.h> INFINITY)
 
 enum Path { GREEDY = 0, GUMBEL = 1, CANDIDATES = 2, BISECTION = 3 };
@@ -247,20 +265,6 @@ __device__ __forceinline__ int path_of(int V, int top_k, float temperature, floa
 
 // Candidates a chunk keeps (CANDIDATES): top_k, or MAX_TOP_K for top-p alone.
 __device__ __forceinline__ int list_of(int V, int top_k) { return cuts_top_k(V, top_k) ? top_k : MAX_TOP_K; }
-
-// The order-preserving key (see the header). Flipping: a positive float's bits grow with it, so
-// setting the sign bit puts it above every negative one; a negative float's bits grow as it
-// falls, so inverting them all reverses that.
-__device__ __forceinline__ key_t key_of(float value, int id) {
-    const unsigned bits = __float_as_uint(value);
-    const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return ((key_t)ordered << 32) | (unsigned)(~id);
-}
-__device__ __forceinline__ float value_of(key_t key) {
-    const unsigned ordered = (unsigned)(key >> 32);
-    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
-}
-__device__ __forceinline__ int id_of(key_t key) { return (int)~(unsigned)key; }
 
 // NaN and +inf mean a broken forward pass: the row's answer is -1.
 __device__ __forceinline__ bool is_bad(float value) { return value != value || value == __int_as_float(0x7f800000); }
@@ -332,9 +336,6 @@ __device__ __forceinline__ void block_argmax(float& best, int& best_index) {
     best_index = lane < WARPS ? warp_index[lane] : 0x7fffffff;
     warp_reduce_argmax(best, best_index);  // every warp reduces the same partials
 }
-
-__device__ __forceinline__ key_t max_key(key_t a, key_t b) { return a > b ? a : b; }
-__device__ __forceinline__ key_t min_key(key_t a, key_t b) { return a < b ? a : b; }
 
 // Sorts n keys (a power of two) in shared memory, largest first: Batcher's bitonic network.
 // Every stage compares pairs (i, i ^ distance) whose order depends only on i, so all threads

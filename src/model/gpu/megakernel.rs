@@ -16,13 +16,15 @@ use super::megakernel_point::{fitted_default, most_rows, MegakernelSummary, MEGA
 use super::plan::{HeadRows, Plan};
 use super::select::{Kernel, Kernels};
 use super::stage_table::{
-    check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, ACC_SPREAD, MAX_TASK_COLS, STAGE_OPS,
+    check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, ACC_SPREAD, MAX_TASK_COLS,
+    MEGAKERNEL_TOP_K, STAGE_OPS,
 };
 use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
 use crate::model::config::GPT2Config;
 use crate::model::engine::{TaskStamp, Timeline};
 use crate::model::generate::Draw;
+use crate::model::sampling::SamplingParams;
 use crate::model::weights::transpose;
 use crate::ops::{Epilogue, Mask};
 use crate::spec::Dtype;
@@ -71,6 +73,16 @@ pub fn decode_step_key(cfg: &GPT2Config, dtype: Dtype, b: usize) -> crate::tune:
             ("elem_bytes", dtype.storage().bytes() as i64),
         ]),
     }
+}
+
+/// Whether the megakernel's LM head draws the tokens of `params` itself, with no sample op after
+/// the step: greedy; a temperature that keeps every token (the Gumbel-max over the row); or a
+/// top-k of at most [`MEGAKERNEL_TOP_K`] (each block keeps its best keys, the last merges them,
+/// then top-p and the Gumbel-max). Top-p alone (a nucleus of any length) runs the sample op.
+pub fn drawn_in_lm_head(params: &SamplingParams, vocab: usize) -> bool {
+    params.is_greedy()
+        || params.keeps_every_token(vocab)
+        || (params.cuts_top_k(vocab) && params.top_k <= MEGAKERNEL_TOP_K)
 }
 
 impl GpuBackend {
@@ -329,8 +341,8 @@ impl GpuBackend {
     }
 
     /// One decode step of batch `b` at position `pos` as one cooperative launch: writes the
-    /// logits and the next ids, drawn by `draw` (greedy, or a temperature that keeps every token:
-    /// see `SamplingParams::keeps_every_token`; `None`: greedy). Its input tokens are the
+    /// logits and the next ids, drawn by `draw` (one [`drawn_in_lm_head`] takes; `None`:
+    /// greedy). Its input tokens are the
     /// uploaded ids, or with `tokens_on_device` the previous step's next ids (read by the
     /// embedding at the start of the step, overwritten with this step's at its end). Launched,
     /// not waited for.
@@ -376,18 +388,26 @@ impl GpuBackend {
             cfg.vocab_size as i32,
         );
         let scale = 1.0f32 / (cfg.head_dim() as f32).sqrt();
-        // 0: the argmax; else the Gumbel-max at this temperature, keyed as the sampler keys it.
-        let (inv_temperature, seed_lo, seed_hi, seq0) = match draw {
+        // 0: the argmax; else the Gumbel-max at this temperature (over the top-k and top-p when
+        // top_k > 0), keyed as the sampler keys it.
+        let (inv_temperature, seed_lo, seed_hi, seq0, top_k, top_p) = match draw {
             Some(d) if !d.params.is_greedy() => {
-                debug_assert!(d.params.keeps_every_token(cfg.vocab_size));
+                debug_assert!(drawn_in_lm_head(&d.params, cfg.vocab_size));
+                let top_k = if d.params.cuts_top_k(cfg.vocab_size) {
+                    d.params.top_k as i32
+                } else {
+                    0
+                };
                 (
                     1.0f32 / d.params.temperature,
                     d.seed as u32 as i32,
                     (d.seed >> 32) as u32 as i32,
                     i32::try_from(d.first_sequence).unwrap_or(i32::MAX),
+                    top_k,
+                    if top_k > 0 { d.params.top_p } else { 1.0f32 },
                 )
             }
-            _ => (0.0f32, 0, 0, 0),
+            _ => (0.0f32, 0, 0, 0, 0, 1.0f32),
         };
         let mut launch = gpu
             .stream
@@ -409,7 +429,9 @@ impl GpuBackend {
             .arg(&inv_temperature)
             .arg(&seed_lo)
             .arg(&seed_hi)
-            .arg(&seq0);
+            .arg(&seq0)
+            .arg(&top_k)
+            .arg(&top_p);
         // SAFETY: the arguments follow the decode_step signature; the table points into this
         // backend's live weights and buffers (rebuilt whenever a buffer is reallocated), the
         // counters are zero between launches (the kernel resets them on exit), and the launch is
@@ -491,7 +513,32 @@ fn transposed_copy_fits(device: &str, bytes: usize, free: usize) -> Result<(), S
 
 #[cfg(test)]
 mod tests {
-    use super::transposed_copy_fits;
+    use super::{drawn_in_lm_head, transposed_copy_fits, MEGAKERNEL_TOP_K};
+    use crate::model::sampling::SamplingParams;
+
+    /// Which draws the LM head takes (the rest run the sample op after the step; the cap is the
+    /// template's, checked with the stage table's constants).
+    #[test]
+    fn the_lm_head_draws_greedy_plain_temperature_and_top_k_up_to_the_templates_cap() {
+        let p = |temperature, top_k, top_p| SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+        };
+        let vocab = 50_257;
+        for (params, fused) in [
+            (SamplingParams::greedy(), true),
+            (p(0.8, 1, 0.5), true),                     // top-k 1: greedy
+            (SamplingParams::default(), true),          // temperature 1, nothing cut
+            (p(0.7, vocab, 1.0), true),                 // top-k of the whole vocabulary cuts nothing
+            (p(0.8, 40, 0.95), true),                   // the usual setting
+            (p(1.0, MEGAKERNEL_TOP_K, 1.0), true),      // the cap
+            (p(1.0, MEGAKERNEL_TOP_K + 1, 1.0), false), // past it: the sample op
+            (p(1.0, 0, 0.9), false),                    // top-p alone: a nucleus of any length
+        ] {
+            assert_eq!(drawn_in_lm_head(&params, vocab), fused, "{params:?}");
+        }
+    }
 
     #[test]
     fn the_transposed_copy_is_refused_with_its_size_and_the_fix_when_it_does_not_fit() {

@@ -77,12 +77,13 @@ pub use buffers::ReplicaMemory;
 use buffers::{Activations, DeviceTensor};
 use exec::LaunchMode;
 pub use fold_select::{LayernormFolding, FOLD_LAYERNORMS_ENV};
-pub use megakernel::decode_step_key;
+pub use megakernel::{decode_step_key, drawn_in_lm_head};
 pub use megakernel_point::{fitted_default, most_rows, point_text, MegakernelSummary, MEGAKERNEL_FAMILY};
 use plan::HeadRows;
 pub use profile::ProfileRow;
 use profile::Profiler;
 use select::{Kernel, Kernels};
+pub use stage_table::MEGAKERNEL_TOP_K;
 
 /// The op (and kernel family) of the decode attention: one query per sequence against the cache.
 pub const ATTENTION_DECODE_OP: &str = "attention_decode";

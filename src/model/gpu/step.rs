@@ -6,6 +6,7 @@
 use anyhow::{bail, Context, Result as AnyResult};
 
 use super::exec::record_event;
+use super::megakernel::drawn_in_lm_head;
 use super::plan::{HeadRows, Plan};
 use super::{GpuBackend, PINNED_LOGITS_ROWS, SYNC_HINT};
 use crate::gpu::GpuError;
@@ -201,11 +202,9 @@ impl GpuBackend {
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
         // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
-        // none where the megakernel's LM head stage draws them itself (greedy, or a temperature
-        // with neither top-k nor top-p).
+        // none where the megakernel's LM head stage draws them itself.
         let megakernel = self.step_engine() == DecodeEngine::Megakernel;
-        let in_lm_head = choose
-            .filter(|draw| megakernel && (draw.params.is_greedy() || draw.params.keeps_every_token(cfg.vocab_size)));
+        let in_lm_head = choose.filter(|draw| megakernel && drawn_in_lm_head(&draw.params, cfg.vocab_size));
         let chooser = match choose {
             Some(draw) if in_lm_head.is_none() => Some(Plan {
                 steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],
