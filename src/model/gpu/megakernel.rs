@@ -111,9 +111,9 @@ impl GpuBackend {
             let point = fitted_default(family, &s, op_dtype(self.dtype), &self.gpu.info.limits);
             let kernel = self.megakernel_at(&s, &point)?;
             // The fitted point is chosen from the limits alone. Where an SM cannot hold a block
-            // of it (512 threads of 126 registers fill a 64 Ki register file exactly: measured
-            // on an H200 standing in for a T4, the driver allows none), 256 threads do.
-            // (The point names `threads` only where it changes the spec's default: ask the variant.)
+            // of it (512 threads need at most 128 registers each in a 64 Ki register file, as a
+            // T4 has), 256 threads do. (The point names `threads` only where it changes the
+            // spec's default: ask the variant.)
             let threads = kernel.loaded.variant.params.get("threads").copied().unwrap_or(0);
             if threads <= 256 || self.megakernel_fits(&kernel)? {
                 return Ok(kernel);
@@ -342,10 +342,9 @@ impl GpuBackend {
 
     /// One decode step of batch `b` at position `pos` as one cooperative launch: writes the
     /// logits and the next ids, drawn by `draw` (one [`drawn_in_lm_head`] takes; `None`:
-    /// greedy). Its input tokens are the
-    /// uploaded ids, or with `tokens_on_device` the previous step's next ids (read by the
-    /// embedding at the start of the step, overwritten with this step's at its end). Launched,
-    /// not waited for.
+    /// greedy). Its input tokens are the uploaded ids, or with `tokens_on_device` the previous
+    /// step's next ids (read by the embedding at the start of the step, overwritten with this
+    /// step's at its end). Launched, not waited for.
     pub(super) fn megakernel_step(
         &mut self,
         ks: &Kernels,
