@@ -195,6 +195,40 @@ __device__ __forceinline__ float value_of(key_t key) {
 __device__ __forceinline__ int id_of(key_t key) { return (int)~(unsigned)key; }
 __device__ __forceinline__ key_t max_key(key_t a, key_t b) { return a > b ? a : b; }
 __device__ __forceinline__ key_t min_key(key_t a, key_t b) { return a < b ? a : b; }
+// Top-p over a candidate list sorted largest first (`sorted`, `kept` keys, readable by every lane):
+// the length of the shortest prefix whose probability at inverse temperature `inv_t` reaches
+// `top_p` of `row_mass`, or of the list's own mass when `row_mass` < 0 (top-k cut first). Called
+// by one whole warp; every lane gets the answer. When no prefix reaches the target, which with
+// the list's own mass happens only by rounding, the answer is `kept` (row_mass < 0) or 0 (the
+// nucleus is longer than the list). Each lane sums a run of the list, a shuffle scan gives the
+// mass before each run, and the lane whose run crosses the target walks it.
+__device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float row_max, float inv_t, float top_p,
+                                            float row_mass) {
+    const int lane = threadIdx.x % 32, per = (kept + 31) / 32;
+    const int first = min(kept, lane * per), last = min(kept, first + per);
+    float mine = 0.0f;
+    for (int i = first; i < last; ++i) mine += expf((value_of(sorted[i]) - row_max) * inv_t);
+    float inclusive = mine;
+    #pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    const float list_mass = __shfl_sync(0xffffffffu, inclusive, 31);
+    const float target = top_p * (row_mass < 0.0f ? list_mass : row_mass);
+    float before = inclusive - mine;
+    const bool crosses = before < target && inclusive >= target;  // one lane at most: runs are ordered
+    int nucleus = 0;
+    if (crosses) {
+        int i = first;
+        // (summed from `before` the run may round short of the target: its end)
+        while (i < last - 1 && (before += expf((value_of(sorted[i]) - row_max) * inv_t)) < target) ++i;
+        nucleus = i + 1;
+    }
+    const unsigned crossing = __ballot_sync(0xffffffffu, crosses);
+    if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
+    return row_mass < 0.0f ? kept : 0;
+}
 // Sorts 256 keys held by one warp, 8 a lane, largest first: key i lives in register i / 32 of
 // lane i % 32, so that the first 64 (registers 0 and 1 of every lane) are the best 64. A bitonic
 // network, fully unrolled: strides of 32 and more swap registers within a lane, smaller ones
@@ -1138,32 +1172,7 @@ __device__ __noinline__ int merge_top_k(const key_t* lists, int grid, int row, i
     sorted[32 + lane] = k[1];
     __syncwarp();
     const float row_max = value_of(sorted[0]);
-    int kept = top_k;
-    if (top_p < 1.0f) {
-        const int per = (kept + 31) / 32;
-        const int first = min(kept, lane * per), last = min(kept, first + per);
-        float mine = 0.0f;
-        for (int i = first; i < last; ++i) mine += expf((value_of(sorted[i]) - row_max) * inv_temperature);
-        float inclusive = mine;
-        #pragma unroll
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-            if (lane >= offset) inclusive += other;
-        }
-        const float target = top_p * __shfl_sync(0xffffffffu, inclusive, 31);
-        float before = inclusive - mine;
-        int nucleus = 0;
-        const bool crosses = before < target && inclusive >= target;
-        if (crosses) {
-            int i = first;
-            // (summed from `before` the run may round short of the target: its end)
-            while (i < last - 1 && (before += expf((value_of(sorted[i]) - row_max) * inv_temperature)) < target) ++i;
-            nucleus = i + 1;
-        }
-        const unsigned crossing = __ballot_sync(0xffffffffu, crosses);
-        // no lane crosses only by rounding: all of top-k, as the sampler keeps
-        if (crossing) kept = __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
-    }
+    const int kept = top_p < 1.0f ? warp_nucleus(sorted, top_k, row_max, inv_temperature, top_p, -1.0f) : top_k;
     draw.sequence += row;
     float best = __int_as_float(0xff800000);
     int best_index = 0x7fffffff;

@@ -249,6 +249,40 @@ __device__ __forceinline__ float value_of(key_t key) {
 __device__ __forceinline__ int id_of(key_t key) { return (int)~(unsigned)key; }
 __device__ __forceinline__ key_t max_key(key_t a, key_t b) { return a > b ? a : b; }
 __device__ __forceinline__ key_t min_key(key_t a, key_t b) { return a < b ? a : b; }
+// Top-p over a candidate list sorted largest first (`sorted`, `kept` keys, readable by every lane):
+// the length of the shortest prefix whose probability at inverse temperature `inv_t` reaches
+// `top_p` of `row_mass`, or of the list's own mass when `row_mass` < 0 (top-k cut first). Called
+// by one whole warp; every lane gets the answer. When no prefix reaches the target, which with
+// the list's own mass happens only by rounding, the answer is `kept` (row_mass < 0) or 0 (the
+// nucleus is longer than the list). Each lane sums a run of the list, a shuffle scan gives the
+// mass before each run, and the lane whose run crosses the target walks it.
+__device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float row_max, float inv_t, float top_p,
+                                            float row_mass) {
+    const int lane = threadIdx.x % 32, per = (kept + 31) / 32;
+    const int first = min(kept, lane * per), last = min(kept, first + per);
+    float mine = 0.0f;
+    for (int i = first; i < last; ++i) mine += expf((value_of(sorted[i]) - row_max) * inv_t);
+    float inclusive = mine;
+    #pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    const float list_mass = __shfl_sync(0xffffffffu, inclusive, 31);
+    const float target = top_p * (row_mass < 0.0f ? list_mass : row_mass);
+    float before = inclusive - mine;
+    const bool crosses = before < target && inclusive >= target;  // one lane at most: runs are ordered
+    int nucleus = 0;
+    if (crosses) {
+        int i = first;
+        // (summed from `before` the run may round short of the target: its end)
+        while (i < last - 1 && (before += expf((value_of(sorted[i]) - row_max) * inv_t)) < target) ++i;
+        nucleus = i + 1;
+    }
+    const unsigned crossing = __ballot_sync(0xffffffffu, crosses);
+    if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
+    return row_mass < 0.0f ? kept : 0;
+}
 #define NEG_INF __int_as_float(0xff800000)  // -inf (NVRTC has no <math.h> INFINITY)
 
 enum Path { GREEDY = 0, GUMBEL = 1, CANDIDATES = 2, BISECTION = 3 };
@@ -804,32 +838,11 @@ sample_row_0ba9eefe1f28f706_finish(int* out, const storage_t* logits, float* wor
             kept = top_keys(merged, n, list, best_keys, row_max, inv_t);
             if (top_p < 1.0f) {
                 // The nucleus: the shortest prefix of the list whose mass reaches p of the total
-                // (top-k's mass when top-k cut first). One warp: each lane sums a run of the
-                // list, a shuffle scan gives the mass before each run, the lane whose run crosses
-                // the target walks it.
+                // (top-k's mass when top-k cut first), by one warp (warp_nucleus).
                 __shared__ int nucleus;  // 0: the nucleus is longer than the list
                 if (threadIdx.x < 32) {
-                    const int lane = threadIdx.x, per = (kept + 31) / 32;
-                    const int first = min(kept, lane * per), last = min(kept, first + per);
-                    float mine = 0.0f;
-                    for (int i = first; i < last; ++i) mine += expf((value_of(best_keys[i]) - row_max) * inv_t);
-                    float inclusive = mine;
-                    #pragma unroll
-                    for (int offset = 1; offset < 32; offset <<= 1) {
-                        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-                        if (lane >= offset) inclusive += other;
-                    }
-                    const float list_mass = __shfl_sync(0xffffffffu, inclusive, 31);
-                    const float target = top_p * (cuts_top_k(V, top_k) ? list_mass : total);
-                    if (lane == 0) nucleus = cuts_top_k(V, top_k) ? kept : 0;  // rounding: all of top-k
-                    __syncwarp();
-                    float before = inclusive - mine;
-                    if (before < target && inclusive >= target) {
-                        int i = first;
-                        // (summed from `before` the run may round short of the target: its end)
-                        while (i < last - 1 && (before += expf((value_of(best_keys[i]) - row_max) * inv_t)) < target) ++i;
-                        nucleus = i + 1;
-                    }
+                    const int n = warp_nucleus(best_keys, kept, row_max, inv_t, top_p, cuts_top_k(V, top_k) ? -1.0f : total);
+                    if (threadIdx.x == 0) nucleus = n;
                 }
                 __syncthreads();
                 if (nucleus == 0) {
