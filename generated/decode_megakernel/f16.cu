@@ -1039,18 +1039,7 @@ __device__ void matvec_task(const Stage& stage, int task, int B, unsigned slot_a
     }
 }
 
-// Folds the task's logits (in `tile`) into the block's running best of each row; NaN taints
-// the row (its answer is -1, as the argmax op says). The three draws the LM head takes (the host
-// picks one for the step; the sample op, templates/sampling/sample.cu.tera, draws the same token
-// from the same logits):
-//   inv_temperature == 0   the argmax of the logits.
-//   top_k == 0             the Gumbel-max of logit / T + g(token) over the whole row (a plain
-//                          temperature). A lane scores 4 consecutive tokens, read as one float4:
-//                          one Philox call gives the noise of a group of 4 tokens (two calls where
-//                          the task's first column is not a multiple of 4). +inf taints the row.
-//   0 < top_k <= FUSED_TOP_K   the block's best FUSED_TOP_K keys of the row so far (`lists`),
-//                          merged with the task's (keep_top_keys): the last block to finish
-//                          merges every block's (merge_top_k).
+// ---- the next tokens ------------------------------------------------------------------------
 // A top-k draw's share of argmax_task: the row's best FUSED_TOP_K keys so far (`list`, in shared
 // memory) merged with the task's `cols` logits (`row`, from token n0): the 64 and the task's 128
 // sorted together by the warp, the best 64 kept. Returns whether a logit was NaN or +inf. Not
@@ -1078,6 +1067,18 @@ __device__ __noinline__ int keep_top_keys(const float* row, int n0, int cols, ke
     return bad;
 }
 
+// Folds the task's logits (in `tile`) into the block's running best of each row; NaN taints
+// the row (its answer is -1, as the argmax op says). The three draws the LM head takes (the host
+// picks one for the step; the sample op, templates/sampling/sample.cu.tera, draws the same token
+// from the same logits):
+//   inv_temperature == 0   the argmax of the logits.
+//   top_k == 0             the Gumbel-max of logit / T + g(token) over the whole row (a plain
+//                          temperature). A lane scores 4 consecutive tokens, read as one float4:
+//                          one Philox call gives the noise of a group of 4 tokens (two calls where
+//                          the task's first column is not a multiple of 4). +inf taints the row.
+//   0 < top_k <= FUSED_TOP_K   the block's best FUSED_TOP_K keys of the row so far (`lists`),
+//                          merged with the task's (keep_top_keys): the last block to finish
+//                          merges every block's (merge_top_k).
 __device__ void argmax_task(const Stage& s, int task, int B, int V, const float* tile, float* best_val,
                             int* best_idx, int* saw_nan, float inv_temperature, int top_k, DrawKey draw,
                             key_t* lists) {
