@@ -152,10 +152,7 @@ impl Gpu {
         let driver_version = driver_version()?;
         let name = ctx.name().map_err(GpuError::cuda("reading the device name"))?;
         let total_memory_bytes = ctx.total_mem().map_err(GpuError::cuda("reading the memory size"))?;
-        let (name, compute_capability, limits) = match stand_in {
-            Some(target) => target.disguise(&name, &limits),
-            None => (name, compute_capability, limits),
-        };
+        let (name, compute_capability, limits) = super::stand_in::seen_as(stand_in, name, compute_capability, limits);
         let info = DeviceInfo {
             name,
             compute_capability,

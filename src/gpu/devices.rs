@@ -189,10 +189,7 @@ pub fn identify(ordinal: usize) -> Result<DeviceIdentity, super::GpuError> {
     let name = result::device::get_name(device)
         .map_err(super::GpuError::cuda(format!("reading the name of cuda:{ordinal}")))?;
     let stand_in = super::stand_in::active()?;
-    let (name, compute_capability, limits) = match stand_in {
-        Some(target) => target.disguise(&name, &limits),
-        None => (name, compute_capability, limits),
-    };
+    let (name, compute_capability, limits) = super::stand_in::seen_as(stand_in, name, compute_capability, limits);
     Ok(DeviceIdentity {
         ordinal,
         name,

@@ -4,6 +4,7 @@
 
 use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{tensor_map, Compiled, Gpu, GpuError, TensorMap};
@@ -128,6 +129,11 @@ pub struct LoadedVariant {
     module: Arc<CudaModule>,
     /// In the spec's `[[kernels]]` order; `None` for a conditional kernel the template left out.
     functions: Vec<Option<CudaFunction>>,
+    /// Per function, its static shared memory in bytes (asked once, at load)...
+    static_smem: Vec<usize>,
+    /// ... and the dynamic shared memory limit raised for it so far (0: the default), so that a
+    /// launch, replayed every step, asks the driver nothing once its limit is raised.
+    allowed_smem: Vec<AtomicUsize>,
 }
 
 fn missing_function(variant: &Variant, name: &str, why: &str) -> RunError {
@@ -173,10 +179,22 @@ impl LoadedVariant {
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let static_smem = functions
+            .iter()
+            .map(|f| match f {
+                Some(f) => f
+                    .get_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                    .map(|bytes| usize::try_from(bytes).unwrap_or(0))
+                    .map_err(GpuError::cuda("asking a kernel's static shared memory")),
+                None => Ok(0),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(LoadedVariant {
             variant: variant.clone(),
             module,
+            allowed_smem: functions.iter().map(|_| AtomicUsize::new(0)).collect(),
             functions,
+            static_smem,
         })
     }
 
@@ -327,31 +345,29 @@ impl LoadedVariant {
 
     /// Raises the dynamic shared memory limit of the kernels whose static and dynamic shared
     /// memory together pass the default 48 KiB for `launches` (before launching them directly or
-    /// in a graph; the occupancy query counts none of them resident otherwise).
+    /// in a graph; the occupancy query counts none of them resident otherwise). Once per kernel
+    /// and size: a limit already raised that far is left alone.
     pub fn allow_shared_memory(&self, launches: &[Launch]) -> Result<(), RunError> {
         const DEFAULT_LIMIT: usize = 48 * 1024; // static + dynamic, without the opt-in below
         for l in launches {
             let smem = l.smem_bytes as usize;
-            // (static shared memory counts toward the limit too: asked only where it can matter)
-            let over = smem > DEFAULT_LIMIT
-                || (smem > 0 && {
-                    let function = self.function(l)?;
-                    let static_bytes = function
-                        .get_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-                        .map_err(GpuError::cuda("asking a kernel's static shared memory"))?;
-                    smem + usize::try_from(static_bytes).unwrap_or(0) > DEFAULT_LIMIT
-                });
-            if over {
-                self.function(l)?
-                    .set_attribute(
-                        FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        l.smem_bytes as i32,
-                    )
-                    .map_err(GpuError::cuda(format!(
-                        "allowing {} bytes of shared memory",
-                        l.smem_bytes
-                    )))?;
+            let (static_bytes, allowed) = match (self.static_smem.get(l.kernel), self.allowed_smem.get(l.kernel)) {
+                (Some(&s), Some(a)) => (s, a),
+                _ => return Err(missing_function(&self.variant, &l.function, "not in the module")),
+            };
+            if smem + static_bytes <= DEFAULT_LIMIT || allowed.load(Ordering::Relaxed) >= smem {
+                continue;
             }
+            self.function(l)?
+                .set_attribute(
+                    FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    l.smem_bytes as i32,
+                )
+                .map_err(GpuError::cuda(format!(
+                    "allowing {} bytes of shared memory",
+                    l.smem_bytes
+                )))?;
+            allowed.fetch_max(smem, Ordering::Relaxed);
         }
         Ok(())
     }

@@ -144,6 +144,21 @@ pub fn compile_arch(cc: (i32, i32), stand_in: Option<&StandIn>) -> String {
     }
 }
 
+/// What a GPU called `name`, of compute capability `cc`, with `limits` is as
+/// [`Gpu`](super::Gpu) and [`identify`](super::identify) report it: itself, or standing in for
+/// `stand_in`, that target's name on it, compute capability and limits.
+pub fn seen_as(
+    stand_in: Option<&StandIn>,
+    name: String,
+    cc: (i32, i32),
+    limits: DeviceLimits,
+) -> (String, (i32, i32), DeviceLimits) {
+    match stand_in {
+        Some(target) => (target.name_on(&name), target.compute_capability, target.limits(&limits)),
+        None => (name, cc, limits),
+    }
+}
+
 /// The parser `--target` uses.
 pub fn parse(text: &str) -> Result<&'static StandIn, UnknownTarget> {
     text.parse()
@@ -174,13 +189,6 @@ impl StandIn {
     /// name heads the tuning database, so each target tunes into a file of its own.
     pub fn name_on(&self, real: &str) -> String {
         format!("{real} as {}", self.gpu)
-    }
-
-    /// What a GPU called `name` with `limits` is while it stands in: its name, compute
-    /// capability and limits as [`Gpu`](super::Gpu) and [`identify`](super::identify) report
-    /// them.
-    pub fn disguise(&self, name: &str, limits: &DeviceLimits) -> (String, (i32, i32), DeviceLimits) {
-        (self.name_on(name), self.compute_capability, self.limits(limits))
     }
 
     /// The PTX target every kernel is compiled to: `compute_86`.
