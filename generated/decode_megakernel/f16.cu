@@ -224,6 +224,18 @@ __device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float
     if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
     return row_mass < 0.0f ? kept : 0;
 }
+// The Gumbel-max over candidate keys: folds keys[first], keys[first + step], ... (below `kept`)
+// into (best, best_index) by their score logit * inv_t + g(token), one Philox call a key; the
+// caller reduces across its threads. The sampler and the megakernel's merge both draw with it.
+__device__ __forceinline__ void gumbel_max_of_keys(const key_t* keys, int kept, int first, int step,
+                                                   const DrawKey& draw, float inv_t, float& best, int& best_index) {
+    for (int i = first; i < kept; i += step) {
+        const int id = id_of(keys[i]);
+        const uint4 words = noise_words(draw, (unsigned)id / 4u);
+        const float score = fmaf(value_of(keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
+        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
+    }
+}
 // Sorts 256 keys held by one warp, 8 a lane, largest first: key i lives in register i / 32 of
 // lane i % 32, so that the first 64 (registers 0 and 1 of every lane) are the best 64. A bitonic
 // network, fully unrolled: strides of 32 and more swap registers within a lane, smaller ones
@@ -1172,12 +1184,7 @@ __device__ __noinline__ int merge_top_k(const key_t* lists, int grid, int row, i
     draw.sequence += row;
     float best = __int_as_float(0xff800000);
     int best_index = 0x7fffffff;
-    for (int i = lane; i < kept; i += 32) {
-        const int id = id_of(sorted[i]);
-        const uint4 words = noise_words(draw, (unsigned)id / 4u);
-        const float score = fmaf(value_of(sorted[i]), inv_temperature, gumbel_of(word_of(words, id % 4)));
-        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
-    }
+    gumbel_max_of_keys(sorted, kept, lane, 32, draw, inv_temperature, best, best_index);
     warp_reduce_argmax(best, best_index);
     return bad || best_index == 0x7fffffff ? -1 : best_index;
 }
