@@ -375,3 +375,19 @@ fn dtype_names_parse_and_print() {
     assert_eq!(kernelforge::tune::verify::tolerance(Dtype::Tf32), 1e-3);
     assert_eq!(kernelforge::tune::verify::tolerance(Dtype::F32), 1e-5);
 }
+
+/// Untuned, an op's families are tried by rank: two families of one op and dtype never share a
+/// rank, so no default falls to the families' names.
+#[test]
+fn ranks_order_each_ops_families_in_each_dtype_without_ties() {
+    let catalog = catalog();
+    let mut seen: std::collections::BTreeMap<(String, String, i64), String> = Default::default();
+    for f in &catalog.families {
+        for dtype in &f.dtypes {
+            let key = (f.op.name().to_string(), dtype.to_string(), f.rank);
+            if let Some(other) = seen.insert(key.clone(), f.name.clone()) {
+                panic!("{} and {other} share rank {} for {} in {}", f.name, key.2, key.0, key.1);
+            }
+        }
+    }
+}

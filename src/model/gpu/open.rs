@@ -338,4 +338,40 @@ mod tests {
             assert!(e.contains("needs compute capability 8.0"), "{dtype} on a T4: {e}");
         }
     }
+
+    /// Untuned, the halves' prefill attention is the tensor-core family wherever the GPU has
+    /// mma.sync (sm_80 on), and the FMA flash attention only on a T4 (the ranks decide; a tie
+    /// once let the FMA family win on the H200 by its name and cost the bf16 forward a third).
+    #[test]
+    fn untuned_prefill_attention_in_halves_is_on_the_tensor_cores_from_ampere_on() {
+        let mut registry = registry();
+        let dims = GPT2Config::gpt2().dims();
+        let attention_family = |registry: &mut Registry, dtype: Dtype, limits: &DeviceLimits| {
+            let w = forward_workloads(&dims, 4, 512, dtype)
+                .into_iter()
+                .find(|w| w.op == "attention")
+                .expect("the forward has an attention");
+            let mut shape = w.shape.clone();
+            ops::op_by_name(w.op)
+                .unwrap()
+                .complete_shape(&mut shape, w.epilogue, w.mask)
+                .unwrap();
+            let selected = registry
+                .select(w.op, dtype, w.epilogue, w.mask, &shape, limits)
+                .unwrap();
+            selected.variant.family.name.clone()
+        };
+        for target in ["sm_80", "sm_86", "sm_89", "sm_90"] {
+            let limits = stand_in::parse(target).unwrap().limits(&DeviceLimits::default());
+            for dtype in [Dtype::F16, Dtype::Bf16] {
+                assert_eq!(
+                    attention_family(&mut registry, dtype, &limits),
+                    "attention_flash_mma",
+                    "{dtype} on {target}"
+                );
+            }
+        }
+        let t4 = stand_in::parse("sm_75").unwrap().limits(&DeviceLimits::default());
+        assert_eq!(attention_family(&mut registry, Dtype::F16, &t4), "attention_flash");
+    }
 }
