@@ -273,7 +273,7 @@ fn megakernel_small_for_the_sanitizer() {
         next = g.decode_draw(&next, &draw, 154 + step).unwrap();
         assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
     }
-    // Top-k and top-p: every block's best keys, merged by the last block (warp sorts, rounds).
+    // Top-k and top-p: the sample op after the step, reading the step's logits.
     let draw = Draw {
         params: SamplingParams {
             temperature: 0.9,

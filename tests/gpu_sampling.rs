@@ -249,8 +249,8 @@ fn gpu_sampling_bf16_logits_fit() {
 /// One seed, the same tokens: `generate` with temperature, top-k and top-p gives the same ids
 /// on the launches, graph and megakernel engines in f32 (the tokens drawn on the device by the
 /// sampler, keyed by seed, sequence and position; on the megakernel the LM head draws a plain
-/// temperature and a top-k of at most 64 itself), and the CPU backend (drawing on the host with the reference) agrees too; a
-/// ragged batch included (prompt tokens fed, not drawn).
+/// temperature itself), and the CPU backend (drawing on the host with the reference) agrees
+/// too; a ragged batch included (prompt tokens fed, not drawn).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_same_seed_same_tokens_on_every_engine() {
@@ -285,13 +285,7 @@ fn gpu_same_seed_same_tokens_on_every_engine() {
             top_k: 300,
             top_p: 1.0,
         },
-        // The LM head's largest top-k (its merge takes several rounds on this small vocabulary),
-        // and one past it (the sample op after the step on the megakernel too).
-        SamplingParams {
-            temperature: 1.1,
-            top_k: 64,
-            top_p: 0.9,
-        },
+        // A top-k alone.
         SamplingParams {
             temperature: 0.9,
             top_k: 65,

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // the whole decode step as one persistent kernel: the step's plan cut into tasks, resident blocks pulling them in order, waits on counters in global memory, every block streaming its next tasks' weights into a shared-memory ring while it waits
 // Variant: dtype=bf16 threads=512 blocks_per_sm=1 slot_kib=32 slots=3 cols_per_warp=2 max_rows=8 head_dim=64 min_chunk_keys=128 bulk_copy=1 tensor_cores=0 fuse_mlp=0 kslice=0
-// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=16384
+// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=12288
 
 // ---------------------------------------------------------------------------------------------
 // decode_megakernel / decode_megakernel_c80902b663e601a5
@@ -25,9 +25,8 @@
 //   fc_proj     x'' = x' + fc @ Wfcproj^T + b
 //   (mlp        fc and fc_proj as one stage, with fuse_mlp = 1: see StageFlags)
 //   lm_head     logits = layernorm(x) @ wte^T, and the next token drawn in it: the greedy argmax,
-//               at a temperature with neither top-k nor top-p the Gumbel-max (an argmax too), and
-//               with a top-k of at most FUSED_TOP_K (and any top-p) each block's best keys,
-//               merged by the last block (see argmax_task and merge_top_k)
+//               or at a temperature with neither top-k nor top-p the Gumbel-max (an argmax too;
+//               a top-k or top-p draw runs the sample op after the step)
 //
 // GRID_BLOCKS blocks stay resident (the launch is cooperative: the driver refuses it rather
 // than start blocks that could not all run at once). Block i takes tasks i, i + grid, i + 2*grid,
@@ -175,103 +174,6 @@ __device__ __forceinline__ float gumbel_of(unsigned word) {
 
 __device__ __forceinline__ unsigned word_of(const uint4& words, int which) {
     return which == 0 ? words.x : which == 1 ? words.y : which == 2 ? words.z : words.w;
-}
-// A token's 64-bit key: the logit's bits made order-preserving as an unsigned number in the high
-// half, ~id in the low half, so that a larger key is a larger logit or, on equal logits, a lower
-// id. Keys are unique, so every cut is a single key; 0 is below every real key (an empty slot).
-typedef unsigned long long key_t;
-
-// Flipping: a positive float's bits grow with it, so setting the sign bit puts it above every
-// negative one; a negative float's bits grow as it falls, so inverting them all reverses that.
-__device__ __forceinline__ key_t key_of(float value, int id) {
-    const unsigned bits = __float_as_uint(value);
-    const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return ((key_t)ordered << 32) | (unsigned)(~id);
-}
-__device__ __forceinline__ float value_of(key_t key) {
-    const unsigned ordered = (unsigned)(key >> 32);
-    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
-}
-__device__ __forceinline__ int id_of(key_t key) { return (int)~(unsigned)key; }
-__device__ __forceinline__ key_t max_key(key_t a, key_t b) { return a > b ? a : b; }
-__device__ __forceinline__ key_t min_key(key_t a, key_t b) { return a < b ? a : b; }
-// Top-p over a candidate list sorted largest first (`sorted`, `kept` keys, readable by every lane):
-// the length of the shortest prefix whose probability at inverse temperature `inv_t` reaches
-// `top_p` of `row_mass`, or of the list's own mass when `row_mass` < 0 (top-k cut first). Called
-// by one whole warp; every lane gets the answer. When no prefix reaches the target, which with
-// the list's own mass happens only by rounding, the answer is `kept` (row_mass < 0) or 0 (the
-// nucleus is longer than the list). Each lane sums a run of the list, a shuffle scan gives the
-// mass before each run, and the lane whose run crosses the target walks it.
-__device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float row_max, float inv_t, float top_p,
-                                            float row_mass) {
-    const int lane = threadIdx.x % 32, per = (kept + 31) / 32;
-    const int first = min(kept, lane * per), last = min(kept, first + per);
-    float mine = 0.0f;
-    for (int i = first; i < last; ++i) mine += expf((value_of(sorted[i]) - row_max) * inv_t);
-    float inclusive = mine;
-    #pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-        if (lane >= offset) inclusive += other;
-    }
-    const float list_mass = __shfl_sync(0xffffffffu, inclusive, 31);
-    const float target = top_p * (row_mass < 0.0f ? list_mass : row_mass);
-    float before = inclusive - mine;
-    const bool crosses = before < target && inclusive >= target;  // one lane at most: runs are ordered
-    int nucleus = 0;
-    if (crosses) {
-        int i = first;
-        // (summed from `before` the run may round short of the target: its end)
-        while (i < last - 1 && (before += expf((value_of(sorted[i]) - row_max) * inv_t)) < target) ++i;
-        nucleus = i + 1;
-    }
-    const unsigned crossing = __ballot_sync(0xffffffffu, crosses);
-    if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
-    return row_mass < 0.0f ? kept : 0;
-}
-// The Gumbel-max over candidate keys: folds keys[first], keys[first + step], ... (below `kept`)
-// into (best, best_index) by their score logit * inv_t + g(token), one Philox call a key; the
-// caller reduces across its threads. The sampler and the megakernel's merge both draw with it.
-__device__ __forceinline__ void gumbel_max_of_keys(const key_t* keys, int kept, int first, int step,
-                                                   const DrawKey& draw, float inv_t, float& best, int& best_index) {
-    for (int i = first; i < kept; i += step) {
-        const int id = id_of(keys[i]);
-        const uint4 words = noise_words(draw, (unsigned)id / 4u);
-        const float score = fmaf(value_of(keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
-        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
-    }
-}
-// Sorts 256 keys held by one warp, 8 a lane, largest first: key i lives in register i / 32 of
-// lane i % 32, so that the first 64 (registers 0 and 1 of every lane) are the best 64. A bitonic
-// network, fully unrolled: strides of 32 and more swap registers within a lane, smaller ones
-// exchange with lane ^ stride by shuffle (no shared memory, no barrier). 36 steps of 8 pairs.
-__device__ __forceinline__ void warp_sort_256(key_t (&k)[8]) {
-    const int lane = threadIdx.x % 32;
-    #pragma unroll
-    for (int size = 2; size <= 256; size <<= 1) {
-        #pragma unroll
-        for (int stride = size / 2; stride > 0; stride >>= 1) {
-            #pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                const int i = r * 32 + lane;
-                // Each run of `size` ends sorted one way, alternating, so that two neighbours
-                // form a bitonic run for the next size; the last (256) is largest first.
-                const bool largest_first = (i & size) == 0;
-                if (stride >= 32) {
-                    const int partner = r ^ (stride / 32);
-                    if (partner > r) {  // i < its partner's index: i keeps the larger when largest_first
-                        const key_t a = k[r], b = k[partner];
-                        k[r] = largest_first ? max_key(a, b) : min_key(a, b);
-                        k[partner] = largest_first ? min_key(a, b) : max_key(a, b);
-                    }
-                } else {
-                    const key_t other = __shfl_xor_sync(0xffffffffu, k[r], stride);
-                    const bool lower = (lane & stride) == 0;  // the smaller index of the pair
-                    k[r] = lower == largest_first ? max_key(k[r], other) : min_key(k[r], other);
-                }
-            }
-        }
-    }
 }
 // ---- cp.async: asynchronous global -> shared copies (sm_80+) ----------------------------------
 // `cp.async.cg` copies 16 bytes straight into shared memory without passing through registers
@@ -479,7 +381,6 @@ __device__ __forceinline__ void mbar_init_fence() {
 #define MAX_TASK_COLS 128                 // the host never cuts a matrix-vector task wider
 #define MAX_STAGES 512                    // stages a table may have (the host checks)
 #define MIN_CHUNK_KEYS 128  // cache positions below which a chunk is not split off
-#define FUSED_TOP_K 64                    // the largest top-k the LM head draws itself (the host's MEGAKERNEL_TOP_K)
 // Bytes after every staged input row in shared memory. Rows of GPT-2's widths are a multiple of
 // 128 bytes long: without the pad, the same element of every row would sit in the same bank,
 // and the tensor cores' fragment loads, which read eight rows at once, would take twice the
@@ -1057,48 +958,15 @@ __device__ void matvec_task(const Stage& stage, int task, int B, unsigned slot_a
 }
 
 // ---- the next tokens ------------------------------------------------------------------------
-// A top-k draw's share of argmax_task: the row's best FUSED_TOP_K keys so far (`list`, in shared
-// memory) merged with the task's `cols` logits (`row`, from token n0): the 64 and the task's 128
-// sorted together by the warp, the best 64 kept. Returns whether a logit was NaN or +inf. Not
-// inlined: its registers (8 keys a lane) stay out of the allocation of the kernel's hot loops.
-__device__ __noinline__ int keep_top_keys(const float* row, int n0, int cols, key_t* list) {
-    static_assert(MAX_TASK_COLS == 4 * 32, "a lane keys 4 columns of a task");
-    const int lane = threadIdx.x % 32;
-    key_t k[8];
-    k[0] = list[lane];
-    k[1] = list[32 + lane];
-    const float4 four = *reinterpret_cast<const float4*>(row + 4 * lane);
-    const float logits[4] = {four.x, four.y, four.z, four.w};
-    int bad = 0;
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int c = 4 * lane + j;
-        const bool real = c < cols;
-        bad |= real && (logits[j] != logits[j] || logits[j] == __int_as_float(0x7f800000));
-        k[2 + j] = real ? key_of(logits[j], n0 + c) : 0ull;  // 0: an empty slot
-    }
-    k[6] = k[7] = 0ull;
-    warp_sort_256(k);
-    list[lane] = k[0];
-    list[32 + lane] = k[1];
-    return bad;
-}
-
 // Folds the task's logits (in `tile`) into the block's running best of each row; NaN taints
-// the row (its answer is -1, as the argmax op says). The three draws the LM head takes (the host
-// picks one for the step; the sample op, templates/sampling/sample.cu.tera, draws the same token
-// from the same logits):
-//   inv_temperature == 0   the argmax of the logits.
-//   top_k == 0             the Gumbel-max of logit / T + g(token) over the whole row (a plain
-//                          temperature). A lane scores 4 consecutive tokens, read as one float4:
-//                          one Philox call gives the noise of a group of 4 tokens (two calls where
-//                          the task's first column is not a multiple of 4). +inf taints the row.
-//   0 < top_k <= FUSED_TOP_K   the block's best FUSED_TOP_K keys of the row so far (`lists`),
-//                          merged with the task's (keep_top_keys): the last block to finish
-//                          merges every block's (merge_top_k).
+// the row (its answer is -1, as the argmax op says). With `inv_temperature` > 0 the best is that
+// of the Gumbel scores logit / T + g(token) instead (the sample op's plain-temperature draw,
+// templates/sampling/sample.cu.tera: the same scores, so the same token), and +inf taints the
+// row too. A lane scores 4 consecutive tokens, read as one float4: one Philox call gives the
+// noise of a group of 4 tokens (two calls where the task's first column is not a multiple of 4).
+// (A top-k or top-p draw runs the sample op after the step: benches/RESULTS.md says why.)
 __device__ void argmax_task(const Stage& s, int task, int B, int V, const float* tile, float* best_val,
-                            int* best_idx, int* saw_nan, float inv_temperature, int top_k, DrawKey draw,
-                            key_t* lists) {
+                            int* best_idx, int* saw_nan, float inv_temperature, DrawKey draw) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     if (warp >= B) return;
     const int n0 = task * s.cols;
@@ -1106,9 +974,7 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
     const float* row = tile + warp * MAX_TASK_COLS;
     float v = __int_as_float(0xff800000);
     int i = 0x7fffffff, nan = 0;
-    if (inv_temperature > 0.0f && top_k > 0) {
-        nan = keep_top_keys(row, n0, cols, lists + warp * FUSED_TOP_K);
-    } else if (inv_temperature > 0.0f) {
+    if (inv_temperature > 0.0f) {
         draw.sequence += warp;
         for (int c = 4 * lane; c < cols; c += 4 * 32) {
             const float4 four = *reinterpret_cast<const float4*>(row + c);
@@ -1132,66 +998,6 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
         if (beats(v, i, best_val[warp], best_idx[warp])) { best_val[warp] = v; best_idx[warp] = i; }
         saw_nan[warp] |= nan;
     }
-}
-
-// The last block's merge of a row's top-k (one warp a row; `lists` [grid][MAX_ROWS][FUSED_TOP_K]
-// in the workspace, each sorted largest first, 0 for an empty slot), then top-p and the draw, as
-// the sample op's `finish` does on its candidates (the same arithmetic, so the same token):
-//   1. floor: the largest of the lists' top_k-th keys. A list holds top_k keys at or above its
-//      own, so the row's top_k-th key is at least the floor: only keys at or above it can be kept.
-//   2. rounds: every lane walks its lists (lane, lane + 32, ...) from the top and brings up to
-//      6 keys at or above the floor; with the best 64 so far (registers 0-1) the warp sorts the
-//      256 and keeps the best 64; the floor rises to their top_k-th. Until no lane brings any
-//      (lists are sorted: a key below the floor ends its list). One round in the usual case.
-//   3. the nucleus: the shortest prefix of the top_k whose mass at T reaches top_p of theirs.
-//   4. the Gumbel-max over the nucleus.
-// Returns the token (-1 for a row with NaN or +inf logits).
-__device__ __noinline__ int merge_top_k(const key_t* lists, int grid, int row, int top_k, float inv_temperature, float top_p,
-                           DrawKey draw, bool bad, key_t* sorted /* FUSED_TOP_K, shared */) {
-    const int lane = threadIdx.x % 32;
-    auto list_key = [&](int g, int i) { return __ldcg(lists + ((long long)g * MAX_ROWS + row) * FUSED_TOP_K + i); };
-    key_t floor = 0;
-    for (int g = lane; g < grid; g += 32) floor = max_key(floor, list_key(g, top_k - 1));
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) floor = max_key(floor, __shfl_xor_sync(0xffffffffu, floor, offset));
-    key_t k[8];
-    #pragma unroll
-    for (int r = 0; r < 8; ++r) k[r] = 0ull;
-    int g = lane, at = 0;  // this lane's cursor: list g, key at
-    while (true) {
-        int brought = 0;
-        #pragma unroll
-        for (int s = 2; s < 8; ++s) {
-            k[s] = 0ull;
-            while (g < grid) {
-                const key_t key = at < FUSED_TOP_K ? list_key(g, at) : 0ull;
-                if (key != 0ull && key >= floor) {
-                    k[s] = key;
-                    ++at;
-                    ++brought;
-                    break;
-                }
-                g += 32;  // the rest of this list is below the floor (or empty)
-                at = 0;
-            }
-        }
-        if (!__any_sync(0xffffffffu, brought > 0)) break;
-        warp_sort_256(k);
-        // the top_k-th best so far: register (top_k - 1) / 32 of lane (top_k - 1) % 32
-        const key_t kth = __shfl_sync(0xffffffffu, (top_k - 1) < 32 ? k[0] : k[1], (top_k - 1) % 32);
-        floor = max_key(floor, kth);
-    }
-    sorted[lane] = k[0];
-    sorted[32 + lane] = k[1];
-    __syncwarp();
-    const float row_max = value_of(sorted[0]);
-    const int kept = top_p < 1.0f ? warp_nucleus(sorted, top_k, row_max, inv_temperature, top_p, -1.0f) : top_k;
-    draw.sequence += row;
-    float best = __int_as_float(0xff800000);
-    int best_index = 0x7fffffff;
-    gumbel_max_of_keys(sorted, kept, lane, 32, draw, inv_temperature, best, best_index);
-    warp_reduce_argmax(best, best_index);
-    return bad || best_index == 0x7fffffff ? -1 : best_index;
 }
 
 // ---- attention tasks --------------------------------------------------------------------------
@@ -1417,9 +1223,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, unsigned* counters, float* workspace,
                        const int* tokens, int* next_ids, unsigned long long* timeline,
                        int B, int pos, int NH, int max_T, int V, float scale,
-                       float inv_temperature, int seed_lo, int seed_hi, int seq0, int top_k, float top_p) {
-    // The draw of this step's next tokens (at position pos + 1): inv_temperature 0 = greedy;
-    // top_k 0 = no top-k (then top_p is 1), else at most FUSED_TOP_K; see argmax_task.
+                       float inv_temperature, int seed_lo, int seed_hi, int seq0) {
+    // The draw of this step's next tokens (at position pos + 1): 0 = greedy; see argmax_task.
     const DrawKey draw = {make_uint2((unsigned)seed_lo, (unsigned)seed_hi), (unsigned)(pos + 1), (unsigned)seq0};
     storage_t* ring = reinterpret_cast<storage_t*>(dynamic_smem);                   // SLOTS x SLOT_BYTES
     storage_t* xs = reinterpret_cast<storage_t*>(dynamic_smem + SLOTS * SLOT_BYTES);  // MAX_ROWS x k
@@ -1433,7 +1238,6 @@ decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, un
     __shared__ float best_val[MAX_ROWS];
     __shared__ int best_idx[MAX_ROWS];
     __shared__ int saw_nan[MAX_ROWS];
-    __shared__ key_t top_keys[MAX_ROWS * FUSED_TOP_K];  // a top-k draw: the block's best keys of each row
     __shared__ int is_last;
     __shared__ __align__(16) Stage stage_s;
 
@@ -1449,7 +1253,6 @@ decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, un
         best_idx[threadIdx.x] = 0x7fffffff;
         saw_nan[threadIdx.x] = 0;
     }
-    for (int i = threadIdx.x; i < MAX_ROWS * FUSED_TOP_K; i += THREADS) top_keys[i] = 0ull;  // empty slots
     // Where each stage's tasks end, in shared memory: finding a task's stage must not cost a
     // trip to memory (the acquire of every wait empties L1).
     for (int i = threadIdx.x; i < n_stages; i += THREADS) stage_end[i] = stages[i].first_task + stages[i].tasks;
@@ -1532,7 +1335,7 @@ decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, un
                 matvec_task(st, local, B, slot_addr, xs_addr, bias_s, tile, partial_s, pos, NH, max_T);
                 if (st.flags & FLAG_ARGMAX) {
                     __syncthreads();
-                    argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan, inv_temperature, top_k, draw, top_keys);
+                    argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan, inv_temperature, draw);
                 }
             } else {
                 attention_task(st, local, B, pos, NH, max_T, scale, slot, arrivals, workspace, warp_state, partial_s,
@@ -1568,19 +1371,12 @@ decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, un
         }
     }
 
-    // The draw: every block parks its best of each row (and for a top-k draw its best keys);
-    // the last to arrive picks the winner.
+    // The draw: every block parks its best of each row; the last to arrive picks the winner.
     if (last_stage.flags & FLAG_ARGMAX) {
         float2* partials = reinterpret_cast<float2*>(workspace + last_stage.ws_offset);
-        // after the partials, 8-byte aligned: [grid][MAX_ROWS][FUSED_TOP_K] keys (the host sizes it)
-        key_t* lists = reinterpret_cast<key_t*>(workspace + ((last_stage.ws_offset + 2 * grid * MAX_ROWS + 1) & ~1));
-        const bool by_top_k = inv_temperature > 0.0f && top_k > 0;
         if (threadIdx.x < B)
             partials[blockIdx.x * MAX_ROWS + threadIdx.x] =
                 make_float2(best_val[threadIdx.x], __int_as_float(saw_nan[threadIdx.x] ? -1 : best_idx[threadIdx.x]));
-        if (by_top_k)
-            for (int i = threadIdx.x; i < B * FUSED_TOP_K; i += THREADS)
-                lists[(long long)blockIdx.x * MAX_ROWS * FUSED_TOP_K + i] = top_keys[i];
         __syncthreads();
         if (threadIdx.x == SYNC_THREAD) {
             is_last = add_acq_rel(argmax_arrivals, 1u) == (unsigned)(grid - 1);
@@ -1600,11 +1396,7 @@ decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, un
                 }
                 warp_reduce_argmax(v, idx);
                 nan = __any_sync(0xffffffffu, nan);
-                if (by_top_k)  // (the block's own keys are in the workspace: its slots are free)
-                    idx = merge_top_k(lists, grid, warp, top_k, inv_temperature, top_p, draw, nan,
-                                      top_keys + warp * FUSED_TOP_K);
-                else if (nan) idx = -1;
-                if (lane == 0) next_ids[warp] = idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
+                if (lane == 0) next_ids[warp] = nan || idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
             }
             if (threadIdx.x == SYNC_THREAD) *argmax_arrivals = 0;
         }

@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::bench::BenchArgs;
 use super::bench_decode::{check_timeline_request, ComputePeak, FloorReport};
-use super::fits::{check_batch_fits, CpuTokens};
+use super::fits::{check_batch_fits, CpuTokens, OpeningGpus};
 use super::{decode_engine_for, load, make_gpu_backend, BackendOptions, Device};
 use crate::model::config::GPT2Config;
 use crate::model::cpu::CpuBackend;
@@ -86,6 +86,7 @@ pub(super) fn set_up(args: &BenchArgs) -> Result<BenchSetup> {
         }
     }
     args.sampling.draw(SamplingParams::greedy(), usize::MAX)?;
+    let opening_gpus = OpeningGpus::start(device, &args.target.backend_options(args.batch.largest()));
     let model = load(&args.target.model)?;
     let cfg = model.config.clone();
     let (draw, note) = args.sampling.draw(SamplingParams::greedy(), cfg.vocab_size)?;
@@ -133,7 +134,14 @@ pub(super) fn set_up(args: &BenchArgs) -> Result<BenchSetup> {
         step: args.seq,
         logits: args.seq,
     };
-    let checked = check_batch_fits(&format!("--batch {}", args.batch), device, &cfg, &opts, cpu_tokens)?;
+    let checked = check_batch_fits(
+        &format!("--batch {}", args.batch),
+        device,
+        &cfg,
+        &opts,
+        cpu_tokens,
+        opening_gpus,
+    )?;
     let gpu = match device {
         Device::Cuda => Some(make_gpu_backend(model.clone(), &opts)?),
         Device::Cpu => None,

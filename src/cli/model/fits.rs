@@ -1,7 +1,10 @@
 //! The memory check `bench` and `generate` run before they build a backend: a batch whose
 //! weights, KV cache and activations do not fit in the free memory of each GPU it would run on
 //! (or in the host's available memory, on the CPU) is refused in one line that names the size
-//! needed and the largest batch that fits ([`crate::model::memory_fit`]).
+//! needed and the largest batch that fits ([`crate::model::memory_fit`]). The GPUs it asks are
+//! opened on a thread of their own while the checkpoint loads ([`OpeningGpus`]).
+
+use std::thread::JoinHandle;
 
 use anyhow::{bail, Result};
 
@@ -28,16 +31,57 @@ pub(crate) struct CheckedGpus {
     _contexts: Vec<Gpu>,
 }
 
+/// The GPUs a batch will run on, being opened on a thread of their own: started before the
+/// checkpoint loads, so that the driver's start-up and each CUDA context (a few hundred
+/// milliseconds on a large GPU) overlap the host's reading. [`check_batch_fits`] takes them
+/// (their free memory) and keeps them open until the backend has opened the same contexts.
+pub(crate) struct OpeningGpus(Option<JoinHandle<Option<Vec<OpenedGpu>>>>);
+
+/// A GPU's ordinal and its opened context.
+type OpenedGpu = (usize, Gpu);
+
+impl OpeningGpus {
+    /// Starts opening the GPUs `opts` asks for (none on the CPU).
+    pub(crate) fn start(device: Device, opts: &BackendOptions) -> OpeningGpus {
+        if device == Device::Cpu {
+            return OpeningGpus(None);
+        }
+        let (asked, max_batch) = (opts.devices.clone(), opts.max_batch.max(1));
+        OpeningGpus(Some(std::thread::spawn(move || {
+            let count = crate::gpu::device_count().ok()?;
+            let (devices, _) = gpus_for_batch(&asked, count, max_batch).ok()?;
+            devices
+                .into_iter()
+                .map(|d| Gpu::new(d).ok().map(|gpu| (d, gpu)))
+                .collect()
+        })))
+    }
+
+    /// Nothing opened: the check then opens what it asks itself.
+    #[cfg(test)]
+    pub(crate) fn none() -> OpeningGpus {
+        OpeningGpus(None)
+    }
+
+    /// The opened GPUs, in the order the batch takes them; `None` when one could not be opened
+    /// (the backend then reports why).
+    fn wait(self) -> Option<Vec<OpenedGpu>> {
+        self.0?.join().ok().flatten()
+    }
+}
+
 /// Refuses `opts.max_batch` sequences on `device` when they do not fit; `flag` is how the
 /// refusal names the batch (`--batch 1,8,512`). On the GPU each device is checked for its slice
 /// of the batch as the replicas cut it; when a GPU cannot be opened or asked, the check is left
-/// to the backend, which reports that itself.
+/// to the backend, which reports that itself. `opening`: the GPUs [`OpeningGpus::start`]ed for
+/// these options.
 pub(crate) fn check_batch_fits(
     flag: &str,
     device: Device,
     cfg: &GPT2Config,
     opts: &BackendOptions,
     cpu: CpuTokens,
+    opening: OpeningGpus,
 ) -> Result<CheckedGpus> {
     if opts.max_batch > MAX_BATCH {
         bail!(
@@ -50,7 +94,7 @@ pub(crate) fn check_batch_fits(
             check_host(flag, cfg, opts.max_batch.max(1), cpu)?;
             Ok(CheckedGpus { _contexts: Vec::new() })
         }
-        Device::Cuda => check_gpus(flag, cfg, opts),
+        Device::Cuda => check_gpus(flag, cfg, opts, opening),
     }
 }
 
@@ -77,20 +121,15 @@ fn check_host(flag: &str, cfg: &GPT2Config, batch: usize, cpu: CpuTokens) -> Res
     .into())
 }
 
-fn check_gpus(flag: &str, cfg: &GPT2Config, opts: &BackendOptions) -> Result<CheckedGpus> {
+fn check_gpus(flag: &str, cfg: &GPT2Config, opts: &BackendOptions, opening: OpeningGpus) -> Result<CheckedGpus> {
     let max_batch = opts.max_batch.max(1);
     let unchecked = |contexts| Ok(CheckedGpus { _contexts: contexts });
-    let Ok(count) = crate::gpu::device_count() else {
+    let Some(opened) = opening.wait() else {
         return unchecked(Vec::new());
     };
-    let Ok((devices, _)) = gpus_for_batch(&opts.devices, count, max_batch) else {
-        return unchecked(Vec::new());
-    };
+    let devices: Vec<usize> = opened.iter().map(|(d, _)| *d).collect();
     let (mut contexts, mut free, mut sms) = (Vec::new(), Vec::new(), Vec::new());
-    for &d in &devices {
-        let Ok(gpu) = Gpu::new(d) else {
-            return unchecked(contexts);
-        };
+    for (_, gpu) in opened {
         let Ok(bytes) = gpu.free_memory() else {
             return unchecked(contexts);
         };
@@ -153,10 +192,17 @@ mod tests {
             logits: 1024,
         };
         // 10^6 sequences of 1,024 tokens: petabytes.
-        let e = check_batch_fits("--batch 1,1000000", Device::Cpu, &cfg, &opts(1_000_000), tokens)
-            .err()
-            .expect("refused")
-            .to_string();
+        let e = check_batch_fits(
+            "--batch 1,1000000",
+            Device::Cpu,
+            &cfg,
+            &opts(1_000_000),
+            tokens,
+            OpeningGpus::none(),
+        )
+        .err()
+        .expect("refused")
+        .to_string();
         assert!(!e.contains('\n'), "{e}");
         assert!(
             e.starts_with("--batch 1,1000000: the host (available memory plus the loaded weights) cannot hold 1000000 sequences: they need "),
@@ -175,7 +221,8 @@ mod tests {
                 cached: 16,
                 step: 8,
                 logits: 8
-            }
+            },
+            OpeningGpus::none()
         )
         .is_ok());
     }

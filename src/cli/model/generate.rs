@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use serde_json::json;
 
-use super::fits::{check_batch_fits, CpuTokens};
+use super::fits::{check_batch_fits, CpuTokens, OpeningGpus};
 use super::sampling::SamplingArgs;
 use super::{decode_engine_for, join_ids, load, make_backend, prompt_ids, BackendOptions, EngineArgs, ModelArgs};
 use crate::model::generate::{generate, GenerateOptions};
@@ -56,6 +56,11 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
     // Checked before the model loads (the vocabulary is GPT-2's until then).
     args.sampling.draw(SamplingParams::default(), usize::MAX)?;
+    let backend_options = BackendOptions {
+        decode_engine: engine,
+        ..args.target.backend_options(args.batch)
+    };
+    let opening_gpus = OpeningGpus::start(device, &backend_options);
     let loading = Instant::now();
     let model = load(&args.target.model)?;
     let load_ms = loading.elapsed().as_secs_f64() * 1e3;
@@ -63,10 +68,6 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     if let Some(note) = note {
         eprintln!("note: {note}");
     }
-    let backend_options = BackendOptions {
-        decode_engine: engine,
-        ..args.target.backend_options(args.batch)
-    };
     // Refused before anything is allocated when the batch does not fit (on the CPU: the prompt's
     // prefill, keeping the last position's logits, and the cache up to the last new token).
     let cpu_tokens = CpuTokens {
@@ -76,7 +77,7 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     };
     let flag = format!("--batch {}", args.batch);
     let opening = Instant::now();
-    let checked = check_batch_fits(&flag, device, &model.config, &backend_options, cpu_tokens)?;
+    let checked = check_batch_fits(&flag, device, &model.config, &backend_options, cpu_tokens, opening_gpus)?;
     let mut backend = make_backend(device, args.target.dtype, model, &backend_options)?;
     drop(checked); // the contexts the check opened, kept until the backend holds them
     let open_ms = opening.elapsed().as_secs_f64() * 1e3;

@@ -16,8 +16,7 @@ use super::megakernel_point::{fitted_default, most_rows, MegakernelSummary, MEGA
 use super::plan::{HeadRows, Plan};
 use super::select::{Kernel, Kernels};
 use super::stage_table::{
-    check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, ACC_SPREAD, MAX_TASK_COLS,
-    MEGAKERNEL_TOP_K, STAGE_OPS,
+    check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, ACC_SPREAD, MAX_TASK_COLS, STAGE_OPS,
 };
 use super::{ptr, shape, GpuBackend};
 use crate::gpu::GpuError;
@@ -76,13 +75,11 @@ pub fn decode_step_key(cfg: &GPT2Config, dtype: Dtype, b: usize) -> crate::tune:
 }
 
 /// Whether the megakernel's LM head draws the tokens of `params` itself, with no sample op after
-/// the step: greedy; a temperature that keeps every token (the Gumbel-max over the row); or a
-/// top-k of at most [`MEGAKERNEL_TOP_K`] (each block keeps its best keys, the last merges them,
-/// then top-p and the Gumbel-max). Top-p alone (a nucleus of any length) runs the sample op.
+/// the step: greedy, or a temperature that keeps every token (the Gumbel-max over the row). A
+/// top-k or top-p runs the sample op after the step: merging the blocks' candidate lists in the
+/// last block cost more than the sample op (benches/RESULTS.md, "Top-k in the LM head").
 pub fn drawn_in_lm_head(params: &SamplingParams, vocab: usize) -> bool {
-    params.is_greedy()
-        || params.keeps_every_token(vocab)
-        || (params.cuts_top_k(vocab) && params.top_k <= MEGAKERNEL_TOP_K)
+    params.is_greedy() || params.keeps_every_token(vocab)
 }
 
 impl GpuBackend {
@@ -387,26 +384,18 @@ impl GpuBackend {
             cfg.vocab_size as i32,
         );
         let scale = 1.0f32 / (cfg.head_dim() as f32).sqrt();
-        // 0: the argmax; else the Gumbel-max at this temperature (over the top-k and top-p when
-        // top_k > 0), keyed as the sampler keys it.
-        let (inv_temperature, seed_lo, seed_hi, seq0, top_k, top_p) = match draw {
+        // 0: the argmax; else the Gumbel-max at this temperature, keyed as the sampler keys it.
+        let (inv_temperature, seed_lo, seed_hi, seq0) = match draw {
             Some(d) if !d.params.is_greedy() => {
                 debug_assert!(drawn_in_lm_head(&d.params, cfg.vocab_size));
-                let top_k = if d.params.cuts_top_k(cfg.vocab_size) {
-                    d.params.top_k as i32
-                } else {
-                    0
-                };
                 (
                     1.0f32 / d.params.temperature,
                     d.seed as u32 as i32,
                     (d.seed >> 32) as u32 as i32,
                     i32::try_from(d.first_sequence).unwrap_or(i32::MAX),
-                    top_k,
-                    if top_k > 0 { d.params.top_p } else { 1.0f32 },
                 )
             }
-            _ => (0.0f32, 0, 0, 0, 0, 1.0f32),
+            _ => (0.0f32, 0, 0, 0),
         };
         let mut launch = gpu
             .stream
@@ -428,9 +417,7 @@ impl GpuBackend {
             .arg(&inv_temperature)
             .arg(&seed_lo)
             .arg(&seed_hi)
-            .arg(&seq0)
-            .arg(&top_k)
-            .arg(&top_p);
+            .arg(&seq0);
         // SAFETY: the arguments follow the decode_step signature; the table points into this
         // backend's live weights and buffers (rebuilt whenever a buffer is reallocated), the
         // counters are zero between launches (the kernel resets them on exit), and the launch is
@@ -512,13 +499,12 @@ fn transposed_copy_fits(device: &str, bytes: usize, free: usize) -> Result<(), S
 
 #[cfg(test)]
 mod tests {
-    use super::{drawn_in_lm_head, transposed_copy_fits, MEGAKERNEL_TOP_K};
+    use super::{drawn_in_lm_head, transposed_copy_fits};
     use crate::model::sampling::SamplingParams;
 
-    /// Which draws the LM head takes (the rest run the sample op after the step; the cap is the
-    /// template's, checked with the stage table's constants).
+    /// Which draws the LM head takes (the rest run the sample op after the step).
     #[test]
-    fn the_lm_head_draws_greedy_plain_temperature_and_top_k_up_to_the_templates_cap() {
+    fn the_lm_head_draws_greedy_and_a_plain_temperature() {
         let p = |temperature, top_k, top_p| SamplingParams {
             temperature,
             top_k,
@@ -527,13 +513,12 @@ mod tests {
         let vocab = 50_257;
         for (params, fused) in [
             (SamplingParams::greedy(), true),
-            (p(0.8, 1, 0.5), true),                     // top-k 1: greedy
-            (SamplingParams::default(), true),          // temperature 1, nothing cut
-            (p(0.7, vocab, 1.0), true),                 // top-k of the whole vocabulary cuts nothing
-            (p(0.8, 40, 0.95), true),                   // the usual setting
-            (p(1.0, MEGAKERNEL_TOP_K, 1.0), true),      // the cap
-            (p(1.0, MEGAKERNEL_TOP_K + 1, 1.0), false), // past it: the sample op
-            (p(1.0, 0, 0.9), false),                    // top-p alone: a nucleus of any length
+            (p(0.8, 1, 0.5), true),            // top-k 1: greedy
+            (SamplingParams::default(), true), // temperature 1, nothing cut
+            (p(0.7, vocab, 1.0), true),        // top-k of the whole vocabulary cuts nothing
+            (p(0.8, 40, 0.95), false),         // the usual setting: the sample op
+            (p(1.0, 64, 1.0), false),          // any top-k
+            (p(1.0, 0, 0.9), false),           // top-p alone
         ] {
             assert_eq!(drawn_in_lm_head(&params, vocab), fused, "{params:?}");
         }

@@ -83,7 +83,6 @@ use plan::HeadRows;
 pub use profile::ProfileRow;
 use profile::Profiler;
 use select::{Kernel, Kernels};
-pub use stage_table::MEGAKERNEL_TOP_K;
 
 /// The op (and kernel family) of the decode attention: one query per sequence against the cache.
 pub const ATTENTION_DECODE_OP: &str = "attention_decode";

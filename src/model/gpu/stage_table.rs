@@ -35,9 +35,6 @@ const MAX_STAGES: usize = 512;
 /// Floats from one group of 4 values of the fused MLP's f32 residual stream to the next (one
 /// group a 128-byte line): `ACC_SPREAD` of the template.
 pub const ACC_SPREAD: usize = 32;
-/// The largest top-k the megakernel's LM head draws itself (a longer one runs the sample op after
-/// the step): `FUSED_TOP_K` of the template, the keys of a row a block keeps.
-pub const MEGAKERNEL_TOP_K: usize = 64;
 
 /// What the stage table cannot express or would not run safely.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -448,12 +445,8 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
     }
     let counters = stages.len() + heads + 2;
     Ok(Lowered {
-        // the argmax partials (a float2 a block and row), then, 8-byte aligned, the blocks' best
-        // keys of each row for a top-k draw (MEGAKERNEL_TOP_K u64 a block and row)
-        workspace_floats: argmax_offset
-            + geo.grid * geo.max_rows * 2
-            + 1
-            + geo.grid * geo.max_rows * MEGAKERNEL_TOP_K * 2,
+        // the argmax partials: a float2 a block and row
+        workspace_floats: argmax_offset + geo.grid * geo.max_rows * 2,
         stages,
         layers,
         counters,

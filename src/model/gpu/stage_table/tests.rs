@@ -232,12 +232,8 @@ fn gpt2_small_lowers_to_one_stage_per_fused_op_about_a_wave_each() {
         "attn_proj waits for the 12 heads, not the 132 chunks"
     );
     assert_eq!(lowered.counters, s.len() + 12 + 2);
-    // attention's partials, the argmax partials (a float2 a block and row), then a float of
-    // alignment and the blocks' best keys for a top-k draw (64 u64 a block and row)
-    assert_eq!(
-        lowered.workspace_floats,
-        132 * 66 + 132 * 8 * 2 + 1 + 132 * 8 * MEGAKERNEL_TOP_K * 2
-    );
+    // attention's partials, then the argmax partials (a float2 a block and row)
+    assert_eq!(lowered.workspace_floats, 132 * 66 + 132 * 8 * 2);
     // tasks numbered in order, each stage waiting for the previous one, complete
     for w in s.windows(2) {
         assert_eq!(w[1].first_task, w[0].first_task + w[0].tasks);
@@ -456,7 +452,6 @@ fn the_template_defines_the_hosts_constants() {
         (&megakernel, "MAX_TASK_COLS", MAX_TASK_COLS),
         (&megakernel, "MAX_STAGES", MAX_STAGES),
         (&matvec, "ACC_SPREAD", ACC_SPREAD),
-        (&megakernel, "FUSED_TOP_K", MEGAKERNEL_TOP_K),
     ] {
         let define = format!("#define {name} {value}");
         assert!(
