@@ -389,7 +389,7 @@ fn megakernel_with_fused_mlps_matches_kernel_by_kernel_decode() {
     compare_at("fused 124M bf16 B=8 tensor cores", &gpt2, 8, Dtype::Bf16, 16, 64, &mma);
 }
 
-/// Greedy steps run one ahead on the megakernel (`model::gpu::run_ahead`): a chain of greedy
+/// Greedy steps run one ahead on every engine (`model::gpu::run_ahead`): a chain of greedy
 /// steps, broken now and then by feeding other tokens, up to the end of the context, gives
 /// exactly the ids of the same steps run one at a time (each step's logits, argmax on the
 /// host); every step the caller consumed counts once in the GPU time, none thrown away does;
@@ -399,9 +399,12 @@ fn megakernel_with_fused_mlps_matches_kernel_by_kernel_decode() {
 fn greedy_steps_run_ahead_equal_steps_run_one_at_a_time() {
     let _lock = gpu_lock();
     let tiny = model(2, 2, 128, 64, 300, 31);
-    for dtype in [Dtype::F32, Dtype::Bf16] {
-        let mut ahead = backend(&tiny, 2, dtype, DecodeEngine::Megakernel);
-        let mut one_at_a_time = backend(&tiny, 2, dtype, DecodeEngine::Megakernel);
+    for (dtype, engine) in [Dtype::F32, Dtype::Bf16]
+        .into_iter()
+        .flat_map(|dtype| DecodeEngine::ALL.map(|engine| (dtype, engine)))
+    {
+        let mut ahead = backend(&tiny, 2, dtype, engine);
+        let mut one_at_a_time = backend(&tiny, 2, dtype, engine);
         let prompts: Vec<Vec<u32>> = vec![
             (0..9).map(|i| (i * 13 + 5) % 300).collect(),
             (0..9).map(|i| (i * 29 + 1) % 300).collect(),
@@ -418,7 +421,7 @@ fn greedy_steps_run_ahead_equal_steps_run_one_at_a_time() {
             let want: Vec<u32> = (0..2).map(|b| argmax(logits.last(b)).unwrap()).collect();
             assert_eq!(
                 got, want,
-                "{dtype:?} position {step}: ids of the chain against one step at a time"
+                "{dtype:?} {engine:?} position {step}: ids of the chain against one step at a time"
             );
             // every seventh step the caller breaks the chain: the step run ahead is thrown away
             feed = if step % 7 == 0 {
@@ -432,7 +435,7 @@ fn greedy_steps_run_ahead_equal_steps_run_one_at_a_time() {
         let (_, steps) = ahead.take_decode_gpu_time();
         assert_eq!(
             steps, calls,
-            "{dtype:?}: GPU time of the steps consumed, not of those thrown away"
+            "{dtype:?} {engine:?}: GPU time of the steps consumed, not of those thrown away"
         );
         // a prefill right after a chained step (one ran ahead) starts clean
         let again = ahead.prefill_last(&prompts).unwrap();
@@ -445,7 +448,7 @@ fn greedy_steps_run_ahead_equal_steps_run_one_at_a_time() {
             let logits: Logits = one_at_a_time.decode(&want).unwrap();
             want = (0..2).map(|b| argmax(logits.last(b)).unwrap()).collect();
         }
-        assert_eq!(got, want, "{dtype:?}: two chained steps after a new prefill");
+        assert_eq!(got, want, "{dtype:?} {engine:?}: two chained steps after a new prefill");
     }
 }
 

@@ -119,7 +119,9 @@ encoder_block_a1ad60f71c5a17e4_main(storage_t* out, const int* tokens, const sto
     const int bt = blockIdx.x;        // token index b*T + t
     if (bt >= B * T) return;          // edge guard (the grid is exactly B*T; no barrier follows)
     const int t = bt % T;
-    const int token = __ldg(tokens + bt);  // the same address for every thread: one broadcast
+    // A negative id (-1, a NaN row's answer, read by a decode step launched ahead, which is then
+    // thrown away) reads token 0: never a row before the table.
+    const int token = max(__ldg(tokens + bt), 0);  // the same address for every thread: one broadcast
 
     // 64-bit row offsets: vocab * C and B*T*C can exceed 2^31 elements for large runs.
     const storage_t* wte_row = wte + (long long)token * C;

@@ -97,7 +97,9 @@ encoder_gridstride_1b72c981c2530682_main(storage_t* out, const int* tokens, cons
         const long long bt = i / C;           // token index b*T + t
         const int c = (int)(i - bt * C);      // channel
         const int t = (int)(bt % T);
-        const int token = __ldg(tokens + bt);
+        // A negative id (-1, a NaN row's answer, read by a decode step launched ahead, which is then
+        // thrown away) reads token 0: never a row before the table.
+        const int token = max(__ldg(tokens + bt), 0);
         out[i] = from_float(ldg_element(wte + (long long)token * C + c) +
                             ldg_element(wpe + (long long)(t + pos_offset) * C + c));
     }

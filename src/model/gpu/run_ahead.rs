@@ -1,12 +1,14 @@
-//! Decode steps that choose their tokens on the device run one ahead on the megakernel engine.
+//! Decode steps that choose their tokens on the device run one ahead, on every engine.
 //!
 //! A generation loop feeds each step the ids the previous step returned. So once a step is
 //! launched, the next one can be launched right behind it, reading those ids straight from the
-//! device (the megakernel reads its input tokens from the buffer its argmax, or the sampler
-//! after it, writes), before the host has read them back. A sampled step is as deterministic as
-//! a greedy one: its draw is keyed by (seed, sequence, position), not by a host-side state. The GPU then runs steps back to back. Without it, the
-//! GPU idles every step while the host wakes up, copies the ids back, checks them and launches
-//! the next step: about 25 µs a step on the H100, 7% of a GPT-2 small bf16 step.
+//! device, before the host has read them back: the megakernel reads its input tokens from the
+//! buffer its draw (or the sampler after it) writes; the graph and launches engines copy them
+//! from there into the step's input on the device first. A sampled step is as deterministic as
+//! a greedy one: its draw is keyed by (seed, sequence, position), not by a host-side state. The
+//! GPU then runs steps back to back. Without it, the GPU idles every step while the host wakes
+//! up, copies the ids back, checks them and launches the next step: about 25 µs a step on the
+//! H100, 7% of a GPT-2 small bf16 step on the megakernel, 10% on the graph engine (H200).
 //!
 //! The step launched ahead is a guess that the caller continues the chain with the same draw. A
 //! caller that feeds anything else (the prompt tokens of a ragged batch, ids it changed), draws
@@ -19,7 +21,6 @@ use cudarc::driver::CudaEvent;
 
 use super::{GpuBackend, SYNC_HINT};
 use crate::gpu::GpuError;
-use crate::model::engine::DecodeEngine;
 use crate::model::error::ModelError;
 use crate::model::generate::Draw;
 
@@ -39,13 +40,10 @@ pub(super) struct LaunchedStep {
 }
 
 impl GpuBackend {
-    /// Whether steps may run one ahead: on the megakernel engine, not profiled kernel by
-    /// kernel, not stamped for the timeline, not synchronised after every launch.
+    /// Whether steps may run one ahead: on every engine, when not profiled kernel by kernel, not
+    /// stamped for the timeline, not synchronised after every launch.
     fn may_run_ahead(&self) -> bool {
-        self.step_engine() == DecodeEngine::Megakernel
-            && self.profiler.is_none()
-            && !self.timeline_on
-            && !self.sync_each
+        self.profiler.is_none() && !self.timeline_on && !self.sync_each
     }
 
     /// Throws the step launched ahead away, if there is one (see the module docs). Nothing to

@@ -194,16 +194,18 @@ impl GpuBackend {
             }
             .into());
         }
+        let megakernel = self.step_engine() == DecodeEngine::Megakernel;
         match last {
             Some(last) => self.upload_ids(&last.iter().map(|&t| vec![t]).collect::<Vec<_>>())?,
-            None if self.step_engine() == DecodeEngine::Megakernel && choose.is_some() => {}
-            None => bail!("a decode step from the previous step's ids runs on the megakernel engine only"),
+            // The megakernel reads the ids where its draw wrote them; the other engines' step
+            // reads `act.ids`, filled from there on the device (below, after the start event).
+            None if choose.is_some() => {}
+            None => bail!("a decode step from the previous step's ids needs the ids drawn on the device"),
         }
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
         // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
         // none where the megakernel's LM head stage draws them itself.
-        let megakernel = self.step_engine() == DecodeEngine::Megakernel;
         let in_lm_head = choose.filter(|draw| megakernel && drawn_in_lm_head(&draw.params, cfg.vocab_size));
         let chooser = match choose {
             Some(draw) if in_lm_head.is_none() => Some(Plan {
@@ -222,9 +224,15 @@ impl GpuBackend {
                 self.prepare_decode_graph(&ks, b, pos)?;
             }
             record_event(&start, &self.gpu)?;
+            if last.is_none() {
+                self.ids_from_the_last_draw(b)?;
+            }
             self.decode_graphs[&b].launch(&self.gpu.stream)?;
         } else {
             record_event(&start, &self.gpu)?;
+            if last.is_none() {
+                self.ids_from_the_last_draw(b)?;
+            }
             let plan = self.build_plan(&ks, b, 1, pos, true, HeadRows::All)?;
             self.execute(&plan)?;
         }
@@ -243,6 +251,21 @@ impl GpuBackend {
             }
         }
         Ok(b)
+    }
+
+    /// The step's input ids are the previous step's draw (a step launched ahead on the launches
+    /// or graph engine): `next_ids` copied into `ids` on the device, in stream order after the
+    /// draw and its copy to the host. A NaN row's -1 is read as token 0 by the encoder (such a
+    /// step is thrown away).
+    fn ids_from_the_last_draw(&mut self, b: usize) -> AnyResult<()> {
+        let (src, mut dst) = (self.act.next_ids.slice(0..b), self.act.ids.slice_mut(0..b));
+        self.gpu
+            .stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(GpuError::cuda(format!(
+                "copying {b} drawn token ids to the step's input"
+            )))?;
+        Ok(())
     }
 
     pub(super) fn decode_impl(&mut self, last: &[u32]) -> AnyResult<Logits> {
