@@ -46,9 +46,10 @@ pub struct BenchArgs {
     /// Deprecated: the same as --decode-engine launches.
     #[arg(long, hide = true, conflicts_with = "decode_engine")]
     pub no_cuda_graphs: bool,
-    /// With --decode-engine megakernel: after the timed steps, run one more with every task
-    /// stamped and draw it to this SVG file (a row per block, time across, tasks coloured by op,
-    /// the time a task waited for its inputs hatched).
+    /// With --decode-engine megakernel: after the timed steps, run one more (drawing its tokens
+    /// as they did: greedy, or with the sampling flags) with every task stamped and draw it to
+    /// this SVG file (a row per block, time across, tasks coloured by op, the time a task waited
+    /// for its inputs hatched).
     #[arg(long, value_name = "FILE.svg")]
     pub timeline: Option<PathBuf>,
     /// Print one JSON object instead of tables.
@@ -121,9 +122,13 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     } else {
         0.0
     };
-    // One more step with the megakernel's task stamps on.
+    // One more step with the megakernel's task stamps on, drawing as the timed steps drew (the
+    // token after the prefill and the timed steps' ones).
     let timeline = match (&args.timeline, run.gpu.as_mut()) {
-        (Some(path), Some(g)) if steps > 0 => Some((path, timeline_step(g.primary_mut(), &last_tokens)?)),
+        (Some(path), Some(g)) if steps > 0 => {
+            let position = decode_prefill + steps + 1;
+            Some((path, timeline_step(g.primary_mut(), &last_tokens, &run.draw, position)?))
+        }
         _ => None,
     };
 

@@ -12,6 +12,7 @@ use serde_json::{json, Map, Value};
 use crate::gpu::Gpu;
 use crate::model::engine::{DecodeEngine, Timeline};
 use crate::model::floor::{DecodeBytes, DecodeFlops};
+use crate::model::generate::Draw;
 use crate::model::gpu::GpuBackend;
 use crate::spec::Dtype;
 
@@ -229,10 +230,11 @@ fn folder_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
-/// One more decode step after `next` with the megakernel's stamps on; its timeline.
-pub(crate) fn timeline_step(gpu: &mut GpuBackend, next: &[u32]) -> Result<Timeline> {
+/// One more decode step after `next` with the megakernel's stamps on, drawing as the timed
+/// steps drew (`draw`, the token at `position`); its timeline.
+pub(crate) fn timeline_step(gpu: &mut GpuBackend, next: &[u32], draw: &Draw, position: usize) -> Result<Timeline> {
     gpu.set_timeline(true);
-    let stepped = crate::model::generate::Backend::decode_argmax(gpu, next);
+    let stepped = crate::model::generate::Backend::decode_draw(gpu, next, draw, position);
     let timeline = gpu.take_timeline();
     gpu.set_timeline(false);
     stepped?;

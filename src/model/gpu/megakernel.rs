@@ -76,8 +76,9 @@ pub fn decode_step_key(cfg: &GPT2Config, dtype: Dtype, b: usize) -> crate::tune:
 
 /// Whether the megakernel's LM head draws the tokens of `params` itself, with no sample op after
 /// the step: greedy, or a temperature that keeps every token (the Gumbel-max over the row). A
-/// top-k or top-p runs the sample op after the step: merging the blocks' candidate lists in the
-/// last block cost more than the sample op (benches/RESULTS.md, "Top-k in the LM head").
+/// top-k or top-p runs the sample op after the step: a top-k drawn in the LM head (each block's
+/// best keys, merged by the last block) cost more than the sample op (benches/RESULTS.md, "Top-k
+/// in the LM head").
 pub fn drawn_in_lm_head(params: &SamplingParams, vocab: usize) -> bool {
     params.is_greedy() || params.keeps_every_token(vocab)
 }
