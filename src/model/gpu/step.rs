@@ -219,22 +219,20 @@ impl GpuBackend {
         if megakernel {
             record_event(&start, &self.gpu)?;
             self.megakernel_step(&ks, b, pos, last.is_none(), in_lm_head)?;
-        } else if graphs {
-            if self.prepared != Some((b, pos, self.buffers_generation)) {
+        } else {
+            if graphs && self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
             }
             record_event(&start, &self.gpu)?;
             if last.is_none() {
                 self.ids_from_the_last_draw(b)?;
             }
-            self.decode_graphs[&b].launch(&self.gpu.stream)?;
-        } else {
-            record_event(&start, &self.gpu)?;
-            if last.is_none() {
-                self.ids_from_the_last_draw(b)?;
+            if graphs {
+                self.decode_graphs[&b].launch(&self.gpu.stream)?;
+            } else {
+                let plan = self.build_plan(&ks, b, 1, pos, true, HeadRows::All)?;
+                self.execute(&plan)?;
             }
-            let plan = self.build_plan(&ks, b, 1, pos, true, HeadRows::All)?;
-            self.execute(&plan)?;
         }
         if let Some(plan) = &chooser {
             self.execute(plan)?;
