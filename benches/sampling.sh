@@ -28,8 +28,8 @@ field() { python3 -c 'import json,sys; d=json.loads(open(sys.argv[1]).read().str
 for k in sys.argv[2].split("."): d=d[k]
 print(f"{d:.1f}" if isinstance(d, float) else d)' "$1" "$2" 2>/dev/null || echo -; }
 ratio() { python3 -c 'import sys; a,b=sys.argv[1:]; print(f"{float(a)/float(b):.3f}")' "$1" "$2" 2>/dev/null || echo -; }
-printf '%-11s %5s %12s %12s %8s %12s %8s %12s %8s %9s %9s\n' engine batch "bench greedy" "bench sampled" "s/g" \
-  "gen greedy" "gen/bench" "gen sampled" "gen/bench" "prefill" "start-up"
+printf '%-11s %5s %12s %12s %8s %12s %8s %12s %8s %9s %11s %9s\n' engine batch "bench greedy" "bench sampled" "s/g" \
+  "gen greedy" "gen/bench" "gen sampled" "gen/bench" "prefill" "prefill GPU" "start-up"
 for engine in ${ENGINES:-launches graph megakernel}; do
   for batch in ${BATCHES:-1 8}; do
     common=(--model "$dir" --device cuda --dtype "$dtype" --decode-engine "$engine")
@@ -45,8 +45,9 @@ for engine in ${ENGINES:-launches graph megakernel}; do
     timeout 300 "$bin" generate "${common[@]}" --ids "$prompt" --batch "$batch" --max-new-tokens "$((steps + 1))" --ignore-eot $sampled --json > "$g_s" 2> "$g_s.err"
     bg=$(field "$b_g" decode.tokens_per_s); bs=$(field "$b_s" decode.tokens_per_s)
     gg=$(field "$g_g" decode_tokens_per_s); gs=$(field "$g_s" decode_tokens_per_s)
-    printf '%-11s %5s %12s %12s %8s %12s %8s %12s %8s %9s %9s\n' "$engine" "$batch" "$bg" "$bs" "$(ratio "$bs" "$bg")" \
-      "$gg" "$(ratio "$gg" "$bg")" "$gs" "$(ratio "$gs" "$bs")" "$(field "$g_s" stats.prefill_ms)" "$(field "$g_s" stats.startup_ms)"
+    printf '%-11s %5s %12s %12s %8s %12s %8s %12s %8s %9s %11s %9s\n' "$engine" "$batch" "$bg" "$bs" "$(ratio "$bs" "$bg")" \
+      "$gg" "$(ratio "$gg" "$bg")" "$gs" "$(ratio "$gs" "$bs")" "$(field "$g_s" stats.prefill_ms)" \
+      "$(field "$g_s" stats.prefill_gpu_ms)" "$(field "$g_s" stats.startup_ms)"
   done
 done
 # A whole process: 20 new tokens from the 5-token prompt, the kernel cache warm from the runs above.

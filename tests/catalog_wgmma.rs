@@ -143,11 +143,19 @@ fn tma_family_targets_sm_90a_and_plans_its_tensor_maps() {
         "__cluster_dims__(CLUSTER_SIZE, 1, 1)",
         "#define SPLIT_K 4",
         "ld.shared::cluster.v4.f32",
-        "mbarrier.arrive.release.cluster.shared::cluster.b64",
-        "mbarrier.try_wait.parity.acquire.cluster",
+        // the exchange's two turns a tile at the cluster barrier, which racecheck follows
+        "barrier.cluster.arrive.release;",
+        "barrier.cluster.wait.acquire;",
+        "exchange_turns();",
+        "close_exchange(local);",
     ] {
         assert!(code.contains(want), "split-K: missing {want}");
     }
+    // not mbarriers between CTAs, which it does not
+    assert!(
+        !code.contains("mbarrier.arrive.release.cluster"),
+        "split-K: a cross-CTA mbarrier arrival is back"
+    );
     let short_k: kernelforge::ops::Shape = [("M", 64), ("N", 64), ("K", 192), ("T", 64), ("n_head", 1)]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))

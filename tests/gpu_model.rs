@@ -358,6 +358,14 @@ fn greedy_generation_is_identical() {
     eprintln!("{}", got.stats.summary());
     assert_eq!(got.tokens, want.tokens);
     assert_eq!(got.tokens[0].len(), 20);
+    // The GPU times its prefill (the CPU does not), within the prefill call's wall time.
+    let gpu_ms = got.stats.prefill_gpu_ms.expect("the GPU backend times its prefill");
+    assert!(
+        gpu_ms > 0.0 && gpu_ms <= got.stats.prefill_ms,
+        "{gpu_ms} ms GPU, {} ms wall",
+        got.stats.prefill_ms
+    );
+    assert_eq!(want.stats.prefill_gpu_ms, None);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // matmul_wgmma_tma (the same template) for f32 at f32 accuracy: each product is three TF32 wgmma instructions on a split of the operands, x = trunc(x) + low(x) (3xTF32); the tensor cores read trunc(x) from the TMA stages themselves, and the producer warpgroup's three idle warps write the low parts into a ring of their own; more than twice what FP32 FMA (cuBLAS SGEMM) reaches
 // Variant: dtype=f32 epilogue=bias_gelu mma_n=128 m_tiles=1 consumers=2 split_k=1 split_n=0 pingpong=0 panels=1 stages=3 min_blocks=1 cluster_m=1 staged_epilogue=1 grouped_stores=0 raster_m=0 stats_pass=0 low_stages=3
-// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=128 acc_regs=64 stage_bytes=32768 epi_bytes=128 group_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=231584
+// Derived: threads=384 wg_m=64 shared=1 block_m=128 block_n=128 acc_regs=64 stage_bytes=32768 epi_bytes=128 group_bytes=128 launch_regs=168 producer_regs=40 consumer_regs=232 smem_bytes=231568
 
 // ---------------------------------------------------------------------------------------------
 // matmul_wgmma_tma_3xtf32 / matmul_wgmma_tma_3xtf32_bias_gelu_6ff223a7ed33933d  (op matmul, dtype f32, epilogue bias_gelu)
@@ -62,8 +62,8 @@
 // 6. Split-K across a cluster (SPLIT_K [1] > 1). At M = 1024 a GPT-2 projection has only 32 to 64
 //    output tiles for 132 SMs. SPLIT_K CTAs of a cluster then take the same tile, each its
 //    slice of K, and add their partial sums through distributed shared memory: each writes
-//    its f32 accumulators into its own (idle) ring, signals the others, and reads theirs back
-//    for the epilogue chunks it owns (chunk q belongs to CTA q % SPLIT_K), summing the slices in
+//    its f32 accumulators into its own (idle) ring, meets the others at the cluster barrier, and
+//    reads theirs back for the epilogue chunks it owns (chunk q belongs to CTA q % SPLIT_K), summing the slices in
 //    one fixed order, so the result does not depend on who finishes first. No workspace, no
 //    counters in global memory, no second kernel (add_peer_partials).
 // 7. f32 at f32 accuracy on TF32 tensor cores (dtype f32, family matmul_wgmma_tma_3xtf32).
@@ -550,15 +550,16 @@ __device__ __forceinline__ int low_stage(unsigned i) { return i % LOW_STAGES; }
 __device__ __forceinline__ unsigned low_parity(unsigned i) { return (i / LOW_STAGES) & 1; }
 
 // 3xTF32: warps 1-3 of the producer warpgroup (thread 0 issues the copies) write low(x) =
-// x - trunc(x) of every landed stage into the low ring, for all K tiles of this block in the
-// consumers' order. A 16-byte piece per thread and step: consecutive threads take consecutive
+// x - trunc(x) of every landed stage into the low ring: K tiles first .. first + k_tiles - 1 of
+// this block, in the consumers' order. A 16-byte piece per thread and step: consecutive threads take consecutive
 // pieces (no bank conflicts), and low() is elementwise, so the swizzled layout carries over.
 // The writes go through the generic proxy and wgmma reads through the async one: each thread
 // fences its writes before its warp reports them (one arrival per warp on low_full).
 constexpr int SPLITTERS = 96;
 __device__ __forceinline__ void split_stages(unsigned smem_base, unsigned low_ring, unsigned full_bar,
-                                             unsigned low_full_bar, unsigned low_empty_bar, unsigned k_tiles) {
-    for (unsigned i = 0; i < k_tiles; ++i) {
+                                             unsigned low_full_bar, unsigned low_empty_bar, unsigned first,
+                                             unsigned k_tiles) {
+    for (unsigned i = first; i < first + k_tiles; ++i) {
         const unsigned stage = smem_base + ring_stage(i) * STAGE_BYTES;
         const unsigned low = low_ring + low_stage(i) * STAGE_BYTES;
         mbar_wait(low_empty_bar + 8 * low_stage(i), low_parity(i) ^ 1);   // the consumers are done with it
@@ -712,9 +713,7 @@ matmul_wgmma_tma_3xtf32_bias_gelu_6ff223a7ed33933d_main(storage_t* out, const st
     const unsigned empty_bar = full_bar + STAGES * 8;
     const unsigned turn_bar = empty_bar + STAGES * 8;   // ping-pong: turn[c], c = 0, 1
     const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]
-    const unsigned ready_bar = residual_bar + CONSUMERS * 16;   // split-K: the others' sums are in
-    const unsigned consumed_bar = ready_bar + 8;                // split-K: the others have read ours
-    const unsigned low_full_bar = consumed_bar + 8;             // 3xTF32: [LOW_STAGES] each
+    const unsigned low_full_bar = residual_bar + CONSUMERS * 16;   // 3xTF32: [LOW_STAGES] each
     const unsigned low_empty_bar = low_full_bar + 8 * LOW_STAGES;
     auto a_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES; };
     auto b_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
@@ -785,7 +784,7 @@ matmul_wgmma_tma_3xtf32_bias_gelu_6ff223a7ed33933d_main(storage_t* out, const st
         }
         else if (threadIdx.x >= 32) {
             const unsigned my_units = first_unit < units ? (units - first_unit + unit_step - 1) / unit_step : 0;
-            split_stages(smem_base, low_ring, full_bar, low_full_bar, low_empty_bar, my_units * (k_end - k_begin));
+            split_stages(smem_base, low_ring, full_bar, low_full_bar, low_empty_bar, 0, my_units * (k_end - k_begin));
         }
         __syncwarp();
     } else {

@@ -177,6 +177,12 @@ pub trait Backend {
         None
     }
 
+    /// The GPU time of the last prefill in ms (from its input's upload to its last kernel), once
+    /// after each prefill; `None` where the backend does not time it (the CPU).
+    fn prefill_gpu_ms(&mut self) -> Result<Option<f64>> {
+        Ok(None)
+    }
+
     /// How decode steps run (GPU backends; `None` for the CPU, which has one way).
     fn decode_engine(&self) -> Option<DecodeEngine> {
         None
@@ -263,6 +269,8 @@ pub struct GenerateStats {
     pub startup_ms: f64,
     /// Wall time of the prefill call.
     pub prefill_ms: f64,
+    /// GPU time of the prefill (its upload and kernels), where the backend times it.
+    pub prefill_gpu_ms: Option<f64>,
     /// Number of decode calls (each feeds one token per sequence).
     pub decode_steps: usize,
     /// Wall time of the decode steps, sampling included.
@@ -290,8 +298,11 @@ impl GenerateStats {
         } else {
             String::new()
         };
+        let prefill_gpu = self
+            .prefill_gpu_ms
+            .map_or(String::new(), |g| format!(" ({g:.2} ms GPU)"));
         format!(
-            "{}: batch {}, prompt {} tokens, {loading}start-up {:.1} ms, prefill {:.1} ms, generated {} tokens, decode {} steps in {:.1} ms ({:.1} tok/s)",
+            "{}: batch {}, prompt {} tokens, {loading}start-up {:.1} ms, prefill {:.1} ms{prefill_gpu}, generated {} tokens, decode {} steps in {:.1} ms ({:.1} tok/s)",
             self.backend,
             self.batch,
             self.prompt_tokens,
@@ -382,6 +393,7 @@ pub fn generate(
     let t0 = Instant::now();
     let logits = backend.prefill_last(&prefix)?;
     stats.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+    stats.prefill_gpu_ms = backend.prefill_gpu_ms()?;
     check_logits(&logits, batch, backend.name())?;
 
     // The first tokens are drawn on the host from the prefill's logits; every later one by the

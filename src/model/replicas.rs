@@ -360,6 +360,11 @@ impl Backend for Replicas {
         Some(self.first.decode_engine())
     }
 
+    /// The first GPU's (the slices run side by side).
+    fn prefill_gpu_ms(&mut self) -> Result<Option<f64>> {
+        self.first.prefill_gpu_ms()
+    }
+
     fn config(&self) -> &GPT2Config {
         self.first.config()
     }

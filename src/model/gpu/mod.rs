@@ -187,6 +187,8 @@ pub struct GpuBackend {
     pinned_logits: Option<PinnedHostSlice<u8>>,
     /// CUDA events around the last decode step's kernels, and the GPU time of the steps so far.
     step_events: Option<(CudaEvent, CudaEvent)>,
+    /// CUDA events around the last prefill's upload and kernels.
+    prefill_events: Option<(CudaEvent, CudaEvent)>,
     /// The step launched ahead of the caller (see `run_ahead.rs`); `len` counts it. And the ids
     /// the last step choosing on the device returned (a caller feeding them back is chaining).
     ahead: Option<run_ahead::LaunchedStep>,
@@ -393,6 +395,10 @@ impl Backend for GpuBackend {
 
     fn decode_engine(&self) -> Option<DecodeEngine> {
         Some(self.step_engine())
+    }
+
+    fn prefill_gpu_ms(&mut self) -> Result<Option<f64>> {
+        self.take_prefill_gpu_ms().map_err(|e| self.model_error(e))
     }
 
     fn stats_note(&self) -> Option<String> {

@@ -236,6 +236,7 @@ impl GpuBackend {
             host_logits: Vec::new(),
             pinned_logits: None,
             step_events: None,
+            prefill_events: None,
             ahead: None,
             returned: Vec::new(),
             pinned_ids: Vec::new(),

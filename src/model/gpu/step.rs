@@ -98,6 +98,19 @@ impl GpuBackend {
         self.read_timeline()
     }
 
+    /// The last prefill's GPU time in ms (its events; waits for them), once.
+    pub(super) fn take_prefill_gpu_ms(&mut self) -> AnyResult<Option<f64>> {
+        let Some((start, end)) = self.prefill_events.take() else {
+            return Ok(None);
+        };
+        end.synchronize()
+            .map_err(GpuError::cuda("waiting for the prefill's end event"))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(GpuError::cuda("reading the prefill events"))?;
+        Ok(Some(ms as f64))
+    }
+
     /// (total GPU ms, steps) of the decode steps since the last call: the time from the first
     /// kernel of a step to its last, without the host's share (copies, sampling); clears it.
     pub fn take_decode_gpu_time(&mut self) -> (f64, usize) {
@@ -133,10 +146,15 @@ impl GpuBackend {
         self.batch = 0;
         self.len = 0;
         self.ensure_capacity(b, t)?;
-        self.upload_ids(tokens)?;
         let ks = self.kernels(b, t, false, head == HeadRows::Last)?;
         let plan = self.build_plan(&ks, b, t, 0, false, head)?;
+        // The prefill's GPU time: the ids' upload and every kernel, not the logits' copy back.
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
+        record_event(&start, &self.gpu)?;
+        self.upload_ids(tokens)?;
         self.execute(&plan)?;
+        record_event(&end, &self.gpu)?;
+        self.prefill_events = Some((start, end));
         let rows = plan.head_rows;
         if ks.kv_append.is_some() {
             self.batch = b;
