@@ -113,10 +113,21 @@ fn a_batch_larger_than_the_megakernel_holds_runs_on_the_graph_engine_and_says_so
     g.prefill_last(&prompts[..8]).unwrap();
     g.decode(&next[..8]).unwrap();
     assert_eq!(Backend::decode_engine(&g), Some(DecodeEngine::Megakernel));
+    // In 16-bit storage the tensor cores take 16 rows on the megakernel, and 17 hand off.
+    for (batch, engine) in [(16, DecodeEngine::Megakernel), (17, DecodeEngine::Graph)] {
+        let prompts: Vec<Vec<u32>> = (0..batch).map(|b| vec![b, 1, 2]).collect();
+        let next: Vec<u32> = (0..batch).collect();
+        let mut g = backend(&tiny, batch as usize, Dtype::Bf16, DecodeEngine::Megakernel);
+        g.prepare(batch as usize, 3).unwrap();
+        g.prefill_last(&prompts).unwrap();
+        let logits = g.decode(&next).unwrap();
+        assert!(logits.data.iter().all(|x| x.is_finite()), "bf16 batch {batch}");
+        assert_eq!(Backend::decode_engine(&g), Some(engine), "bf16 batch {batch}");
+    }
 }
 
-/// Greedy ids of the graph engine (batch 1, 8, 64 and 256: the decode attention of every cache
-/// bucket, the batch handoff) and of the megakernel (1 and 8) equal the kernel-by-kernel path's
+/// Greedy ids of the graph engine (batch 1, 8, 16, 64 and 256: the decode attention of every cache
+/// bucket, the batch handoff) and of the megakernel (1 and 8; 16 in bf16, on the tensor cores) equal the kernel-by-kernel path's
 /// over 256 steps, computed on the device (`decode_argmax`). Teacher-forced with the reference's
 /// ids, so one near-tie cannot end the comparison: a step may differ only where the reference's
 /// top two logits are closer than the dtype's rounding (f32 1e-4 of the largest: the engines sum
@@ -129,11 +140,13 @@ fn greedy_ids_of_every_engine_equal_kernel_by_kernel_over_256_steps() {
     let tiny = model(2, 2, 128, prompt_len + steps + 8, 1000, 256);
     for dtype in [Dtype::F32, Dtype::Bf16] {
         let tie = if dtype == Dtype::F32 { 1e-4 } else { 3e-2 };
-        for batch in [1usize, 8, 64, 256] {
+        // 16 rows: the megakernel on the tensor cores, bf16 only (f32 hands off past 8)
+        let megakernel_rows = if dtype == Dtype::Bf16 { 16 } else { 8 };
+        for batch in [1usize, 8, 16, 64, 256] {
             let mut reference = backend(&tiny, batch, dtype, DecodeEngine::Launches);
             let mut engines: Vec<(DecodeEngine, GpuBackend)> = [DecodeEngine::Graph, DecodeEngine::Megakernel]
                 .into_iter()
-                .filter(|&e| e != DecodeEngine::Megakernel || batch <= 8)
+                .filter(|&e| e != DecodeEngine::Megakernel || batch <= megakernel_rows)
                 .map(|e| (e, backend(&tiny, batch, dtype, e)))
                 .collect();
             let prompts: Vec<Vec<u32>> = (0..batch as u32)

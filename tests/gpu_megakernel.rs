@@ -191,6 +191,20 @@ fn megakernel_small_for_the_sanitizer() {
     check("sanitizer f32 B=2", &tiny, 2, Dtype::F32, &[]);
     check("sanitizer f32 B=8 (inputs by cp.async)", &tiny, 8, Dtype::F32, &[]);
     check("sanitizer bf16 B=2 (tensor cores)", &tiny, 2, Dtype::Bf16, &[]);
+    // 16 rows (MMA rows g + 8 too; the draw's warps take a second row each past 8)
+    let sixteen = [
+        ("max_rows", 16),
+        ("threads", 256),
+        ("tensor_cores", 1),
+        ("cols_per_warp", 1),
+    ];
+    check(
+        "sanitizer bf16 B=13 (16 rows on the tensor cores)",
+        &tiny,
+        13,
+        Dtype::Bf16,
+        &sixteen,
+    );
     check(
         "sanitizer bf16 B=3, fused MLPs",
         &tiny,

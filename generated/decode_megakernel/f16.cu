@@ -963,35 +963,37 @@ __device__ void matvec_task(const Stage& stage, int task, int B, unsigned slot_a
 __device__ void argmax_task(const Stage& s, int task, int B, int V, const float* tile, float* best_val,
                             int* best_idx, int* saw_nan, float inv_temperature, DrawKey draw) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (warp >= B) return;
     const int n0 = task * s.cols;
     const int cols = min(s.cols, V - n0);  // padded vocabulary columns never win
-    const float* row = tile + warp * MAX_TASK_COLS;
-    float v = __int_as_float(0xff800000);
-    int i = 0x7fffffff, nan = 0;
-    if (inv_temperature > 0.0f) {
-        draw.sequence += warp;
-        for (int c = 4 * lane; c < cols; c += 4 * 32) {
-            const float4 four = *reinterpret_cast<const float4*>(row + c);
-            const float logits[4] = {four.x, four.y, four.z, four.w};
-            uint4 words = noise_words(draw, (unsigned)(n0 + c) / 4u);
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int id = n0 + c + j;
-                if (c + j >= cols) break;
-                if ((n0 + c + j) % 4 == 0 && j > 0) words = noise_words(draw, (unsigned)id / 4u);  // (n0 % 4 != 0)
-                if (logits[j] == __int_as_float(0x7f800000)) nan = 1;
-                consider(fmaf(logits[j], inv_temperature, gumbel_of(word_of(words, id % 4))), id, v, i, nan);
+    for (int b = warp; b < B; b += WARPS) {  // a warp a row (more rows than warps: a second turn)
+        const float* row = tile + b * MAX_TASK_COLS;
+        float v = __int_as_float(0xff800000);
+        int i = 0x7fffffff, nan = 0;
+        if (inv_temperature > 0.0f) {
+            DrawKey key = draw;
+            key.sequence += b;
+            for (int c = 4 * lane; c < cols; c += 4 * 32) {
+                const float4 four = *reinterpret_cast<const float4*>(row + c);
+                const float logits[4] = {four.x, four.y, four.z, four.w};
+                uint4 words = noise_words(key, (unsigned)(n0 + c) / 4u);
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int id = n0 + c + j;
+                    if (c + j >= cols) break;
+                    if ((n0 + c + j) % 4 == 0 && j > 0) words = noise_words(key, (unsigned)id / 4u);  // (n0 % 4 != 0)
+                    if (logits[j] == __int_as_float(0x7f800000)) nan = 1;
+                    consider(fmaf(logits[j], inv_temperature, gumbel_of(word_of(words, id % 4))), id, v, i, nan);
+                }
             }
+        } else {
+            for (int c = lane; c < cols; c += 32) consider(row[c], n0 + c, v, i, nan);
         }
-    } else {
-        for (int c = lane; c < cols; c += 32) consider(row[c], n0 + c, v, i, nan);
-    }
-    warp_reduce_argmax(v, i);
-    nan = __any_sync(0xffffffffu, nan);
-    if (lane == 0) {
-        if (beats(v, i, best_val[warp], best_idx[warp])) { best_val[warp] = v; best_idx[warp] = i; }
-        saw_nan[warp] |= nan;
+        warp_reduce_argmax(v, i);
+        nan = __any_sync(0xffffffffu, nan);
+        if (lane == 0) {
+            if (beats(v, i, best_val[b], best_idx[b])) { best_val[b] = v; best_idx[b] = i; }
+            saw_nan[b] |= nan;
+        }
     }
 }
 
@@ -1380,18 +1382,18 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
         if (is_last) {
             __threadfence();
             const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-            if (warp < B) {
+            for (int b = warp; b < B; b += WARPS) {  // a warp a row
                 float v = __int_as_float(0xff800000);
                 int idx = 0x7fffffff, nan = 0;
                 for (int g = lane; g < grid; g += 32) {
-                    const float2 p = __ldcg(partials + g * MAX_ROWS + warp);
+                    const float2 p = __ldcg(partials + g * MAX_ROWS + b);
                     const int pi = __float_as_int(p.y);
                     if (pi == -1) nan = 1;
                     else if (beats(p.x, pi, v, idx)) { v = p.x; idx = pi; }
                 }
                 warp_reduce_argmax(v, idx);
                 nan = __any_sync(0xffffffffu, nan);
-                if (lane == 0) next_ids[warp] = nan || idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
+                if (lane == 0) next_ids[b] = nan || idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
             }
             if (threadIdx.x == SYNC_THREAD) *argmax_arrivals = 0;
         }

@@ -111,8 +111,8 @@ pub struct TuneArgs {
     /// Peaks and ceilings are measured on the first GPU of each kind.
     #[arg(long, value_name = "LIST|all", value_parser = super::model::parse_devices)]
     pub devices: Option<DeviceSelection>,
-    /// Also tune the decode step of --model for each --batch the megakernel holds (at most 8;
-    /// larger batches decode on the graph engine, and are skipped with a note): the decode
+    /// Also tune the decode step of --model for each --batch the megakernel holds (at most 16
+    /// in f16/bf16, 8 in f32; larger batches decode on the graph engine, and are skipped with a note): the decode
     /// megakernel's point (threads, blocks per SM, weight slots, columns per warp, attention
     /// chunks, copy engine, tensor cores, the MLP as one stage), searched by timing greedy
     /// decode steps on random weights of the model's shape (the mean after a short prompt and

@@ -64,20 +64,23 @@ pub(super) fn tune_decode_steps(
     reuse: bool,
 ) -> Result<Vec<DecodeTuned>> {
     let family = catalog.family(MEGAKERNEL_FAMILY)?.clone();
-    let most_rows = most_rows(&family).max(1);
+    let device = Gpu::new(0).context("opening GPU 0")?;
+    let step_shape = |b: usize| decode_step_key(cfg, dtype, b).shape;
+    let most_rows = most_rows(&family, &step_shape, op_dtype(dtype), &device.info.limits).max(1);
     // A batch no point holds runs on the graph engine (`GpuBackend::engine_for`): no engine to
     // choose, nothing to tune; said once, and the rest of the list is tuned.
     let (batches, handed_off): (Vec<usize>, Vec<usize>) = batches.iter().partition(|&&b| b <= most_rows);
     if !handed_off.is_empty() {
         let list: Vec<String> = handed_off.iter().map(ToString::to_string).collect();
         eprintln!(
-            "decode step, batch {}: the megakernel holds at most {most_rows} sequences (max_rows in \
-             specs/{MEGAKERNEL_FAMILY}.toml); these batches decode on the graph engine, nothing to tune",
+            "decode step, batch {}: the megakernel holds at most {most_rows} sequences of this model in {dtype} on \
+             this GPU (max_rows in specs/{MEGAKERNEL_FAMILY}.toml); these batches decode on the graph engine, \
+             nothing to tune",
             list.join(", ")
         );
     }
     let mut out = if reuse {
-        stored_decode_steps(cfg, dtype, &batches)?
+        stored_decode_steps(&device, cfg, dtype, &batches)?
     } else {
         Vec::new()
     };
@@ -187,10 +190,9 @@ pub(super) fn tune_decode_steps(
 
 /// The decode steps of `batches` that GPU 0's default tuning database holds, read back (the
 /// database is found from the GPU and NVRTC, without building a backend).
-fn stored_decode_steps(cfg: &GPT2Config, dtype: Dtype, batches: &[usize]) -> Result<Vec<DecodeTuned>> {
-    let gpu = Gpu::new(0).context("opening GPU 0")?;
+fn stored_decode_steps(gpu: &Gpu, cfg: &GPT2Config, dtype: Dtype, batches: &[usize]) -> Result<Vec<DecodeTuned>> {
     let compiler = Compiler::new(&gpu.info.arch()).context("setting up NVRTC")?;
-    let header = DbHeader::for_device(&gpu, &compiler);
+    let header = DbHeader::for_device(gpu, &compiler);
     let path = default_path(&header);
     if !path.exists() {
         return Ok(Vec::new());

@@ -62,8 +62,8 @@ found fastest for this GPU, model, dtype and batch, else graph). \
 launches: one kernel launch per op (profilable kernel by kernel); \
 graph: the step recorded once as a CUDA graph and replayed with one launch; \
 megakernel: one persistent kernel runs the whole step (blocks pull tasks in order, \
-streaming the next weights while they wait) for batches of up to 8 sequences; a larger batch \
-runs on the graph engine, with a note";
+streaming the next weights while they wait) for batches of up to 16 sequences in f16/bf16 \
+(tensor cores, sm_80 on) and 8 in f32; a larger batch runs on the graph engine, with a note";
 
 fn parse_engine(s: &str) -> Result<DecodeEngine, UnknownEngine> {
     s.parse()

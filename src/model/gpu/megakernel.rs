@@ -174,12 +174,16 @@ impl GpuBackend {
         }
     }
 
-    /// The most sequences a point of the megakernel family holds (0 without the family).
-    pub(super) fn megakernel_most_rows(&self) -> usize {
-        self.registry
-            .catalog
-            .family(MEGAKERNEL_FAMILY)
-            .map_or(0, |f| most_rows(f))
+    /// The most sequences a point of the megakernel family holds for this model, dtype and GPU
+    /// ([`most_rows`]; 0 without the family), worked out once.
+    pub fn megakernel_most_rows(&self) -> usize {
+        *self.megakernel_rows_held.get_or_init(|| {
+            let (cfg, dtype) = (&self.model.config, self.dtype);
+            self.registry.catalog.family(MEGAKERNEL_FAMILY).map_or(0, |family| {
+                let step_shape = |b: usize| decode_step_key(cfg, dtype, b).shape;
+                most_rows(family, &step_shape, op_dtype(dtype), &self.gpu.info.limits)
+            })
+        })
     }
 
     /// Run the megakernel at this point of `decode_megakernel` (the default with these params

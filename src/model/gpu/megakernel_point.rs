@@ -138,15 +138,30 @@ pub fn fitted_default(family: &Arc<Family>, shape: &Shape, dtype: Dtype, limits:
     point
 }
 
-/// The most sequences any point of the megakernel family is compiled for (its largest
-/// `max_rows`; 0 when the spec lists none).
-pub fn most_rows(family: &Family) -> usize {
-    family
-        .params
-        .get("max_rows")
-        .and_then(|v| v.iter().max().copied())
-        .unwrap_or(0)
-        .max(0) as usize
+/// The most sequences the megakernel family holds for a decode step of this model, dtype and GPU:
+/// the largest `max_rows` whose [`fitted_default`] is a valid point that fits the step
+/// (`step_shape(rows)`, as [`super::decode_step_key`] gives it); 0 when none does. 16 rows need
+/// the tensor cores (16-bit storage, sm_80 on), and a wide model runs out of shared memory for
+/// its staged rows sooner (GPT-2 1.5B in f32 from 5 rows). A batch past it runs on the graph
+/// engine ([`super::GpuBackend::engine_for`]).
+pub fn most_rows(
+    family: &Arc<Family>,
+    step_shape: &dyn Fn(usize) -> Shape,
+    dtype: Dtype,
+    limits: &DeviceLimits,
+) -> usize {
+    let mut rows = family.params.get("max_rows").cloned().unwrap_or_default();
+    rows.sort_unstable();
+    rows.into_iter()
+        .rev()
+        .filter(|&r| r > 0)
+        .find(|&r| {
+            let shape = step_shape(r as usize);
+            let point = fitted_default(family, &shape, dtype, limits);
+            variant_with(family, &point, dtype, Epilogue::None, Mask::None, limits)
+                .is_ok_and(|variant| variant.check_shape(&shape, limits).is_ok())
+        })
+        .map_or(0, |r| r as usize)
 }
 
 #[cfg(test)]
@@ -223,7 +238,15 @@ mod tests {
         assert_eq!(batch["kslice"], 0, "the K cut is for one row");
         // 2 slots of 96 KiB, 8 rows of 4 * 768 bf16 and the static 16 KiB exceed 227 KiB
         assert_eq!((batch["slots"], batch["slot_kib"]), (2, 64));
-        assert!(!fitted(9, 2).contains_key("max_rows"), "no point holds 9 rows");
+        // 9 to 16 rows: the tensor cores' m16n8k16 takes all 16 at once; 2 slots of 48 KiB
+        // beside 16 staged rows and the LM head's 16-row tile
+        let sixteen = fitted(9, 2);
+        assert_eq!(
+            (sixteen["max_rows"], sixteen["threads"], sixteen["tensor_cores"]),
+            (16, 256, 1)
+        );
+        assert_eq!((sixteen["slots"], sixteen["slot_kib"]), (2, 48));
+        assert!(!fitted(17, 2).contains_key("max_rows"), "no point holds 17 rows");
         // the copy engine's bulk copies need sm_90: older GPUs fill the ring with cp.async
         assert!(!bf16.contains_key("bulk_copy"), "Hopper keeps the default bulk copies");
         let catalog = catalog();
@@ -253,6 +276,34 @@ mod tests {
             (point["bulk_copy"], point["tensor_cores"]),
             (0, 0),
             "no m16n8k16 on a T4: {point:?}"
+        );
+    }
+
+    /// How many sequences the megakernel holds depends on the storage, the GPU and the model: 16
+    /// rows on the tensor cores (16-bit storage from sm_80), 8 on the FMAs (f32, a T4), fewer
+    /// where the staged rows outgrow shared memory (GPT-2 1.5B in f32).
+    #[test]
+    fn the_rows_the_megakernel_holds_follow_storage_gpu_and_model() {
+        let catalog = catalog();
+        let family = catalog.family(MEGAKERNEL_FAMILY).unwrap();
+        let held = |c: usize, heads: i64, dtype: crate::spec::Dtype, limits: &DeviceLimits| {
+            let elem_bytes = if dtype == crate::spec::Dtype::F32 { 4 } else { 2 };
+            most_rows(family, &|b| gpt2_shape(b, c, heads, 12, elem_bytes), dtype, limits)
+        };
+        let hopper = DeviceLimits::default();
+        let turing = DeviceLimits {
+            compute_capability: (7, 5),
+            ..DeviceLimits::default()
+        };
+        use crate::spec::Dtype::{Bf16, F16, F32};
+        assert_eq!(held(768, 12, Bf16, &hopper), 16);
+        assert_eq!(held(768, 12, F16, &hopper), 16);
+        assert_eq!(held(768, 12, F32, &hopper), 8, "f32 keeps the FMAs");
+        assert_eq!(held(768, 12, F16, &turing), 8, "no m16n8k16 on a T4");
+        assert_eq!(
+            held(1600, 25, F32, &hopper),
+            4,
+            "1.5B's staged f32 rows fill shared memory from 5"
         );
     }
 

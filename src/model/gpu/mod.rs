@@ -198,6 +198,8 @@ pub struct GpuBackend {
     pinned_ids: Vec<PinnedHostSlice<i32>>,
     next_pinned: usize,
     decode_gpu_ms: (f64, usize),
+    /// [`GpuBackend::megakernel_most_rows`], once asked.
+    megakernel_rows_held: std::sync::OnceLock<usize>,
     notes: Vec<String>,
     /// What this GPU's tuning database is keyed by (its default file is named after it).
     db_header: DbHeader,

@@ -242,6 +242,7 @@ impl GpuBackend {
             pinned_ids: Vec::new(),
             next_pinned: 0,
             decode_gpu_ms: (0.0, 0),
+            megakernel_rows_held: std::sync::OnceLock::new(),
             notes,
             db_header,
         };

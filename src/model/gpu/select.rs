@@ -366,9 +366,11 @@ impl GpuBackend {
             let engine = self.engine_for(b);
             if engine != self.engine {
                 self.notes.push(format!(
-                    "batch {b}: the megakernel holds at most {} sequences a step (max_rows in \
-                     specs/decode_megakernel.toml); decode steps run on the {engine} engine instead",
-                    self.megakernel_most_rows()
+                    "batch {b}: the megakernel holds at most {} sequences of this model in {} on this GPU \
+                     (max_rows in specs/decode_megakernel.toml; 16 rows need 16-bit storage and sm_80); \
+                     decode steps run on the {engine} engine instead",
+                    self.megakernel_most_rows(),
+                    self.dtype
                 ));
             }
             // One kernel per cache-length bucket, each chosen for the bucket's longest length
