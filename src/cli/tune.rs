@@ -112,15 +112,15 @@ pub struct TuneArgs {
     #[arg(long, value_name = "LIST|all", value_parser = super::model::parse_devices)]
     pub devices: Option<DeviceSelection>,
     /// Also tune the decode step of --model for each --batch the megakernel holds (at most 16
-    /// in f16/bf16, 8 in f32; larger batches decode on the graph engine, and are skipped with a note): the decode
-    /// megakernel's point (threads, blocks per SM, weight slots, columns per warp, attention
-    /// chunks, copy engine, tensor cores, the MLP as one stage), searched by timing greedy
-    /// decode steps on random weights of the model's shape (the mean after a short prompt and
-    /// after one of three quarters of the context, where attention's chunking shows), against
-    /// the graph engine timed the same way beside it. Saved into GPU 0's default database,
-    /// where `generate` and `bench` pick the faster engine by default. About a minute per
-    /// batch; read back from the database in seconds when this run tuned no kernel anew (the
-    /// graph engine's time depends on the kernels) and --force is not given.
+    /// in f16/bf16, 8 in f32; larger batches decode on the graph engine, and are skipped with a
+    /// note): the decode megakernel's point (threads, blocks per SM, weight slots, columns per
+    /// warp, attention chunks, copy engine, tensor cores, the MLP as one stage), searched by
+    /// timing greedy decode steps on random weights of the model's shape (the mean after a short
+    /// prompt and after one of three quarters of the context, where attention's chunking
+    /// shows), against the graph engine timed the same way beside it. Saved into GPU 0's
+    /// default database, where `generate` and `bench` pick the faster engine by default. About
+    /// a minute per batch; read back from the database in seconds when this run tuned no kernel
+    /// anew (the graph engine's time depends on the kernels) and --force is not given.
     #[arg(long, requires = "model", conflicts_with_all = ["db", "devices"])]
     pub decode_step: bool,
     /// Re-tune shapes the database already has.

@@ -176,7 +176,7 @@ impl GpuBackend {
 
     /// The most sequences a point of the megakernel family holds for this model, dtype and GPU
     /// ([`most_rows`]; 0 without the family), worked out once.
-    pub fn megakernel_most_rows(&self) -> usize {
+    pub(super) fn megakernel_most_rows(&self) -> usize {
         *self.megakernel_rows_held.get_or_init(|| {
             let (cfg, dtype) = (&self.model.config, self.dtype);
             self.registry.catalog.family(MEGAKERNEL_FAMILY).map_or(0, |family| {
