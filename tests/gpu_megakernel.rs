@@ -205,6 +205,16 @@ fn megakernel_small_for_the_sanitizer() {
         Dtype::Bf16,
         &sixteen,
     );
+    // More heads than blocks (12 sequences of 12 heads on the H200's 132): attention in two
+    // waves, the LM head's and the matrix-vector tasks at GPT-2's width
+    let heads = model(2, 12, 768, 512, 300, 79);
+    check(
+        "sanitizer bf16 B=12 of 12 heads (more heads than blocks)",
+        &heads,
+        12,
+        Dtype::Bf16,
+        &sixteen,
+    );
     check(
         "sanitizer bf16 B=3, fused MLPs",
         &tiny,
