@@ -288,18 +288,6 @@ __device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float
     if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
     return row_mass < 0.0f ? kept : 0;
 }
-// The Gumbel-max over candidate keys: folds keys[first], keys[first + step], ... (below `kept`)
-// into (best, best_index) by their score logit * inv_t + g(token), one Philox call a key; the
-// caller reduces across its threads. The sampler and the megakernel's merge both draw with it.
-__device__ __forceinline__ void gumbel_max_of_keys(const key_t* keys, int kept, int first, int step,
-                                                   const DrawKey& draw, float inv_t, float& best, int& best_index) {
-    for (int i = first; i < kept; i += step) {
-        const int id = id_of(keys[i]);
-        const uint4 words = noise_words(draw, (unsigned)id / 4u);
-        const float score = fmaf(value_of(keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
-        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
-    }
-}
 #define NEG_INF __int_as_float(0xff800000)  // -inf (NVRTC has no <math.h> INFINITY)
 
 enum Path { GREEDY = 0, GUMBEL = 1, CANDIDATES = 2, BISECTION = 3 };
@@ -896,7 +884,12 @@ sample_row_491bdeb1c1cb807a_finish(int* out, const storage_t* logits, float* wor
         // The Gumbel-max over the first `kept` candidates: one Philox call per candidate.
         best = NEG_INF;
         best_index = 0x7fffffff;
-        gumbel_max_of_keys(best_keys, kept, threadIdx.x, BLOCK_SIZE, draw, inv_t, best, best_index);
+        for (int i = threadIdx.x; i < kept; i += BLOCK_SIZE) {
+            const int id = id_of(best_keys[i]);
+            const uint4 words = noise_words(draw, (unsigned)id / 4u);
+            const float score = fmaf(value_of(best_keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
+            if (beats(score, id, best, best_index)) { best = score; best_index = id; }
+        }
     }
     block_argmax(best, best_index);
     if (threadIdx.x == 0) out[row] = best_index == 0x7fffffff ? -1 : best_index;
