@@ -163,12 +163,39 @@ fn every_variant_renders_and_defines_its_kernels() {
                 );
             }
             assert!(source.code.contains("extern \"C\" __global__"), "{}", v.key());
+            if let Some(kernel) = kernel_not_waiting_first(&source.code) {
+                panic!(
+                    "{}: `{kernel}` does not start with `{{{{ launch::wait_for_previous_kernel() }}}}` \
+                     (a CUDA graph may launch it while the kernel before it still runs)",
+                    v.key()
+                );
+            }
         }
     }
     assert!(
         conditional_runs > 0,
         "no point of the catalog launches a conditional kernel"
     );
+}
+
+/// The first `__global__` function of `code` whose body does not begin with the wait for the
+/// previous kernel (`templates/common/launch.cu.tera`), by its signature's first line.
+fn kernel_not_waiting_first(code: &str) -> Option<String> {
+    let mut rest = code;
+    while let Some(at) = rest.find("__global__") {
+        let kernel = &rest[at..];
+        let body = kernel.find("{\n").map(|b| &kernel[b + 2..]).unwrap_or("");
+        let first_statement: String = body.trim_start().lines().take(4).collect::<Vec<_>>().join("\n");
+        if !(first_statement.starts_with("#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900")
+            && first_statement.contains("griddepcontrol.wait;"))
+        {
+            // The line with the kernel's name: the first past the launch bounds.
+            let name = kernel.lines().find(|l| !l.contains("__launch_bounds__")).unwrap_or("");
+            return Some(name.trim().to_string());
+        }
+        rest = &kernel["__global__".len()..];
+    }
+    None
 }
 
 #[test]

@@ -139,6 +139,12 @@ __device__ __forceinline__ void warp_reduce_argmax(float& best, int& best_index)
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 argmax_row_a748f9660735e0e1_main(int* out, const storage_t* logits, int B, int V, int stride) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int row = blockIdx.x;
     const storage_t* x = logits + (long long)row * stride;
     float best = __int_as_float(0xff800000);  // -inf: every real value beats it

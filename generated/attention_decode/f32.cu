@@ -124,6 +124,12 @@ __device__ __forceinline__ void load_vec(const storage_t* ptr, float (&x)[VEC]) 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 attention_decode_ed873420a2cbf4a7_partial(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
                       float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     __shared__ __align__(16) float q_s[HEAD_DIM];
     __shared__ float p_s[BLOCK_SIZE];                   // the current tile's probabilities
     __shared__ __align__(16) float acc_s[KEY_GROUPS][HEAD_DIM];
@@ -199,6 +205,12 @@ attention_decode_ed873420a2cbf4a7_partial(storage_t* out, const storage_t* q, co
 extern "C" __global__ void __launch_bounds__(HEAD_DIM)
 attention_decode_ed873420a2cbf4a7_combine(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
                       float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
     const long long bh = (long long)b * NH + h;
     const float* states = workspace + bh * SPLITS * (HEAD_DIM + 2);

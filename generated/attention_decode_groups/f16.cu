@@ -28,7 +28,8 @@
 //     warps through shared memory (one barrier).
 //   combine (grid: NH x B): merges the splits' states exactly,
 //     M = max_s m_s,  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-//     A cache that fits one split is finished by its partial block, and combine returns at once.
+//     A cache that fits one split is finished by its partial block, and combine is not launched
+//     (the spec's `when`; were it launched, it would return at once).
 //
 // Scores live in the log2 domain: scale * log2(e) is folded into the query, so each
 // exponential is one ex2.approx. Storage: q, the caches and out are f16; loads widen to
@@ -156,6 +157,12 @@ __device__ __forceinline__ int splits_of(int T) { return (T + KEYS_PER_SPLIT - 1
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_decode_groups_c4f4fe319202d156_partial(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
                       float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     __shared__ float2 warp_state[WARPS];            // each warp's (m, l)
     __shared__ float partial_s[WARPS][HEAD_DIM];    // each warp's acc
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -265,6 +272,12 @@ attention_decode_groups_c4f4fe319202d156_partial(storage_t* out, const storage_t
 extern "C" __global__ void __launch_bounds__(HEAD_DIM)
 attention_decode_groups_c4f4fe319202d156_combine(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
                       float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int splits = splits_of(T);
     if (splits == 1) return;  // the partial block wrote out itself
     const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;

@@ -240,6 +240,12 @@ struct NoSwizzle {          // V rows
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_flash_causal_f76a78a0c612e87f_main(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     __shared__ float4 Qs[BR * CHUNKS];
     __shared__ float4 KPs[KP_FLOAT4];  // K tile, then P tile
     __shared__ float4 Vs[BC * CHUNKS];

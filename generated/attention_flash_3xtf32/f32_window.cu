@@ -186,6 +186,12 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const float* head, int 
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_flash_3xtf32_window_ef904892e0b28307_main(float* out, const float* q, const float* k, const float* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     extern __shared__ __align__(128) float smem[];
     const unsigned k_smem = smem_address(smem);                         // STAGES x [BLOCK_KV][PITCH]
     const unsigned v_smem = k_smem + STAGES * TILE_BYTES;               // STAGES x [BLOCK_KV][PITCH]

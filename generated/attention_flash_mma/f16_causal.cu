@@ -304,6 +304,12 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const storage_t* head, 
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_flash_mma_causal_e90b9e6cc20c0363_main(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
         float* workspace, int B, int NH, int T, int HS, int window, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     extern __shared__ __align__(128) unsigned char smem[];
     storage_t* const q_tile = reinterpret_cast<storage_t*>(smem);        // [BLOCK_Q][HEAD_DIM]
     const unsigned q_smem = smem_address(smem);

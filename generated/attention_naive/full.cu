@@ -84,6 +84,12 @@ __device__ __forceinline__ void key_range(int i, int T, int window, int& lo, int
 // k_j row; the writes of a block are one contiguous stretch of the score row.
 extern "C" __global__ void attention_naive_full_20f1d57016e51627_scores(float* out, const float* q, const float* k,
         const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int j = blockIdx.x * BLOCK_SIZE + threadIdx.x;
     const int i = blockIdx.y;
     const int bh = blockIdx.z;
@@ -105,6 +111,12 @@ extern "C" __global__ void attention_naive_full_20f1d57016e51627_scores(float* o
 // Two block-wide reductions (max, then sum) and three sweeps over the row.
 extern "C" __global__ void attention_naive_full_20f1d57016e51627_softmax(float* out, const float* q, const float* k,
         const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     float* row = workspace + (size_t)blockIdx.x * T;
     float row_max = __int_as_float(0xff800000);
     for (int j = threadIdx.x; j < T; j += BLOCK_SIZE) row_max = fmaxf(row_max, row[j]);
@@ -127,6 +139,12 @@ extern "C" __global__ void attention_naive_full_20f1d57016e51627_softmax(float* 
 // for causal masks this halves the work of this pass.
 extern "C" __global__ void attention_naive_full_20f1d57016e51627_values(float* out, const float* q, const float* k,
         const float* v, float* workspace, int B, int NH, int T, int HS, int window, float scale) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int idx = blockIdx.x * BLOCK_SIZE + threadIdx.x;
     const int bh = blockIdx.y;
     if (idx >= T * HS) return;

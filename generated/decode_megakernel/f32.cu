@@ -1191,6 +1191,12 @@ decode_megakernel_13fdd21a9bc24a14_main(const int* stage_table, int n_stages, un
                        const int* tokens, int* next_ids, unsigned long long* timeline,
                        int B, int pos, int NH, int max_T, int V, float scale,
                        float inv_temperature, int seed_lo, int seed_hi, int seq0) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // The draw of this step's next tokens (at position pos + 1): 0 = greedy; see argmax_task.
     const DrawKey draw = {make_uint2((unsigned)seed_lo, (unsigned)seed_hi), (unsigned)(pos + 1), (unsigned)seq0};
     storage_t* ring = reinterpret_cast<storage_t*>(dynamic_smem);                   // SLOTS x SLOT_BYTES

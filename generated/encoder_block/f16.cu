@@ -116,6 +116,12 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 encoder_block_a1ad60f71c5a17e4_main(storage_t* out, const int* tokens, const storage_t* wte, const storage_t* wpe,
                        int B, int T, int C, int pos_offset) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int bt = blockIdx.x;        // token index b*T + t
     if (bt >= B * T) return;          // edge guard (the grid is exactly B*T; no barrier follows)
     const int t = bt % T;

@@ -132,6 +132,12 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 gelu_ddd7c57888e6ec85_main(storage_t* out, const storage_t* inp, int N) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // 64-bit index: i * VECTOR_WIDTH can pass 2^31 when N is close to it.
     const long long i = ((long long)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VECTOR_WIDTH;
     if (i >= N) return;  // edge guard: the grid is rounded up to whole blocks

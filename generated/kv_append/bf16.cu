@@ -85,6 +85,12 @@ __device__ __forceinline__ void copy_vec(storage_t* dst, const storage_t* src) {
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 kv_append_80cca067984a2e1b_main(storage_t* k_cache, storage_t* v_cache, const storage_t* k, const storage_t* v,
                  int B, int NH, int T, int max_T, int HS, int pos) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // One index per VEC elements of the new rows, [B*NH][T][HS] flattened.
     const long long first = ((long long)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC;
     const long long total = (long long)B * NH * T * HS;

@@ -173,6 +173,12 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 layernorm_block_d0ba525a7d5ee07e_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int row = blockIdx.x;
     // Edge guard; row is uniform across the block, so either every thread returns or none
     // does, and nobody is left waiting at a barrier inside block_reduce_sum.

@@ -163,6 +163,12 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 layernorm_regs_88a9a067ebf437a7_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const long long row = blockIdx.x;
     const storage_t* x = inp + row * C;
     storage_t* y = out + row * C;

@@ -151,6 +151,12 @@ __device__ __forceinline__ float warp_reduce_max(float value) {
 extern "C" __global__ void __launch_bounds__(THREADS)
 layernorm_warp_3fb0fe6454e5e1fa_main(storage_t* out, const storage_t* inp, const storage_t* gamma, const storage_t* beta,
                        int N, int C) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
     // Edge guard: the last block may have fewer than ROWS_PER_BLOCK rows. The whole warp leaves

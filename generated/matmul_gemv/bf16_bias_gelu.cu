@@ -213,6 +213,12 @@ __device__ __forceinline__ void accumulate(float (&sums)[COLUMNS_PER_WARP][MAX_R
 extern "C" __global__ void __launch_bounds__(THREADS)
 matmul_gemv_bias_gelu_8ae85b819c340294_main(storage_t* out, const storage_t* inp, const storage_t* weight, const storage_t* bias,
                   const storage_t* residual, float* workspace, int M, int N, int K, int T, int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int group = warp / K_SPLIT;

@@ -106,6 +106,12 @@ __device__ __forceinline__ void store_output(float* out, const float* bias, cons
 extern "C" __global__ void __launch_bounds__(THREADS)
 matmul_gemv_qkv_42c8179d9ae9d8c7_main(float* out, const float* inp, const float* weight, const float* bias,
                   const float* residual, float* workspace, int M, int N, int K, int T, int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int group = warp / K_SPLIT;

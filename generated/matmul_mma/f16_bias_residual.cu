@@ -343,6 +343,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
 matmul_mma_bias_residual_6f3c5fb460f0d0df_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
                        const storage_t* bias, const storage_t* residual, float* workspace,
                        int M, int N, int K, int T, int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // Dynamic shared memory: STAGES x [BLOCK_M][PITCH] halves of inp, then STAGES x
     // [BLOCK_N][PITCH] of weight. After the main loop the same bytes hold the f32 staging slab.
     extern __shared__ __align__(128) unsigned char smem[];

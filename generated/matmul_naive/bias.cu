@@ -41,6 +41,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK_X * BLOCK_Y)
 matmul_naive_bias_90495f8208af790e_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int n = blockIdx.x * BLOCK_X + threadIdx.x;
     const int m = blockIdx.y * BLOCK_Y + threadIdx.y;
     // Edge guard: the grid is rounded up to whole blocks, so threads past M or N do nothing.

@@ -195,6 +195,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 matmul_regtile_qkv_5cc08a1d06416672_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // 16-byte alignment for the float4 reads; each k row is PITCH floats (a multiple of 4).
     __shared__ __align__(16) float As[STAGES][BLOCK_K][PITCH_A];
     __shared__ __align__(16) float Bs[STAGES][BLOCK_K][PITCH_B];

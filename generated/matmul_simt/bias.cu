@@ -282,6 +282,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 matmul_simt_bias_5f3c9124b7c9ebde_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     __shared__ __align__(16) float As[2 * STAGE_A];
     __shared__ __align__(16) float Bs[2 * STAGE_B];
 

@@ -139,6 +139,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 matmul_splitk_bias_residual_24449e2a6098d6b6_partial(float* out, const float* inp, const float* weight, const float* bias,
                           const float* residual, float* workspace, int M, int N, int K, int T,
                           int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     __shared__ __align__(16) float As[BLOCK_K][PITCH_A];  // As[k][m] = inp[m0+m, k0+k]
     __shared__ __align__(16) float Bs[BLOCK_K][PITCH_B];  // Bs[k][n] = weight[n0+n, k0+k]
 
@@ -214,6 +220,12 @@ extern "C" __global__ void __launch_bounds__(REDUCE_THREADS)
 matmul_splitk_bias_residual_24449e2a6098d6b6_reduce(float* out, const float* inp, const float* weight, const float* bias,
                          const float* residual, float* workspace, int M, int N, int K, int T,
                          int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // One thread per output element; consecutive threads take consecutive elements, so each
     // of the SPLITS slab reads is coalesced.
     const long long idx = (long long)blockIdx.x * REDUCE_THREADS + threadIdx.x;

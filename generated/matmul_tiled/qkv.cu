@@ -59,6 +59,12 @@ extern "C" __global__ void __launch_bounds__(TILE * TILE)
 matmul_tiled_qkv_c654ef9f357457ee_main(float* out, const float* inp, const float* weight, const float* bias,
                        const float* residual, float* workspace, int M, int N, int K, int T,
                        int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     __shared__ float As[TILE][PITCH];  // As[i][k] = inp[m0 + i, k0 + k]
     __shared__ float Ws[TILE][PITCH];  // Ws[j][k] = weight[n0 + j, k0 + k]
 

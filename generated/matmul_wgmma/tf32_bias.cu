@@ -413,6 +413,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
 matmul_wgmma_bias_5676976193cb94c6_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
                        const storage_t* bias, const storage_t* residual, float* workspace,
                        int M, int N, int K, int T, int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // The swizzle is a function of address bits [4:9]: every 8-row atom must start on a
     // 1024-byte boundary. Dynamic shared memory is only guaranteed 16-byte alignment, so round

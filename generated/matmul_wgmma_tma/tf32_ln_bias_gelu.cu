@@ -739,6 +739,12 @@ matmul_wgmma_tma_ln_bias_gelu_9b0c2cef6dc272cb_main(storage_t* out, const storag
                        int M, int N, int K, int T, int n_head,
                        const __grid_constant__ TensorMap inp_map, const __grid_constant__ TensorMap weight_map,
                        const __grid_constant__ TensorMap out_map) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // The 128-byte swizzle is a function of address bits [4:9]: stages must start on 1024-byte
     // boundaries (dynamic shared memory is only 16-byte aligned: round up into the slack).

@@ -250,6 +250,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 matmul_wmma_bias_b4db685992adcb3c_main(storage_t* out, const storage_t* __restrict__ inp, const storage_t* __restrict__ weight,
                        const storage_t* bias, const storage_t* residual, float* workspace,
                        int M, int N, int K, int T, int n_head) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // Dynamic shared memory (> 48 KB is allowed: the runner raises the function's limit):
     // STAGES x [BLOCK_M][PITCH] for inp, then STAGES x [BLOCK_N][PITCH] for weight. After the
     // main loop the same bytes hold the [BLOCK_M][C_PITCH] output tile.

@@ -537,6 +537,12 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 sample_row_0ba9eefe1f28f706_chunks(int* out, const storage_t* logits, float* workspace, int B, int V, int stride, int top_k,
                          float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int row = blockIdx.y, chunk = blockIdx.x, chunks = gridDim.x;
     const int begin = chunk * CHUNK, end = min(V, begin + CHUNK);
     const storage_t* x = logits + (long long)row * stride;
@@ -748,6 +754,12 @@ __device__ bool select_cut_by_bins(const storage_t* x, int V, bool aligned, bool
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 sample_row_0ba9eefe1f28f706_finish(int* out, const storage_t* logits, float* workspace, int B, int V, int stride, int top_k,
                          float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int row = blockIdx.x, chunks = (V + CHUNK - 1) / CHUNK;
     const storage_t* x = logits + (long long)row * stride;
     const bool aligned = stride % VECTOR_WIDTH == 0;

@@ -151,6 +151,12 @@ __device__ __forceinline__ float block_reduce_max(float value) {
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 softmax_row_7afbd0f3d0661a4e_main(storage_t* out, const storage_t* inp, int N, int C) {
+    #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
+    // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const float NEG_INF = __int_as_float(0xff800000);  // -inf (NVRTC has no <math.h> INFINITY)
     const int row = blockIdx.x;
     // Edge guard; uniform across the block, so no thread is left waiting at a barrier.

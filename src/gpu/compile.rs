@@ -37,6 +37,8 @@ pub enum CompileError {
 #[derive(Debug, Clone)]
 pub struct Compiled {
     pub kernel_name: String,
+    /// The target it was compiled for: `sm_90a`, or `compute_86` for PTX.
+    pub arch: String,
     /// The module image: a CUBIN for a real target (`sm_90`), NUL-terminated PTX for a virtual
     /// one (`compute_86`, a stand-in: the driver JIT-compiles it when it loads).
     pub image: Vec<u8>,
@@ -187,6 +189,7 @@ impl Compiler {
                 .and_then(|t| t.trim().parse().ok());
             return Ok(Compiled {
                 kernel_name: source.kernel_name.clone(),
+                arch: self.arch.clone(),
                 image: bytes,
                 log: String::new(),
                 cached: true,
@@ -212,6 +215,7 @@ impl Compiler {
         }
         Ok(Compiled {
             kernel_name: source.kernel_name.clone(),
+            arch: self.arch.clone(),
             image,
             log,
             cached: false,

@@ -8,6 +8,11 @@
 //! position and the cache length), so a replay walks the same launches again and rewrites just
 //! the nodes whose arguments or geometry differ (`cuGraphExecKernelNodeSetParams`), which costs
 //! far less than launching.
+//!
+//! A node whose kernel waits for its predecessor itself (`griddepcontrol.wait`, see
+//! `templates/common/launch.cu.tera`) hangs on a *programmatic* edge: the driver launches it as
+//! soon as every block of the node before has started, so its blocks are resident when that one
+//! ends instead of being launched then.
 
 use std::ptr;
 use std::sync::Arc;
@@ -15,6 +20,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
 
+use super::run::ArgBuffer;
 use super::{tensor_map, ArgValue, GpuError};
 use crate::spec::Launch;
 
@@ -41,24 +47,6 @@ pub struct GraphMismatch {
     pub index: usize,
     pub launch: String,
     pub recorded: String,
-}
-
-/// Kernel arguments laid out as `cuLaunchKernel` wants them: one pointer per argument to a
-/// value of the argument's own size. The pointers are only valid while `self` lives.
-struct ArgBuffer {
-    values: Vec<Vec<u8>>,
-}
-
-impl ArgBuffer {
-    fn new(args: &[ArgValue]) -> ArgBuffer {
-        ArgBuffer {
-            values: args.iter().map(ArgValue::bytes).collect(),
-        }
-    }
-
-    fn pointers(&mut self) -> Vec<*mut std::ffi::c_void> {
-        self.values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect()
-    }
 }
 
 /// Calls `f` with the kernel-node parameters of a launch of `function` with `launch` and the
@@ -115,22 +103,45 @@ impl KernelGraph {
         self.nodes.is_empty()
     }
 
-    /// Appends a launch of `function` after the last node. Only before [`Self::instantiate`].
-    pub fn add(&mut self, function: &CudaFunction, launch: &Launch, args: &[ArgValue]) -> Result<(), GpuError> {
+    /// Appends a launch of `function` after the last node. `waits_for_previous`: the kernel
+    /// calls `griddepcontrol.wait` before it touches memory, so it may hang on a programmatic
+    /// edge (launched while the node before still runs). Only before [`Self::instantiate`].
+    pub fn add(
+        &mut self,
+        function: &CudaFunction,
+        launch: &Launch,
+        args: &[ArgValue],
+        waits_for_previous: bool,
+    ) -> Result<(), GpuError> {
         assert!(self.exec.is_null(), "KernelGraph::add after instantiate");
         let previous = self.nodes.last().map(|n| n.handle);
+        let programmatic = waits_for_previous && previous.is_some();
         let (deps, n_deps) = match &previous {
-            Some(h) => (h as *const sys::CUgraphNode, 1),
-            None => (ptr::null(), 0),
+            Some(h) if !programmatic => (h as *const sys::CUgraphNode, 1),
+            _ => (ptr::null(), 0),
         };
         let mut handle = ptr::null_mut();
         let graph = self.graph;
+        let what = || format!("adding {} to the CUDA graph", launch.function);
         // SAFETY: the graph is live; `params` points at a function of this context and at
         // argument values that outlive the call (the driver copies them).
         with_node_params(function.cu_function(), launch, args, |params| unsafe {
             sys::cuGraphAddKernelNode_v2(&mut handle, graph, deps, n_deps, params).result()
         })?
-        .map_err(GpuError::cuda(format!("adding {} to the CUDA graph", launch.function)))?;
+        .map_err(GpuError::cuda(what()))?;
+        if let (true, Some(previous)) = (programmatic, previous) {
+            // Fires when every block of `previous` has called `griddepcontrol.launch_dependents`
+            // (or exited); the new kernel's `griddepcontrol.wait` then waits for the rest.
+            let edge = sys::CUgraphEdgeData {
+                from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+                to_port: 0,
+                type_: sys::CUgraphDependencyType_enum::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+                reserved: [0; 5],
+            };
+            // SAFETY: both nodes are kernel nodes of this live graph; one edge, read in the call.
+            unsafe { sys::cuGraphAddDependencies_v2(graph, &previous, &handle, &edge, 1).result() }
+                .map_err(GpuError::cuda(what()))?;
+        }
         self.nodes.push(Node {
             handle,
             function: function.cu_function(),

@@ -2,8 +2,9 @@
 //! poisons the outputs with NaN, launches every kernel of the family with the geometry its spec
 //! computes for the shape, and reads the outputs back.
 
-use cudarc::driver::sys::CUfunction_attribute as FuncAttr;
+use cudarc::driver::sys::{self, CUfunction_attribute as FuncAttr};
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -134,6 +135,21 @@ pub struct LoadedVariant {
     /// ... and the dynamic shared memory limit raised for it so far (0: the default), so that a
     /// launch, replayed every step, asks the driver nothing once its limit is raised.
     allowed_smem: Vec<AtomicUsize>,
+    /// Whether its kernels wait for the kernel before them (compiled for sm_90 or later, where
+    /// `common/launch.cu.tera` emits `griddepcontrol.wait`), so that a CUDA graph may launch
+    /// them while that one still runs.
+    waits_for_previous: bool,
+}
+
+/// Whether code compiled for `arch` (`sm_90a`, `compute_86`) has programmatic dependent launch.
+fn has_programmatic_launch(arch: &str) -> bool {
+    let digits: String = arch
+        .trim_start_matches("sm_")
+        .trim_start_matches("compute_")
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse::<u32>().is_ok_and(|version| version >= 90)
 }
 
 fn missing_function(variant: &Variant, name: &str, why: &str) -> RunError {
@@ -195,7 +211,13 @@ impl LoadedVariant {
             allowed_smem: functions.iter().map(|_| AtomicUsize::new(0)).collect(),
             functions,
             static_smem,
+            waits_for_previous: has_programmatic_launch(&compiled.arch),
         })
+    }
+
+    /// Whether its kernels wait for the kernel launched before them (see the field).
+    pub fn waits_for_previous(&self) -> bool {
+        self.waits_for_previous
     }
 
     /// The loaded `__global__` function that `launch` runs.
@@ -402,6 +424,74 @@ impl LoadedVariant {
         }
         Ok(())
     }
+
+    /// [`Self::launch_args`], each launch allowed to start while the kernel before it on the
+    /// stream still runs (programmatic stream serialization: its blocks launch once every block
+    /// of that one has started, and wait in `griddepcontrol.wait`). Only for a variant that
+    /// [waits for the previous kernel](Self::waits_for_previous); else it is `launch_args`.
+    pub fn launch_args_overlapped(&self, gpu: &Gpu, values: &[ArgValue], launches: &[Launch]) -> Result<(), RunError> {
+        if !self.waits_for_previous {
+            return self.launch_args(gpu, values, launches);
+        }
+        self.allow_shared_memory(launches)?;
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(GpuError::cuda("binding the CUDA context"))?;
+        for l in launches {
+            let mut buffer = ArgBuffer::new(&tensor_map::kernel_args(values, l)?);
+            let mut pointers = buffer.pointers();
+            // SAFETY: an all-zero attribute value is valid for every member of the union.
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attribute.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: l.grid[0],
+                gridDimY: l.grid[1],
+                gridDimZ: l.grid[2],
+                blockDimX: l.block[0],
+                blockDimY: l.block[1],
+                blockDimZ: l.block[2],
+                sharedMemBytes: l.smem_bytes,
+                hStream: gpu.stream.cu_stream(),
+                attrs: &mut attribute,
+                numAttrs: 1,
+            };
+            // SAFETY: as in `launch_args`; the argument pointers and the attribute outlive the
+            // call, which copies what they point at.
+            unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    self.function(l)?.cu_function(),
+                    pointers.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
+                .result()
+            }
+            .map_err(GpuError::cuda(format!(
+                "launching {} grid {:?} block {:?} after the previous kernel",
+                l.function, l.grid, l.block
+            )))?;
+        }
+        Ok(())
+    }
+}
+
+/// Kernel arguments laid out as `cuLaunchKernel` wants them: one pointer per argument to a
+/// value of the argument's own size. The pointers are only valid while `self` lives.
+pub(crate) struct ArgBuffer {
+    values: Vec<Vec<u8>>,
+}
+
+impl ArgBuffer {
+    pub(crate) fn new(args: &[ArgValue]) -> ArgBuffer {
+        ArgBuffer {
+            values: args.iter().map(ArgValue::bytes).collect(),
+        }
+    }
+
+    pub(crate) fn pointers(&mut self) -> Vec<*mut std::ffi::c_void> {
+        self.values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect()
+    }
 }
 
 /// A kernel argument value: a raw device pointer, a scalar, or a TMA tensor map (which
@@ -435,4 +525,19 @@ pub struct KernelResources {
     pub local_bytes: i32,
     pub const_bytes: i32,
     pub max_threads: i32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_programmatic_launch;
+
+    #[test]
+    fn programmatic_launch_from_hopper_on_and_never_below() {
+        for arch in ["sm_90", "sm_90a", "compute_90a", "sm_100a", "sm_120"] {
+            assert!(has_programmatic_launch(arch), "{arch}");
+        }
+        for arch in ["sm_75", "sm_80", "sm_89", "compute_86", "", "sm_x"] {
+            assert!(!has_programmatic_launch(arch), "{arch}");
+        }
+    }
 }

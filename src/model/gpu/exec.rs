@@ -12,6 +12,16 @@ use super::GpuBackend;
 use crate::gpu::{Gpu, GpuError, GraphUpdateError, KernelGraph};
 use crate::spec::shape_text;
 
+/// `0` (or `never`) launches every kernel of a step after the one before has ended, in CUDA
+/// graphs and on the stream, instead of letting it launch while that one still runs where the
+/// kernel waits for it itself (for comparing; see `templates/common/launch.cu.tera`).
+pub const PROGRAMMATIC_LAUNCH_ENV: &str = "KERNELFORGE_PROGRAMMATIC_LAUNCH";
+
+/// Whether the value of [`PROGRAMMATIC_LAUNCH_ENV`] leaves programmatic edges on (the default).
+pub(super) fn programmatic_launch_from_env(value: Option<&str>) -> bool {
+    !matches!(value.map(str::trim), Some("0" | "never" | "off" | "false"))
+}
+
 /// Where launches go.
 pub(super) enum LaunchMode {
     /// Straight to the stream.
@@ -59,13 +69,20 @@ impl GpuBackend {
         let (k, shape, launches, args) = (&node.kernel, &node.shape, &node.launches[..], &node.args[..]);
         let events = self.profile_begin()?;
         let what = || format!("{} ({}) on {}", k.role, k.label, shape_text(shape));
+        let programmatic = self.programmatic_launch && k.loaded.waits_for_previous();
         match &mut self.launch_mode {
+            // Overlapped only where nothing is put between two launches (a profile's events, a
+            // synchronization after each).
+            LaunchMode::Direct if programmatic && events.is_none() && !self.sync_each => k
+                .loaded
+                .launch_args_overlapped(&self.gpu, args, launches)
+                .with_context(what)?,
             LaunchMode::Direct => k.loaded.launch_args(&self.gpu, args, launches).with_context(what)?,
             LaunchMode::Record(graph) => {
                 k.loaded.allow_shared_memory(launches).with_context(what)?;
                 for l in launches {
                     graph
-                        .add(k.loaded.function(l).with_context(what)?, l, args)
+                        .add(k.loaded.function(l).with_context(what)?, l, args, programmatic)
                         .with_context(what)?;
                 }
             }
@@ -183,4 +200,19 @@ pub(super) fn record_event(event: &CudaEvent, gpu: &Gpu) -> AnyResult<()> {
     Ok(event
         .record(&gpu.stream)
         .map_err(GpuError::cuda("recording a timing event"))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::programmatic_launch_from_env;
+
+    #[test]
+    fn programmatic_launch_is_on_unless_turned_off() {
+        for on in [None, Some("1"), Some("always"), Some("")] {
+            assert!(programmatic_launch_from_env(on), "{on:?}");
+        }
+        for off in ["0", "never", " off ", "false"] {
+            assert!(!programmatic_launch_from_env(Some(off)), "{off}");
+        }
+    }
 }

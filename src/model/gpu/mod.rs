@@ -152,6 +152,9 @@ pub struct GpuBackend {
     selection_scale: (usize, usize),
     profiler: Option<Profiler>,
     sync_each: bool,
+    /// Steps launch each kernel while the one before still runs where the kernel waits for it,
+    /// in CUDA graphs and on the stream (`exec::PROGRAMMATIC_LAUNCH_ENV` turns it off).
+    programmatic_launch: bool,
     launch_mode: LaunchMode,
     /// The dtype asked for: f32; tf32 (f32 storage, the compute-bound matmuls and the prefill's
     /// attention on tensor cores, see [`crate::tune::workloads::kernel_dtype`]); or f16 / bf16

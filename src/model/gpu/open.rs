@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result as AnyResult};
 
 use super::buffers::ReplicaMemory;
-use super::exec::LaunchMode;
+use super::exec::{self, LaunchMode};
 use super::{ptr, GpuBackend, LayerPtrs, LayernormFolding, ATTENTION_DECODE_OP, FOLD_LAYERNORMS_ENV, KV_APPEND_OP};
 use crate::gpu::{Compiler, Gpu, GpuError};
 use crate::model::engine::DecodeEngine;
@@ -190,6 +190,8 @@ impl GpuBackend {
         let kv = Self::alloc_kv(&gpu, storage, &cfg, max_batch)?;
         gpu.synchronize()?;
         let sync_each = std::env::var_os("KERNELFORGE_SYNC_EACH").is_some_and(|v| v != "0" && !v.is_empty());
+        let programmatic_launch =
+            exec::programmatic_launch_from_env(std::env::var(exec::PROGRAMMATIC_LAUNCH_ENV).ok().as_deref());
         let fold_env = std::env::var(FOLD_LAYERNORMS_ENV).ok();
         let ln_folding = LayernormFolding::from_env_value(fold_env.as_deref()).unwrap_or_else(|why| {
             notes.push(why);
@@ -220,6 +222,7 @@ impl GpuBackend {
             selection_scale: (1, 1),
             profiler: None,
             sync_each,
+            programmatic_launch,
             launch_mode: LaunchMode::Direct,
             dtype,
             engine: DecodeEngine::Graph,
