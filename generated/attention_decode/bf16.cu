@@ -9,7 +9,8 @@
 //
 // Decode attention ("flash-decoding"): during generation each sequence adds one token, so
 // attention is one query row per (sequence, head) against the T keys and values in the KV
-// cache. One block per (sequence, head) would start only B*NH blocks -- 12 for GPT-2 small at
+// cache. The step's own key and value (row T - 1) come in k and v; the split that holds that
+// row also appends them to the caches. One block per (sequence, head) would start only B*NH blocks -- 12 for GPT-2 small at
 // batch 1, on a GPU with 132 SMs -- and each would walk the whole cache alone. Instead the
 // cache is cut into SPLITS chunks, one block each (grid = SPLITS x NH x B):
 //
@@ -156,8 +157,9 @@ __device__ __forceinline__ void load_vec(const storage_t* ptr, float (&x)[VEC]) 
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
-                      float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
+                      storage_t* k_cache, storage_t* v_cache, float* workspace,
+                      int B, int NH, int T, int max_T, int HS, float scale) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
@@ -181,6 +183,15 @@ attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, co
     const int end = min(T, begin + chunk);
     const storage_t* keys = k_cache + bh * max_T * HEAD_DIM;
     const storage_t* values = v_cache + bh * max_T * HEAD_DIM;
+    // Row T - 1 is the step's own key and value: read from k and v (where the QKV projection
+    // wrote them), and appended to the caches by the split that holds it, 16 bytes a thread.
+    const storage_t* k_step = k + bh * HEAD_DIM;
+    const storage_t* v_step = v + bh * HEAD_DIM;
+    if (begin <= T - 1 && T - 1 < end && threadIdx.x < VECS) {
+        const long long row = (bh * max_T + T - 1) * HEAD_DIM + threadIdx.x * VEC;
+        *reinterpret_cast<uint4*>(k_cache + row) = *reinterpret_cast<const uint4*>(k_step + threadIdx.x * VEC);
+        *reinterpret_cast<uint4*>(v_cache + row) = *reinterpret_cast<const uint4*>(v_step + threadIdx.x * VEC);
+    }
 
     float m = neg_inf(), l = 0.0f;                      // the same in every thread
     float acc[VEC];                                     // this thread's chunk of its key group's sum
@@ -191,7 +202,8 @@ attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, co
         // Score of key tile + threadIdx.x: VECS 16-byte loads issued back to back.
         float score = neg_inf();
         if (threadIdx.x < tile_len) {
-            const storage_t* key = keys + (long long)(tile + threadIdx.x) * HEAD_DIM;
+            const int j = tile + threadIdx.x;
+            const storage_t* key = j == T - 1 ? k_step : keys + (long long)j * HEAD_DIM;
             float kv[VECS][VEC];
             #pragma unroll
             for (int i = 0; i < VECS; ++i) load_vec(key + VEC * i, kv[i]);
@@ -214,7 +226,8 @@ attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, co
         for (int j = key_group; j < tile_len; j += KEY_GROUPS) {
             const float pj = p_s[j];
             float vv[VEC];
-            load_vec(values + (long long)(tile + j) * HEAD_DIM + VEC * vec, vv);
+            const storage_t* value = tile + j == T - 1 ? v_step : values + (long long)(tile + j) * HEAD_DIM;
+            load_vec(value + VEC * vec, vv);
             #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[e] += pj * vv[e];
         }
@@ -237,8 +250,9 @@ attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, co
 }
 
 extern "C" __global__ void __launch_bounds__(HEAD_DIM)
-attention_decode_fbe93b66d2ae0f49_combine(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
-                      float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+attention_decode_fbe93b66d2ae0f49_combine(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
+                      storage_t* k_cache, storage_t* v_cache, float* workspace,
+                      int B, int NH, int T, int max_T, int HS, float scale) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.

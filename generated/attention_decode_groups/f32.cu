@@ -9,7 +9,9 @@
 //
 // Decode attention ("flash-decoding") by lane groups. During generation each sequence adds one
 // token, so attention is one query row per (sequence, head) against the T keys and values in
-// the KV cache: about 2 * T * HS * sizeof(storage) bytes read for 4 * T * HS flops. Nothing to
+// the KV cache: about 2 * T * HS * sizeof(storage) bytes read for 4 * T * HS flops. The step's
+// own key and value (row T - 1) come in k and v, as the QKV projection wrote them; the split
+// that holds that row also appends them to the caches, so the step needs no kernel for it. Nothing to
 // reuse: the kernel is as fast as it keeps enough 16-byte loads in flight to cover the memory
 // latency, and as slow as every barrier or dependent step it puts between them.
 //
@@ -128,8 +130,9 @@ static_assert(HEAD_DIM % VEC == 0 && PIECES <= 32 && 32 % PIECES == 0, "a row's 
 __device__ __forceinline__ int splits_of(int T) { return (T + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT; }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_decode_groups_507a7d5058ca9b6b_partial(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
-                      float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+attention_decode_groups_507a7d5058ca9b6b_partial(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
+                      storage_t* k_cache, storage_t* v_cache, float* workspace,
+                      int B, int NH, int T, int max_T, int HS, float scale) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
@@ -146,6 +149,17 @@ attention_decode_groups_507a7d5058ca9b6b_partial(storage_t* out, const storage_t
     // this lane's 16 bytes of the head's row 0 in each cache: row t is t * HEAD_DIM further
     const storage_t* k_head = k_cache + bh * max_T * HEAD_DIM + piece * VEC;
     const storage_t* v_head = v_cache + bh * max_T * HEAD_DIM + piece * VEC;
+    // ... and of the step's own key and value, row T - 1, which are read from where the QKV
+    // projection wrote them (never from the cache this kernel is writing them into)
+    const storage_t* k_step = k + bh * HEAD_DIM + piece * VEC;
+    const storage_t* v_step = v + bh * HEAD_DIM + piece * VEC;
+    if (split == gridDim.x - 1 && threadIdx.x < PIECES) {
+        // The append, by the split that holds row T - 1: 16 bytes of each row a lane, copied as
+        // they are (the next steps read them from the cache).
+        const long long row = (bh * max_T + T - 1) * HEAD_DIM + threadIdx.x * VEC;
+        *reinterpret_cast<uint4*>(k_cache + row) = *reinterpret_cast<const uint4*>(k + bh * HEAD_DIM + threadIdx.x * VEC);
+        *reinterpret_cast<uint4*>(v_cache + row) = *reinterpret_cast<const uint4*>(v + bh * HEAD_DIM + threadIdx.x * VEC);
+    }
 
     float q_piece[VEC];
     ldg_vector(q + bh * HEAD_DIM + piece * VEC, q_piece);
@@ -167,8 +181,9 @@ attention_decode_groups_507a7d5058ca9b6b_partial(storage_t* out, const storage_t
             const int row = t + r * GROUPS;
             float key[VEC];
             if (row < t1) {
-                ldg_vector(k_head + (long long)row * HEAD_DIM, key);
-                ldg_vector(v_head + (long long)row * HEAD_DIM, value[r]);
+                const bool newest = row == T - 1;
+                ldg_vector(newest ? k_step : k_head + (long long)row * HEAD_DIM, key);
+                ldg_vector(newest ? v_step : v_head + (long long)row * HEAD_DIM, value[r]);
             } else {
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j) key[j] = value[r][j] = 0.0f;
@@ -243,8 +258,9 @@ attention_decode_groups_507a7d5058ca9b6b_partial(storage_t* out, const storage_t
 }
 
 extern "C" __global__ void __launch_bounds__(HEAD_DIM)
-attention_decode_groups_507a7d5058ca9b6b_combine(storage_t* out, const storage_t* q, const storage_t* k_cache, const storage_t* v_cache,
-                      float* workspace, int B, int NH, int T, int max_T, int HS, float scale) {
+attention_decode_groups_507a7d5058ca9b6b_combine(storage_t* out, const storage_t* q, const storage_t* k, const storage_t* v,
+                      storage_t* k_cache, storage_t* v_cache, float* workspace,
+                      int B, int NH, int T, int max_T, int HS, float scale) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.

@@ -1,13 +1,21 @@
-//! attention_decode: one new query per sequence against the KV cache (generation),
+//! attention_decode: one new query per sequence against the KV cache (generation), with the
+//! step's own key and value appended to the cache first:
+//! `k_cache[b,h,T-1,:] = k[b,h,:]`, `v_cache[b,h,T-1,:] = v[b,h,:]`, then
 //! `out[b, h*HS+d] = sum_{j<T} softmax_j(scale * q[b,h,:] . k_cache[b,h,j,:]) * v_cache[b,h,j,d]`.
 //!
-//! Kernel arguments: `float* out, const float* q, const float* k_cache, const float* v_cache,
-//! float* workspace, int B, int NH, int T, int max_T, int HS, float scale`.
+//! Kernel arguments: `float* out, const float* q, const float* k, const float* v,
+//! float* k_cache, float* v_cache, float* workspace, int B, int NH, int T, int max_T, int HS,
+//! float scale`.
 //! Shape: `B, NH, T, HS` (`T` = cache length including the new token); optional `max_T` (the
 //! cache capacity, default `T`, at least `T`). `scale` is `1/sqrt(HS)`.
-//! Tensors: `out [B, NH*HS]` (output), `q [B,NH,HS]`, `k_cache`, `v_cache [B,NH,max_T,HS]`.
-//! Cache rows at positions `>= T` hold huge values (1e4) in the test problems, so a kernel
-//! that reads past `T` fails verification. The query is the last position: no mask.
+//! Tensors: `out [B, NH*HS]` (output), `q`, `k`, `v [B,NH,HS]` (the step's query, key and value,
+//! as the QKV projection writes them), `k_cache`, `v_cache [B,NH,max_T,HS]` (read and written:
+//! rows `0..T-1` hold the earlier positions, row `T-1` is written). Folding the append into the
+//! attention saves the decode step a kernel a layer; a kernel reads row `T-1` from `k` and `v`,
+//! never from the cache it is writing. Cache rows at positions `>= T-1` hold huge values (1e4)
+//! in the test problems, so a kernel that reads the new row from the cache, or anything past
+//! it, fails verification, and the caches are compared in full. The query is the last
+//! position: no mask.
 
 use rand::rngs::StdRng;
 use rayon::prelude::*;
@@ -22,10 +30,10 @@ impl OpContract for AttentionDecode {
         "attention_decode"
     }
     fn summary(&self) -> &'static str {
-        "one query per sequence against the KV cache: q [B,NH,HS], caches [B,NH,max_T,HS] -> out [B,NH*HS]"
+        "one query per sequence against the KV cache, the step's key and value appended first: q, k, v [B,NH,HS], caches [B,NH,max_T,HS] -> out [B,NH*HS]"
     }
     fn signature(&self) -> &'static str {
-        "float* out, const float* q, const float* k_cache, const float* v_cache, float* workspace, int B, int NH, int T, int max_T, int HS, float scale"
+        "float* out, const float* q, const float* k, const float* v, float* k_cache, float* v_cache, float* workspace, int B, int NH, int T, int max_T, int HS, float scale"
     }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "NH", "T", "HS"]
@@ -62,25 +70,31 @@ impl OpContract for AttentionDecode {
         let (b, nh, t, hs, max_t) = (shape["B"], shape["NH"], shape["T"], shape["HS"], shape["max_T"]);
         let cache = |rng: &mut StdRng, lo: f32, hi: f32| {
             let mut c = uniform(rng, (b * nh * max_t * hs) as usize, lo, hi);
-            // Positions past T are not part of the sequence: make reading them ruinous.
+            // The new row (T - 1) is not in the cache yet and the positions past it are not part
+            // of the sequence: make reading any of them ruinous.
             for row in 0..(b * nh) as usize {
-                let start = (row * max_t as usize + t as usize) * hs as usize;
+                let start = (row * max_t as usize + t as usize - 1) * hs as usize;
                 let end = (row + 1) * (max_t * hs) as usize;
                 c[start..end].iter_mut().for_each(|x| *x = 1e4);
             }
             c
         };
+        let heads = (b * nh * hs) as usize;
         let tensors = vec![
-            TensorArg::output_f32("out", (b * nh * hs) as usize),
-            TensorArg::input_f32("q", uniform(rng, (b * nh * hs) as usize, -2.0, 2.0)),
-            TensorArg::input_f32("k_cache", cache(rng, -2.0, 2.0)),
-            TensorArg::input_f32("v_cache", cache(rng, -1.0, 1.0)),
+            TensorArg::output_f32("out", heads),
+            TensorArg::input_f32("q", uniform(rng, heads, -2.0, 2.0)),
+            TensorArg::input_f32("k", uniform(rng, heads, -2.0, 2.0)),
+            TensorArg::input_f32("v", uniform(rng, heads, -1.0, 1.0)),
+            TensorArg::inout_f32("k_cache", cache(rng, -2.0, 2.0)),
+            TensorArg::inout_f32("v_cache", cache(rng, -1.0, 1.0)),
         ];
         let args = vec![
             Arg::Tensor(0),
             Arg::Tensor(1),
             Arg::Tensor(2),
             Arg::Tensor(3),
+            Arg::Tensor(4),
+            Arg::Tensor(5),
             Arg::Workspace,
             Arg::I32(b as i32),
             Arg::I32(nh as i32),
@@ -98,7 +112,18 @@ impl OpContract for AttentionDecode {
             problem.dim("HS"),
             problem.dim("max_T"),
         );
-        let (q, k, v) = (problem.f32s("q"), problem.f32s("k_cache"), problem.f32s("v_cache"));
+        // The append first: row T - 1 of every head's caches is the step's key and value.
+        let append = |cache: &[f32], new: &[f32]| -> Vec<f64> {
+            let mut c: Vec<f64> = cache.iter().map(|&x| x as f64).collect();
+            for (row, new) in new.chunks(hs).enumerate() {
+                let at = (row * max_t + t - 1) * hs;
+                c[at..at + hs].iter_mut().zip(new).for_each(|(c, &n)| *c = n as f64);
+            }
+            c
+        };
+        let k = append(problem.f32s("k_cache"), problem.f32s("k"));
+        let v = append(problem.f32s("v_cache"), problem.f32s("v"));
+        let q = problem.f32s("q");
         let scale = 1.0 / (hs as f64).sqrt();
         let out: Vec<f64> = (0..problem.dim("B") * nh)
             .into_par_iter()
@@ -108,18 +133,19 @@ impl OpContract for AttentionDecode {
                 let scores: Vec<f64> = (0..t)
                     .map(|j| {
                         let key = &k[base + j * hs..base + (j + 1) * hs];
-                        scale * q.iter().zip(key).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+                        scale * q.iter().zip(key).map(|(&a, &b)| a as f64 * b).sum::<f64>()
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 (0..hs)
-                    .map(|d| (0..t).map(|j| weights[j] * v[base + j * hs + d] as f64).sum::<f64>() / total)
+                    .map(|d| (0..t).map(|j| weights[j] * v[base + j * hs + d]).sum::<f64>() / total)
                     .collect::<Vec<_>>()
             })
             .collect();
-        vec![(problem.tensor_index("out").unwrap(), out)]
+        let index = |name| problem.tensor_index(name).unwrap();
+        vec![(index("out"), out), (index("k_cache"), k), (index("v_cache"), v)]
     }
 }
 
@@ -129,16 +155,25 @@ mod tests {
     use rand::SeedableRng;
 
     #[test]
-    fn one_key_returns_its_value_and_two_keys_mix_by_softmax() {
+    fn one_key_is_the_new_value_and_two_keys_mix_by_softmax() {
         let op = AttentionDecode;
         let mut rng = StdRng::seed_from_u64(1);
+        // T = 1: the only key is the step's own, so the output is its value, and it lands in
+        // row 0 of the caches while rows 1.. stay as they were.
         let shape = shape_of(&[("B", 1), ("NH", 1), ("T", 1), ("HS", 2), ("max_T", 3)]);
         let p = op.problem(&shape, Epilogue::None, Mask::None, &mut rng).unwrap();
-        let v = p.f32s("v_cache");
-        let out = &op.reference(&p)[0].1;
+        let (v, v_cache) = (p.f32s("v"), p.f32s("v_cache"));
+        let reference = op.reference(&p);
+        let (out, cached) = (&reference[0].1, &reference[2].1);
         assert!((out[0] - v[0] as f64).abs() < 1e-12 && (out[1] - v[1] as f64).abs() < 1e-12);
+        assert_eq!(&cached[..2], &[v[0] as f64, v[1] as f64]);
+        assert_eq!(
+            &cached[2..],
+            &v_cache[2..].iter().map(|&x| x as f64).collect::<Vec<_>>()[..]
+        );
 
-        // T = 2 by hand: q = (1, 0), keys (1, 0) and (0, 0), HS = 2 -> scores 1/sqrt2 and 0.
+        // T = 2 by hand: q = (1, 0), keys (1, 0) (cached) and (0, 0) (new), HS = 2 -> scores
+        // 1/sqrt2 and 0.
         let mut p = op
             .problem(
                 &shape_of(&[("B", 1), ("NH", 1), ("T", 2), ("HS", 2)]),
@@ -147,18 +182,27 @@ mod tests {
                 &mut rng,
             )
             .unwrap();
-        p.tensors[1].data = HostData::F32(vec![1.0, 0.0]);
-        p.tensors[2].data = HostData::F32(vec![1.0, 0.0, 0.0, 0.0]);
-        p.tensors[3].data = HostData::F32(vec![2.0, 4.0, 6.0, 8.0]);
+        let mut set = |name: &str, values: Vec<f32>| {
+            let i = p.tensor_index(name).unwrap();
+            p.tensors[i].data = HostData::F32(values);
+        };
+        set("q", vec![1.0, 0.0]);
+        set("k", vec![0.0, 0.0]);
+        set("v", vec![6.0, 8.0]);
+        set("k_cache", vec![1.0, 0.0, 1e4, 1e4]);
+        set("v_cache", vec![2.0, 4.0, 1e4, 1e4]);
         let w0 = (1.0f64 / 2f64.sqrt()).exp();
         let (a, b) = (w0 / (w0 + 1.0), 1.0 / (w0 + 1.0));
-        let out = &op.reference(&p)[0].1;
+        let reference = op.reference(&p);
+        let out = &reference[0].1;
         assert!((out[0] - (2.0 * a + 6.0 * b)).abs() < 1e-12);
         assert!((out[1] - (4.0 * a + 8.0 * b)).abs() < 1e-12);
+        assert_eq!(reference[1].1, vec![1.0, 0.0, 0.0, 0.0]);
+        assert_eq!(reference[2].1, vec![2.0, 4.0, 6.0, 8.0]);
     }
 
     #[test]
-    fn positions_past_t_are_poisoned_and_bad_shapes_refused() {
+    fn the_new_row_and_positions_past_it_are_poisoned_and_bad_shapes_refused() {
         let op = AttentionDecode;
         let mut rng = StdRng::seed_from_u64(2);
         let p = op
@@ -171,10 +215,13 @@ mod tests {
             .unwrap();
         let k = p.f32s("k_cache");
         let (t, hs, max_t) = (p.dim("T"), p.dim("HS"), p.dim("max_T"));
+        assert_eq!(k[(t - 1) * hs], 1e4);
         assert_eq!(k[t * hs], 1e4);
-        assert!(k[(t - 1) * hs].abs() <= 2.0);
+        assert!(k[(t - 2) * hs].abs() <= 2.0);
         assert_eq!(k.len(), p.dim("B") * p.dim("NH") * max_t * hs);
-        assert!(op.reference(&p)[0].1.iter().all(|x| x.abs() <= 1.0));
+        let reference = op.reference(&p);
+        assert!(reference[0].1.iter().all(|x| x.abs() <= 1.0));
+        assert_eq!(reference[1].1[(t - 1) * hs], p.f32s("k")[0] as f64);
         let mut bad = shape_of(&[("B", 1), ("NH", 1), ("T", 9), ("HS", 64), ("max_T", 4)]);
         let e = op
             .complete_shape(&mut bad, Epilogue::None, Mask::None)

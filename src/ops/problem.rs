@@ -166,7 +166,6 @@ impl TensorArg {
             data: HostData::I32(data),
         }
     }
-    /// An output buffer of `len` f32 (filled with NaN; the runner poisons it anyway).
     /// A tensor the kernel reads and partly overwrites (see [`Role::InOut`]).
     pub fn inout_f32(name: &'static str, data: Vec<f32>) -> Self {
         TensorArg {

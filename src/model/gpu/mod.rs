@@ -10,7 +10,8 @@
 //!
 //! One layer, fused (the default):
 //! `layernorm → matmul[qkv] (writes head-major Q, K, V) → kv_append → attention (causal, prefill)
-//! or attention_decode (one query against the cache) → matmul[bias_residual] → layernorm →
+//! or attention_decode (one query against the cache, which it appends the step's K and V to
+//! first) → matmul[bias_residual] → layernorm →
 //! matmul[bias_gelu] → matmul[bias_residual]`; then the final layernorm and the LM head
 //! (`matmul[none]` against `wte`). The residual stream ping-pongs between two buffers, so a
 //! matmul never writes the buffer it reads its residual from.

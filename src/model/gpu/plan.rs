@@ -175,13 +175,15 @@ impl GpuBackend {
 
         // Shapes that differ from the selection ones (position, cache length): planned once per
         // call, the same for every layer.
+        // A prefill writes its keys and values into the cache before attending; a decode
+        // step's attention appends its one row itself.
         let kv_plan = match &ks.kv_append {
-            Some(k) => {
+            Some(k) if !decode => {
                 let s = with(&k.shape, &[("pos", pos as i64)]);
                 let l = Arc::new(self.plan(k, &s)?);
                 Some((s, l))
             }
-            None => None,
+            _ => None,
         };
         // Decode: the kernel of the cache's length bucket, launched for the current length.
         let att_kernel = if decode {
@@ -223,6 +225,8 @@ impl GpuBackend {
                 let args = [
                     ArgValue::Ptr(att),
                     ArgValue::Ptr(qkv),
+                    ArgValue::Ptr(k_new),
+                    ArgValue::Ptr(v_new),
                     ArgValue::Ptr(kc),
                     ArgValue::Ptr(vc),
                     ArgValue::Ptr(att_ws),

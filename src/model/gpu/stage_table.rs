@@ -3,8 +3,8 @@
 //! ever launched ([`check_schedule`]). Pure data, no GPU: the executor is `megakernel.rs`.
 //!
 //! Lowering fuses what only exists to be launched: each layernorm into the matrix-vector stage
-//! that reads it (the stage recomputes the row statistics), kv_append into the QKV stage (k and
-//! v are written straight into the cache), attention's partial results and their combination
+//! that reads it (the stage recomputes the row statistics), the attention's append into the QKV
+//! stage (k and v are written straight into the cache), attention's partial results and their combination
 //! into one stage, the residual adds into the projections, the greedy argmax into the LM head.
 //! With [`MlpFusion`] (the spec's `fuse_mlp = 1`), each layer's fc and fc projection become
 //! one stage: a task computes a slice of the hidden units and adds their share of the
@@ -66,9 +66,9 @@ pub struct MlpFusion {
 /// One node of the decode plan, as much of it as lowering reads.
 #[derive(Clone, Debug)]
 pub struct PlanOp {
-    /// Where in the model: `embedding`, `layernorm`, `qkv`, `kv_append`, `attention`, ...
+    /// Where in the model: `embedding`, `layernorm`, `qkv`, `attention`, ...
     pub role: String,
-    /// The op contract: `encoder`, `layernorm`, `matmul`, `kv_append`, `attention_decode`, `argmax`.
+    /// The op contract: `encoder`, `layernorm`, `matmul`, `attention_decode`, `argmax`.
     pub op: String,
     pub epilogue: Epilogue,
     /// In the op's signature order.
@@ -333,14 +333,14 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                 }
                 stage.epilogue = epilogue_code(node.epilogue);
                 if node.epilogue == Epilogue::Qkv {
-                    // k_cache, v_cache, k, v, B, NH, T, max_T, HS, pos
+                    // The attention after it appends the step's k and v to the caches (out, q, k,
+                    // v, k_cache, v_cache, ...): here the QKV stage writes them there itself.
                     match ops.get(i + 1) {
-                        Some(next) if next.op == "kv_append" => {
-                            stage.k_cache = ptr_arg(&next.args, 0);
-                            stage.v_cache = ptr_arg(&next.args, 1);
-                            i += 1;
+                        Some(next) if next.op == "attention_decode" => {
+                            stage.k_cache = ptr_arg(&next.args, 4);
+                            stage.v_cache = ptr_arg(&next.args, 5);
                         }
-                        _ => return Err(unsupported("the QKV matmul must be followed by kv_append")),
+                        _ => return Err(unsupported("the QKV matmul must be followed by attention_decode")),
                     }
                 }
                 if let Some(acc) = in_acc {
@@ -384,8 +384,8 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                 }
             }
             "attention_decode" => {
-                // out, q, k_cache, v_cache, workspace, B, NH, T, max_T, HS, scale
-                let (b, nh, max_t, hs) = (int_arg(a, 5), int_arg(a, 6), int_arg(a, 8), int_arg(a, 9));
+                // out, q, k, v, k_cache, v_cache, workspace, B, NH, T, max_T, HS, scale
+                let (b, nh, max_t, hs) = (int_arg(a, 7), int_arg(a, 8), int_arg(a, 10), int_arg(a, 11));
                 if hs != geo.head_dim {
                     return Err(shape_err(format!(
                         "head size {hs}, but the decode_megakernel point is compiled for head_dim {}",
@@ -400,11 +400,15 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                 stage.tasks = (b * nh * chunks) as i32;
                 stage.out = ptr_arg(a, 0);
                 stage.input = ptr_arg(a, 1);
-                stage.k_cache = ptr_arg(a, 2);
-                stage.v_cache = ptr_arg(a, 3);
+                stage.k_cache = ptr_arg(a, 4);
+                stage.v_cache = ptr_arg(a, 5);
                 attention_floats = attention_floats.max(b * nh * chunks * (hs + 2));
             }
-            "kv_append" => return Err(unsupported("kv_append must follow the QKV matmul")),
+            "kv_append" => {
+                return Err(unsupported(
+                    "a decode step appends to the cache in its attention, not by kv_append",
+                ))
+            }
             "argmax" => return Err(unsupported("argmax must follow the LM head")),
             _ => return Err(unsupported("run --decode-engine graph for the unfused plan")),
         }

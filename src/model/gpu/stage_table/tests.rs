@@ -76,30 +76,14 @@ fn plan(layers: usize, batch: usize, c: usize, n_head: usize, vp: usize) -> Vec<
             layer,
         ));
         ops.push(op(
-            "kv_append",
-            "kv_append",
-            Epilogue::None,
-            vec![
-                w(l, 20),
-                w(l, 21),
-                p(0),
-                p(0),
-                i(batch),
-                i(n_head),
-                i(1),
-                i(1024),
-                i(c / n_head),
-                i(5),
-            ],
-            layer,
-        ));
-        ops.push(op(
             "attention",
             "attention_decode",
             Epilogue::None,
             vec![
                 att,
                 qkv,
+                p(0),
+                p(0),
                 w(l, 20),
                 w(l, 21),
                 p(0),
@@ -193,7 +177,7 @@ fn gpt2_small_lowers_to_one_stage_per_fused_op_about_a_wave_each() {
         ["embed", "qkv", "attention", "attn_proj", "fc", "fc_proj", "qkv"]
     );
     assert_eq!(names.last(), Some(&"lm_head"));
-    // layernorms fused into qkv, fc and the LM head; kv_append into qkv; argmax into the head
+    // layernorms fused into qkv, fc and the LM head; the append into qkv; argmax into the head
     let s = &lowered.stages;
     assert_eq!(s[1].flags, FLAG_LAYERNORM);
     assert_eq!((s[1].epilogue, s[1].n, s[1].k), (4, 2304, 768));
