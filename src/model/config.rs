@@ -255,6 +255,10 @@ mod tests {
             assert_eq!(c.head_dim(), 64, "{n}");
         }
         assert!(GPT2Config::preset("gpt3").is_none());
+        // the dimensions the tuner's tests use in place of the presets
+        use crate::ops::model_dims::ModelDims;
+        assert_eq!(g.dims(), ModelDims::released_gpt2(12, 12, 768));
+        assert_eq!(GPT2Config::gpt2_xl().dims(), ModelDims::released_gpt2(48, 25, 1600));
     }
 
     #[test]

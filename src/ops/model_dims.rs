@@ -24,6 +24,21 @@ impl ModelDims {
     pub fn head_dim(&self) -> usize {
         self.n_embd / self.n_head
     }
+
+    /// A released GPT-2's dimensions (1,024 positions, the 50,257-token vocabulary padded to
+    /// 50,304), for the tests of the layers below the model; `model::config` checks that its
+    /// presets agree.
+    #[cfg(test)]
+    pub(crate) fn released_gpt2(n_layer: usize, n_head: usize, n_embd: usize) -> ModelDims {
+        ModelDims {
+            n_layer,
+            n_head,
+            n_embd,
+            n_ctx: 1024,
+            vocab_size: 50257,
+            padded_vocab_size: 50304,
+        }
+    }
 }
 
 /// The cache lengths decode attention is chosen for: powers of two from 128 up to the context,

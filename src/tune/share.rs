@@ -112,7 +112,7 @@ pub fn group_by_kind(devices: &[DeviceIdentity]) -> Vec<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::GPT2Config;
+    use crate::ops::model_dims::ModelDims;
     use crate::tune::workloads::model_workloads;
     use std::path::Path;
 
@@ -195,7 +195,7 @@ mod tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let catalog = Catalog::load(&root.join("specs"), &root.join("templates")).unwrap();
         let limits = DeviceLimits::default();
-        let workloads = model_workloads(&GPT2Config::gpt2().dims(), &[1, 8], &[1024], Dtype::Bf16);
+        let workloads = model_workloads(&ModelDims::released_gpt2(12, 12, 768), &[1, 8], &[1024], Dtype::Bf16);
         let all: Vec<&Workload> = workloads.iter().collect();
         let counts = candidate_counts(&catalog, &all, &limits);
         let costs: Vec<Option<f64>> = workloads
@@ -219,7 +219,7 @@ mod tests {
 
     #[test]
     fn cost_grows_with_work_and_candidates() {
-        let workloads = model_workloads(&GPT2Config::gpt2().dims(), &[1, 8], &[1024], Dtype::Bf16);
+        let workloads = model_workloads(&ModelDims::released_gpt2(12, 12, 768), &[1, 8], &[1024], Dtype::Bf16);
         let lm_head = |m: i64| {
             workloads
                 .iter()

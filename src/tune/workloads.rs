@@ -219,11 +219,10 @@ pub fn model_workloads(cfg: &ModelDims, batches: &[i64], seqs: &[i64], matmul_dt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::GPT2Config;
 
     #[test]
     fn gpt2_small_forward_shapes() {
-        let cfg = GPT2Config::gpt2().dims();
+        let cfg = ModelDims::released_gpt2(12, 12, 768);
         assert_eq!(cfg.padded_vocab_size, 50304);
         let w = forward_workloads(&cfg, 8, 1024, Dtype::F32);
         let mm: Vec<_> = w
@@ -254,7 +253,7 @@ mod tests {
 
     #[test]
     fn decode_step_has_no_prefill_attention_and_no_duplicates() {
-        let cfg = GPT2Config::gpt2_xl().dims();
+        let cfg = ModelDims::released_gpt2(48, 25, 1600);
         let w = forward_workloads(&cfg, 1, 1, Dtype::F32);
         assert!(w.iter().all(|w| w.op != "attention"));
         // decode attention once per cache-length bucket, each at its longest length
@@ -274,7 +273,7 @@ mod tests {
 
     #[test]
     fn tf32_applies_to_matmuls_and_attention_only() {
-        let cfg = GPT2Config::gpt2().dims();
+        let cfg = ModelDims::released_gpt2(12, 12, 768);
         let w = model_workloads(&cfg, &[8], &[1024], Dtype::Tf32);
         assert!(w.iter().any(|w| w.op == "matmul"));
         assert!(w.iter().any(|w| w.op == "attention" && w.dtype == Dtype::Tf32));
