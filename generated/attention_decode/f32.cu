@@ -113,6 +113,18 @@ constexpr int VECS = HEAD_DIM / VEC;                    // 16-byte loads per key
 constexpr int KEY_GROUPS = BLOCK_SIZE / VECS;           // value rows accumulated in parallel
 static_assert(HEAD_DIM % VEC == 0 && BLOCK_SIZE % VECS == 0, "value rows split into whole 16-byte groups");
 
+// The append: row T - 1 of head bh's caches is the step's own key and value, which the QKV
+// projection wrote to k and v. `piece` copies its 16 bytes of each row as they are (the steps
+// after read them from the cache); the kernel itself reads row T - 1 from k and v, never from
+// the cache it is writing.
+__device__ __forceinline__ void append_step_piece(storage_t* k_cache, storage_t* v_cache, const storage_t* k,
+                                                  const storage_t* v, long long bh, int T, int max_T, int piece) {
+    const long long row = (bh * max_T + T - 1) * HEAD_DIM + piece * VEC;
+    const long long step = bh * HEAD_DIM + piece * VEC;
+    *reinterpret_cast<uint4*>(k_cache + row) = *reinterpret_cast<const uint4*>(k + step);
+    *reinterpret_cast<uint4*>(v_cache + row) = *reinterpret_cast<const uint4*>(v + step);
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // VEC consecutive elements as f32, one 16-byte load (offset a multiple of VEC: HS % 8 == 0
@@ -153,11 +165,7 @@ attention_decode_ed873420a2cbf4a7_partial(storage_t* out, const storage_t* q, co
     // wrote them), and appended to the caches by the split that holds it, 16 bytes a thread.
     const storage_t* k_step = k + bh * HEAD_DIM;
     const storage_t* v_step = v + bh * HEAD_DIM;
-    if (begin <= T - 1 && T - 1 < end && threadIdx.x < VECS) {
-        const long long row = (bh * max_T + T - 1) * HEAD_DIM + threadIdx.x * VEC;
-        *reinterpret_cast<uint4*>(k_cache + row) = *reinterpret_cast<const uint4*>(k_step + threadIdx.x * VEC);
-        *reinterpret_cast<uint4*>(v_cache + row) = *reinterpret_cast<const uint4*>(v_step + threadIdx.x * VEC);
-    }
+    if (begin <= T - 1 && T - 1 < end && threadIdx.x < VECS) append_step_piece(k_cache, v_cache, k, v, bh, T, max_T, threadIdx.x);
 
     float m = neg_inf(), l = 0.0f;                      // the same in every thread
     float acc[VEC];                                     // this thread's chunk of its key group's sum

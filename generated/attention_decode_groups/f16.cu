@@ -153,6 +153,18 @@ constexpr int GROUPS = THREADS / PIECES;      // rows the block reads at once, p
 constexpr int STATE = HEAD_DIM + 2;           // floats of one split's state in the workspace
 static_assert(HEAD_DIM % VEC == 0 && PIECES <= 32 && 32 % PIECES == 0, "a row's pieces fill part of one warp");
 
+// The append: row T - 1 of head bh's caches is the step's own key and value, which the QKV
+// projection wrote to k and v. `piece` copies its 16 bytes of each row as they are (the steps
+// after read them from the cache); the kernel itself reads row T - 1 from k and v, never from
+// the cache it is writing.
+__device__ __forceinline__ void append_step_piece(storage_t* k_cache, storage_t* v_cache, const storage_t* k,
+                                                  const storage_t* v, long long bh, int T, int max_T, int piece) {
+    const long long row = (bh * max_T + T - 1) * HEAD_DIM + piece * VEC;
+    const long long step = bh * HEAD_DIM + piece * VEC;
+    *reinterpret_cast<uint4*>(k_cache + row) = *reinterpret_cast<const uint4*>(k + step);
+    *reinterpret_cast<uint4*>(v_cache + row) = *reinterpret_cast<const uint4*>(v + step);
+}
+
 // The number of splits of a cache of T rows: the partial kernel's grid.x, recomputed by combine.
 __device__ __forceinline__ int splits_of(int T) { return (T + KEYS_PER_SPLIT - 1) / KEYS_PER_SPLIT; }
 
@@ -180,13 +192,8 @@ attention_decode_groups_c4f4fe319202d156_partial(storage_t* out, const storage_t
     // projection wrote them (never from the cache this kernel is writing them into)
     const storage_t* k_step = k + bh * HEAD_DIM + piece * VEC;
     const storage_t* v_step = v + bh * HEAD_DIM + piece * VEC;
-    if (split == gridDim.x - 1 && threadIdx.x < PIECES) {
-        // The append, by the split that holds row T - 1: 16 bytes of each row a lane, copied as
-        // they are (the next steps read them from the cache).
-        const long long row = (bh * max_T + T - 1) * HEAD_DIM + threadIdx.x * VEC;
-        *reinterpret_cast<uint4*>(k_cache + row) = *reinterpret_cast<const uint4*>(k + bh * HEAD_DIM + threadIdx.x * VEC);
-        *reinterpret_cast<uint4*>(v_cache + row) = *reinterpret_cast<const uint4*>(v + bh * HEAD_DIM + threadIdx.x * VEC);
-    }
+    // the append, by the split that holds row T - 1
+    if (split == gridDim.x - 1 && threadIdx.x < PIECES) append_step_piece(k_cache, v_cache, k, v, bh, T, max_T, threadIdx.x);
 
     float q_piece[VEC];
     ldg_vector(q + bh * HEAD_DIM + piece * VEC, q_piece);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::{tensor_map, Compiled, Gpu, GpuError, TensorMap};
 use crate::ops::{Arg, HostData, Problem, Role, Shape, Storage};
-use crate::spec::{Launch, SpecError, Variant};
+use crate::spec::{ArchTarget, Launch, SpecError, Variant};
 
 /// Running a variant failed.
 #[derive(Debug, thiserror::Error)]
@@ -141,15 +141,11 @@ pub struct LoadedVariant {
     waits_for_previous: bool,
 }
 
-/// Whether code compiled for `arch` (`sm_90a`, `compute_86`) has programmatic dependent launch.
+/// Whether code compiled for `arch` (`sm_90a`, or `compute_86` for PTX) has programmatic
+/// dependent launch (compute capability 9.0 on).
 fn has_programmatic_launch(arch: &str) -> bool {
-    let digits: String = arch
-        .trim_start_matches("sm_")
-        .trim_start_matches("compute_")
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect();
-    digits.parse::<u32>().is_ok_and(|version| version >= 90)
+    let real = arch.replacen("compute_", "sm_", 1);
+    ArchTarget::parse(&real).is_ok_and(|target| target.compute_capability >= (9, 0))
 }
 
 fn missing_function(variant: &Variant, name: &str, why: &str) -> RunError {
