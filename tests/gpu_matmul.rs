@@ -72,6 +72,13 @@ fn gpu_matmul_wgmma() {
     for family in &catalog.families {
         for dtype in &family.dtypes {
             for kind in ["", "[bias]", "[bias_gelu]", "[bias_residual]", "[qkv]"] {
+                // The TMA family's qkv runs these test shapes only at points without the staged
+                // epilogue (its stores need heads of 64 columns) or the stats pass: about one in
+                // four, so eight sampled points miss them all one run in ten.
+                // gpu_matmul_wgmma_tma_qkv_heads checks it on such heads in every dtype.
+                if family.name == "matmul_wgmma_tma" && kind == "[qkv]" {
+                    continue;
+                }
                 let kernel = format!("{}{kind}", family.name);
                 assert!(
                     passed.iter().any(|r| r.dtype == dtype.as_str() && r.kernel == kernel),
