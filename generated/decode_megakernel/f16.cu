@@ -315,6 +315,13 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, 
                  : "memory");
 }
 
+// Asks L2 for the box at (x, y) of `map`'s tensor without copying it anywhere: the issuing
+// thread goes on at once, and a tma_load_2d of the same box later finds it in L2.
+__device__ __forceinline__ void tma_prefetch_box_to_l2(const TensorMap& map, int x, int y) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global [%0, { %1, %2 }];\n"
+                 :: "l"(reinterpret_cast<unsigned long long>(&map)), "r"(x), "r"(y) : "memory");
+}
+
 // The other direction: one thread stores the box at shared address `src` to (x, y) of `map`'s
 // tensor, clipped at its edges (nothing outside the tensor is written). The copies of one
 // thread are tracked in bulk groups: commit closes one, wait_read<N> returns once all but the
