@@ -678,9 +678,9 @@ __device__ __forceinline__ void unit_origin(int unit, int units_m, int tiles_n, 
 // range when K is split): the producer's first copies then come from L2, not DRAM. Only the
 // CTAs whose first unit is in the top row of units do, so that each box is asked for once: the
 // others want the same boxes, and a prefetch queues ahead of the CTA's own copies in the TMA
-// unit. (H200, GPT-2 small, a decode step: 3-8% off at batch 1-64, as fast at 128; with every
-// CTA prefetching, 3% and 7% slower at 128 and 256; with only grids of one row of units, 3%
-// slower at 128.)
+// unit. (H200, GPT-2 small, a decode step: 3-8% off at batch 1-64, as fast at 128, 2% slower
+// at 256, not from the prefetch itself: benches/RESULTS.md; with every CTA prefetching, 3% and
+// 7% slower at 128 and 256.)
 __device__ __forceinline__ void prefetch_weight_tiles(const TensorMap& weight_map, int M, int N, int K) {
     if (threadIdx.x != 0) return;
     const int tiles_n = (N + BLOCK_N - 1) / BLOCK_N;
