@@ -8,10 +8,13 @@
 # commit's binary and folder as side A), at the workloads it is not meant to touch, since code
 # added for one point can slow every other (the fused MLP's runtime flags cost batch 8 10%).
 #   A_ROOT=.device/before B_ROOT=. [A_BIN=...] [B_BIN=...] [ROUNDS=2] [WORKLOADS="..."] \
-#     [MODEL=DIR] [TIMELINE=1] benches/decode_ab.sh
+#     [ENGINE=megakernel] [MODEL=DIR] [TIMELINE=1] benches/decode_ab.sh
 # A workload is dtype:batch:prompt:steps (default: bf16 and f32 at batch 1 after 16 and 1,000
-# tokens, bf16 at batch 8); MODEL is a checkpoint folder (default: a random GPT-2 124M written to
-# /tmp/models/gpt2). TIMELINE=1 then runs the first workload once more per side with
+# tokens, bf16 at batch 8); its batch may be a list (bf16:1,8,64,256:16:128, one `bench` process
+# and a row per batch, GPU ms and tokens/s). ENGINE is the decode engine (megakernel, graph or
+# launches); MODEL is a checkpoint folder (default: a random GPT-2 124M written to
+# /tmp/models/gpt2). A tuning database in the usual place is used by both sides alike.
+# TIMELINE=1 (megakernel) then runs the first workload once more per side with
 # `bench --timeline` and prints both sides' per-op tables (signal, inputs, work a stage: what a
 # change moved, not only by how much). Prepare A's folder here with
 #   mkdir -p .device/before && git archive REV specs templates | tar -x -C .device/before
@@ -24,6 +27,7 @@ b_root=${B_ROOT:-.}
 a_bin=${A_BIN:-.device/kernelforge}
 b_bin=${B_BIN:-.device/kernelforge}
 rounds=${ROUNDS:-2}
+engine=${ENGINE:-megakernel}
 workloads=${WORKLOADS:-bf16:1:16:256 bf16:1:1000:48 f32:1:1000:48 bf16:8:16:128}
 dir=${MODEL:-/tmp/models/gpt2}
 [ -z "${MODEL:-}" ] || [ -d "$dir" ] || { echo "MODEL=$dir: no such folder" >&2; exit 2; }
@@ -34,6 +38,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 torch.manual_seed(0)
 GPT2LMHeadModel(GPT2Config()).save_pretrained(sys.argv[1], safe_serialization=True)
 PY
+# "batch GPU-ms tokens/s" for each "bench: batch N (i of n): T tokens/s, G ms GPU a step, ..." line.
+batch_rows() {
+  sed -nE 's/^bench: batch ([0-9]+) .*: ([0-9,]+) tokens\/s, ([0-9.]+) ms GPU a step.*/\1 \3 \2/p' "$1" | tr -d ,
+}
 printf '%-6s %-22s %5s %10s %10s %10s\n' side workload round "gpu ms" "wall ms" "tokens/s"
 for round in $(seq "$rounds"); do
   for w in $workloads; do
@@ -41,8 +49,16 @@ for round in $(seq "$rounds"); do
     for side in A B; do
       if [ "$side" = A ]; then bin=$a_bin root=$a_root; else bin=$b_bin root=$b_root; fi
       log="$out/$side-$model-$dtype-b$batch-p$prompt-r$round.txt"
-      timeout 150 "$bin" bench --root "$root" --model "$dir" --device cuda --decode-engine megakernel --repeats 1 \
+      timeout 150 "$bin" bench --root "$root" --model "$dir" --device cuda --decode-engine "$engine" --repeats 1 \
         --dtype "$dtype" --batch "$batch" --seq "$prompt" --generate "$steps" > "$log" 2>&1
+      if [[ $batch == *,* ]]; then  # a list: one "bench: batch N (i of n): ..." line per batch
+        rows=$(batch_rows "$log")
+        [ -n "$rows" ] || rows="$batch failed (see $log) -"
+        while read -r b gpu tps; do
+          printf '%-6s %-22s %5s %10s %10s %10s\n' "$side" "$dtype:$b:$prompt:$steps" "$round" "$gpu" - "$tps"
+        done <<< "$rows"
+        continue
+      fi
       line=$(grep -E '^decode:' "$log")
       wall=$(sed -E 's/.*\(([0-9.]+) ms\/step.*/\1/' <<< "$line")
       gpu=$(sed -E 's/.*of which ([0-9.]+) ms on the GPU.*/\1/' <<< "$line")
