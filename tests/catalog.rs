@@ -187,19 +187,24 @@ fn kernel_not_waiting_first(code: &str) -> Option<String> {
     while let Some(at) = rest.find("__global__") {
         let kernel = &rest[at..];
         let body = kernel.find("{\n").map(|b| &kernel[b + 2..]).unwrap_or("");
-        let mut lines = body.trim_start().lines().map(str::trim);
-        let guarded = lines.next() == Some("#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900");
-        let before_wait: Vec<&str> = lines
-            .take(8)
-            .take_while(|l| !l.contains("griddepcontrol.wait;"))
+        // Its first statements, comments left out: the guard, then the wait, or one prefetch
+        // call and then the wait.
+        let head: Vec<&str> = body
+            .trim_start()
+            .lines()
+            .map(str::trim)
             .filter(|l| !l.starts_with("//"))
+            .take(3)
             .collect();
-        let waits = body.lines().take(10).any(|l| l.contains("griddepcontrol.wait;"));
-        let only_prefetch = before_wait
-            .iter()
-            .all(|l| l.starts_with("prefetch_") && l.ends_with(");"))
-            && before_wait.len() <= 1;
-        if !(guarded && waits && only_prefetch) {
+        let guard = |l: &&str| *l == "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900";
+        let wait = |l: &&str| l.contains("griddepcontrol.wait;");
+        let prefetch = |l: &&str| l.starts_with("prefetch_") && l.ends_with(");");
+        let waits_first = match head.as_slice() {
+            [g, w, ..] if guard(g) && wait(w) => true,
+            [g, p, w] => guard(g) && prefetch(p) && wait(w),
+            _ => false,
+        };
+        if !waits_first {
             // The line with the kernel's name: the first past the launch bounds.
             let name = kernel.lines().find(|l| !l.contains("__launch_bounds__")).unwrap_or("");
             return Some(name.trim().to_string());
