@@ -272,7 +272,7 @@ fn megakernel_small_for_the_sanitizer() {
         next = g.decode_draw(&next, &draw, 154 + step).unwrap();
         assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
     }
-    // Top-k and top-p: the sample op after the step, reading the step's logits.
+    // Top-k and top-p: drawn from the LM-head tasks' heads (decode/draw.cu.tera).
     let draw = Draw {
         params: SamplingParams {
             temperature: 0.9,
@@ -284,6 +284,105 @@ fn megakernel_small_for_the_sanitizer() {
     for step in 0..3 {
         next = g.decode_draw(&next, &draw, 157 + step).unwrap();
         assert!((next[0] as usize) < 300, "a token of the vocabulary: {next:?}");
+    }
+    assert!(g.lm_head_draws(&draw.params), "top-k 40 drawn in the LM head");
+    // Three rows, each drawn by a block of its own once every block has left its heads.
+    let mut g = backend(&tiny, 3, Dtype::Bf16, DecodeEngine::Megakernel);
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|b| (0..20u32).map(|i| (i * 13 + b * 7) % 300).collect())
+        .collect();
+    let first = g.prefill_last(&prompts).unwrap();
+    let mut next: Vec<u32> = (0..3).map(|b| argmax(first.last(b)).unwrap()).collect();
+    for step in 0..3 {
+        next = g.decode_draw(&next, &draw, 21 + step).unwrap();
+        assert!(next.iter().all(|&t| t < 300), "tokens of the vocabulary: {next:?}");
+    }
+    assert!(
+        g.lm_head_draws(&draw.params),
+        "top-k 40 drawn in the LM head at batch 3"
+    );
+}
+
+/// The LM head's top-k draw (each task's largest logit, then the keys of the k tasks those
+/// name; decode/draw.cu.tera) picks exactly the token the reference sampler picks from the same
+/// logits. One megakernel steps greedily and returns its logits, a second one (same point, same
+/// tokens, so the same logits bit for bit) draws on the device; every row's token must equal
+/// `Draw::on_host` over the first one's logits. GPT-2's vocabulary (786 LM-head tasks of 64
+/// columns), top-k from 2 to 64 with and without top-p, f32 and bf16, one row, an odd batch
+/// (rows drawn by several blocks at once) and 16 rows on the tensor cores.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn megakernel_top_k_draws_equal_the_reference_sampler_on_the_same_logits() {
+    let _lock = gpu_lock();
+    let vocab = 50_257;
+    let m = model(2, 2, 128, 256, vocab, 91);
+    let settings = [(0.8, 40, 0.95), (1.0, 64, 1.0), (0.6, 2, 1.0), (1.7, 13, 0.3)];
+    let sixteen = [
+        ("max_rows", 16),
+        ("threads", 256),
+        ("tensor_cores", 1),
+        ("cols_per_warp", 1),
+    ];
+    type Point<'a> = &'a [(&'a str, i64)];
+    let cases: [(Dtype, usize, Point); 4] = [
+        (Dtype::F32, 1, &[]),
+        (Dtype::F32, 5, &[]),
+        (Dtype::Bf16, 8, &[]),
+        (Dtype::Bf16, 16, &sixteen),
+    ];
+    for (dtype, batch, point) in cases {
+        let mut logits_of = backend(&m, batch, dtype, DecodeEngine::Megakernel);
+        let mut drawer = backend(&m, batch, dtype, DecodeEngine::Megakernel);
+        if !point.is_empty() {
+            let point: Vec<(String, i64)> = point.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+            logits_of.set_megakernel_point(point.clone());
+            drawer.set_megakernel_point(point);
+        }
+        let prompt_len = 9;
+        let prompts: Vec<Vec<u32>> = (0..batch as u32)
+            .map(|b| {
+                (0..prompt_len)
+                    .map(|i| (i * 131 + b * 977 + 5) % vocab as u32)
+                    .collect()
+            })
+            .collect();
+        let first = logits_of.prefill_last(&prompts).unwrap();
+        drawer.prefill_last(&prompts).unwrap();
+        let mut next: Vec<u32> = (0..batch).map(|b| argmax(first.last(b)).unwrap()).collect();
+        let mut position = prompt_len as usize;
+        let mut drawn = 0;
+        for (i, &(temperature, top_k, top_p)) in settings.iter().enumerate() {
+            let draw = Draw {
+                params: SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                },
+                seed: 0x5eed + i as u64,
+                first_sequence: 3,
+            };
+            for step in 0..6 {
+                position += 1;
+                let logits = logits_of.decode(&next).unwrap();
+                let got = drawer.decode_draw(&next, &draw, position).unwrap();
+                for (b, &token) in got.iter().enumerate() {
+                    let want = draw.on_host(logits.last(b), b, position).unwrap();
+                    assert_eq!(
+                        token, want,
+                        "{dtype:?} batch {batch}, {:?}, step {step}, sequence {b}: drawn in the LM head vs the reference on the same logits",
+                        draw.params
+                    );
+                }
+                drawn += got.len();
+                next = got;
+            }
+            assert!(
+                drawer.lm_head_draws(&draw.params),
+                "{:?} drawn in the LM head",
+                draw.params
+            );
+        }
+        eprintln!("{dtype:?} batch {batch}: {drawn} top-k draws in the LM head equal the reference's");
     }
 }
 

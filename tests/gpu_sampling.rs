@@ -249,7 +249,7 @@ fn gpu_sampling_bf16_logits_fit() {
 /// One seed, the same tokens: `generate` with temperature, top-k and top-p gives the same ids
 /// on the launches, graph and megakernel engines in f32 (the tokens drawn on the device by the
 /// sampler, keyed by seed, sequence and position; on the megakernel the LM head draws a plain
-/// temperature itself), and the CPU backend (drawing on the host with the reference) agrees
+/// temperature and a top-k of at most 64 itself), and the CPU backend (drawing on the host with the reference) agrees
 /// too; a ragged batch included (prompt tokens fed, not drawn).
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -285,11 +285,17 @@ fn gpu_same_seed_same_tokens_on_every_engine() {
             top_k: 300,
             top_p: 1.0,
         },
-        // A top-k alone.
+        // A top-k alone, one more than the megakernel's LM head draws: the sample op.
         SamplingParams {
             temperature: 0.9,
             top_k: 65,
             top_p: 1.0,
+        },
+        // The largest top-k the LM head draws, with a top-p.
+        SamplingParams {
+            temperature: 1.1,
+            top_k: 64,
+            top_p: 0.9,
         },
     ];
     for sampling in settings {
@@ -306,6 +312,13 @@ fn gpu_same_seed_same_tokens_on_every_engine() {
             gpu.set_decode_engine(engine).unwrap();
             let got = generate(&mut gpu, &prompts, &opts, &mut |_, _| Ok(())).unwrap().tokens;
             assert_eq!(got, want, "{engine} engine, {sampling:?}");
+            // the megakernel's LM head draws every setting but top-p alone and top-k 65
+            let in_lm_head = sampling.keeps_every_token(300) || (sampling.cuts_top_k(300) && sampling.top_k <= 64);
+            assert_eq!(
+                gpu.lm_head_draws(&sampling),
+                engine == DecodeEngine::Megakernel && in_lm_head,
+                "{engine} engine, {sampling:?}: drawn in the LM head"
+            );
         }
         eprintln!(
             "{sampling:?}: {} tokens a sequence equal on the CPU and every engine",

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // the whole decode step as one persistent kernel: the step's plan cut into tasks, resident blocks pulling them in order, waits on counters in global memory, every block streaming its next tasks' weights into a shared-memory ring while it waits
 // Variant: dtype=f16 threads=512 blocks_per_sm=1 slot_kib=32 slots=3 cols_per_warp=2 max_rows=8 head_dim=64 min_chunk_keys=128 bulk_copy=1 tensor_cores=0 fuse_mlp=0 kslice=0
-// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=12288
+// Derived: slot_bytes=32768 row_pad=16 smem_bytes=98304 static_smem=13312
 
 // ---------------------------------------------------------------------------------------------
 // decode_megakernel / decode_megakernel_aef9bc9889503979
@@ -25,8 +25,9 @@
 //   fc_proj     x'' = x' + fc @ Wfcproj^T + b
 //   (mlp        fc and fc_proj as one stage, with fuse_mlp = 1: see StageFlags)
 //   lm_head     logits = layernorm(x) @ wte^T, and the next token drawn in it: the greedy argmax,
-//               or at a temperature with neither top-k nor top-p the Gumbel-max (an argmax too;
-//               a top-k or top-p draw runs the sample op after the step)
+//               at a temperature with neither top-k nor top-p the Gumbel-max (an argmax too),
+//               with a top-k of at most LM_HEAD_TOP_K (and any top-p) from each task's largest
+//               logit (decode/draw.cu.tera); top-p alone runs the sample op after the step
 //
 // GRID_BLOCKS blocks stay resident (the launch is cooperative: the driver refuses it rather
 // than start blocks that could not all run at once). Block i takes tasks i, i + grid, i + 2*grid,
@@ -110,6 +111,35 @@ __device__ __forceinline__ float warp_reduce_max(float value) {
     for (int offset = 16; offset > 0; offset >>= 1)
         value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
     return value;
+}
+// Block-wide reductions: each warp reduces its own lanes, lane 0 of every warp parks the warp's
+// partial in shared memory, then every warp reduces the (at most 32) partials again, so every
+// thread returns the block's result. blockDim.x must be a multiple of 32 and every thread of
+// the block must call it (it contains barriers).
+__device__ __forceinline__ float block_reduce_sum(float value) {
+    __shared__ float partials[32];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int num_warps = blockDim.x / 32;
+    value = warp_reduce_sum(value);
+    __syncthreads();  // a previous call may still be reading `partials`
+    if (lane == 0) partials[warp] = value;
+    __syncthreads();  // every partial is written before anyone reads them
+    value = lane < num_warps ? partials[lane] : 0.0f;
+    return warp_reduce_sum(value);
+}
+
+__device__ __forceinline__ float block_reduce_max(float value) {
+    __shared__ float partials[32];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int num_warps = blockDim.x / 32;
+    value = warp_reduce_max(value);
+    __syncthreads();  // a previous call may still be reading `partials`
+    if (lane == 0) partials[warp] = value;
+    __syncthreads();  // every partial is written before anyone reads them
+    value = lane < num_warps ? partials[lane] : __int_as_float(0xff800000);  // -inf: NVRTC has no <math.h> INFINITY
+    return warp_reduce_max(value);
 }
 // (value, index) a beats (value, index) b: larger value, or the same value at a smaller index.
 // The rule is commutative and associative, so any reduction order finds the FIRST maximum.
@@ -966,9 +996,11 @@ __device__ void matvec_task(const Stage& stage, int task, int B, unsigned slot_a
 // templates/sampling/sample.cu.tera: the same scores, so the same token), and +inf taints the
 // row too. A lane scores 4 consecutive tokens, read as one float4: one Philox call gives the
 // noise of a group of 4 tokens (two calls where the task's first column is not a multiple of 4).
-// (A top-k or top-p draw runs the sample op after the step: benches/RESULTS.md says why.)
+// With `heads` (a top-k draw) the task instead leaves the largest of its logits of each row, by
+// the keys' order (the lower id on ties), at heads[row * tasks + task]: (logit, id), the id -1
+// when a NaN or +inf taints the task, -2 when the task holds no token (the vocabulary's padding).
 __device__ void argmax_task(const Stage& s, int task, int B, int V, const float* tile, float* best_val,
-                            int* best_idx, int* saw_nan, float inv_temperature, DrawKey draw) {
+                            int* best_idx, int* saw_nan, float inv_temperature, DrawKey draw, float2* heads) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = task * s.cols;
     const int cols = min(s.cols, V - n0);  // padded vocabulary columns never win
@@ -976,7 +1008,7 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
         const float* row = tile + b * MAX_TASK_COLS;
         float v = __int_as_float(0xff800000);
         int i = 0x7fffffff, nan = 0;
-        if (inv_temperature > 0.0f) {
+        if (inv_temperature > 0.0f && heads == nullptr) {
             DrawKey key = draw;
             key.sequence += b;
             for (int c = 4 * lane; c < cols; c += 4 * 32) {
@@ -993,14 +1025,373 @@ __device__ void argmax_task(const Stage& s, int task, int B, int V, const float*
                 }
             }
         } else {
-            for (int c = lane; c < cols; c += 32) consider(row[c], n0 + c, v, i, nan);
+            for (int c = lane; c < cols; c += 32) {
+                if (heads != nullptr && row[c] == __int_as_float(0x7f800000)) nan = 1;  // the sampler's "bad"
+                consider(row[c], n0 + c, v, i, nan);
+            }
         }
         warp_reduce_argmax(v, i);
         nan = __any_sync(0xffffffffu, nan);
         if (lane == 0) {
-            if (beats(v, i, best_val[b], best_idx[b])) { best_val[b] = v; best_idx[b] = i; }
-            saw_nan[b] |= nan;
+            if (heads != nullptr) {
+                const int id = nan ? -1 : cols <= 0 ? -2 : i;  // (-inf ties: the lowest id, a key too)
+                heads[b * s.tasks + task] = make_float2(v, __int_as_float(id));
+            } else {
+                if (beats(v, i, best_val[b], best_idx[b])) { best_val[b] = v; best_idx[b] = i; }
+                saw_nan[b] |= nan;
+            }
         }
+    }
+}
+
+// ---- a top-k draw after the LM head: the sampler's keys, nucleus and selection -------------
+#define LM_HEAD_TOP_K 64                 // the largest top-k the LM head draws (the host checks)
+constexpr int BLOCK_SIZE = THREADS;      // (the names sampling/select.cu.tera expects)
+constexpr int SMALL_SORT = 2 * LM_HEAD_TOP_K;
+// Block-wide (value, index) argmax: every thread ends with the block's winner in (best,
+// best_index). Every thread of the block must call it (it contains barriers).
+__device__ __forceinline__ void block_argmax(float& best, int& best_index) {
+    __shared__ float warp_best[WARPS];
+    __shared__ int warp_index[WARPS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    warp_reduce_argmax(best, best_index);
+    __syncthreads();  // a previous call may still be reading warp_best / warp_index
+    if (lane == 0) { warp_best[warp] = best; warp_index[warp] = best_index; }
+    __syncthreads();
+    best = lane < WARPS ? warp_best[lane] : __int_as_float(0xff800000);  // -inf
+    best_index = lane < WARPS ? warp_index[lane] : 0x7fffffff;
+    warp_reduce_argmax(best, best_index);  // every warp reduces the same partials
+}
+// A token's 64-bit key: the logit's bits made order-preserving as an unsigned number in the high
+// half, ~id in the low half, so that a larger key is a larger logit or, on equal logits, a lower
+// id. Keys are unique, so every cut is a single key; 0 is below every real key (an empty slot).
+typedef unsigned long long key_t;
+
+// Flipping: a positive float's bits grow with it, so setting the sign bit puts it above every
+// negative one; a negative float's bits grow as it falls, so inverting them all reverses that.
+__device__ __forceinline__ key_t key_of(float value, int id) {
+    const unsigned bits = __float_as_uint(value);
+    const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return ((key_t)ordered << 32) | (unsigned)(~id);
+}
+__device__ __forceinline__ float value_of(key_t key) {
+    const unsigned ordered = (unsigned)(key >> 32);
+    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+__device__ __forceinline__ int id_of(key_t key) { return (int)~(unsigned)key; }
+__device__ __forceinline__ key_t max_key(key_t a, key_t b) { return a > b ? a : b; }
+__device__ __forceinline__ key_t min_key(key_t a, key_t b) { return a < b ? a : b; }
+// Top-p over a candidate list sorted largest first (`sorted`, `kept` keys, readable by every lane):
+// the length of the shortest prefix whose probability at inverse temperature `inv_t` reaches
+// `top_p` of `row_mass`, or of the list's own mass when `row_mass` < 0 (top-k cut first). Called
+// by one whole warp; every lane gets the answer. When no prefix reaches the target, which with
+// the list's own mass happens only by rounding, the answer is `kept` (row_mass < 0) or 0 (the
+// nucleus is longer than the list). Each lane sums a run of the list, a shuffle scan gives the
+// mass before each run, and the lane whose run crosses the target walks it.
+__device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float row_max, float inv_t, float top_p,
+                                            float row_mass) {
+    const int lane = threadIdx.x % 32, per = (kept + 31) / 32;
+    const int first = min(kept, lane * per), last = min(kept, first + per);
+    float mine = 0.0f;
+    for (int i = first; i < last; ++i) mine += expf((value_of(sorted[i]) - row_max) * inv_t);
+    float inclusive = mine;
+    #pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    const float list_mass = __shfl_sync(0xffffffffu, inclusive, 31);
+    const float target = top_p * (row_mass < 0.0f ? list_mass : row_mass);
+    float before = inclusive - mine;
+    const bool crosses = before < target && inclusive >= target;  // one lane at most: runs are ordered
+    int nucleus = 0;
+    if (crosses) {
+        int i = first;
+        // (summed from `before` the run may round short of the target: its end)
+        while (i < last - 1 && (before += expf((value_of(sorted[i]) - row_max) * inv_t)) < target) ++i;
+        nucleus = i + 1;
+    }
+    const unsigned crossing = __ballot_sync(0xffffffffu, crosses);
+    if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
+    return row_mass < 0.0f ? kept : 0;
+}
+// Sorts n keys (a power of two) in shared memory, largest first: Batcher's bitonic network.
+// Every stage compares pairs (i, i ^ distance) whose order depends only on i, so all threads
+// work without a data-dependent branch; a barrier separates the stages.
+__device__ void sort_descending(key_t* keys, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int distance = size / 2; distance > 0; distance >>= 1) {
+            __syncthreads();  // the previous stage's swaps are visible
+            for (int pair = threadIdx.x; pair < n / 2; pair += BLOCK_SIZE) {
+                const int lo = 2 * pair - (pair & (distance - 1));  // lower index of the pair
+                const int hi = lo + distance;
+                const bool descending = (lo & size) == 0;             // this half-run's direction
+                const key_t a = keys[lo], b = keys[hi];
+                if ((a < b) == descending) { keys[lo] = b; keys[hi] = a; }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Appends `key` to list[0..capacity) at the next free slot of the shared counter `count` for
+// the lanes where `take` holds: one atomic per warp, not per key (same-address atomics
+// serialize; a row's candidates number in the thousands). Every lane of the warp must call it.
+__device__ __forceinline__ void append_by_warp(bool take, key_t key, key_t* list, int* count, int capacity) {
+    const unsigned mask = __ballot_sync(0xffffffffu, take);
+    if (mask == 0) return;
+    const int lane = threadIdx.x % 32, leader = __ffs(mask) - 1;
+    int first = 0;
+    if (lane == leader) first = atomicAdd(count, __popc(mask));
+    first = __shfl_sync(0xffffffffu, first, leader);
+    const int slot = first + __popc(mask & ((1u << lane) - 1u));
+    if (take && slot < capacity) list[slot] = key;
+}
+
+// The `list` largest of keys[0..n) (shared memory), sorted largest first into out[0..list);
+// returns min(list, n). keys is left as it was; `top` is their largest value and inv_t the
+// inverse temperature. Two ways to narrow the keys down to at most SMALL_SORT, which are then
+// compacted into `out` and sorted there (sorting all n instead costs log2(n)^2 / 2
+// barrier-separated stages):
+//   1. by distance below the top: bins of 1/16 (scaled by 1/T) down to 16 below it; the bins
+//      from the top up to the one holding the list-th key are in. One pass, and the bins near
+//      the top hold few keys, so their shared-memory atomics rarely collide. (A histogram of
+//      raw key bits puts nearly every key of a row in two or three bins in its first pass:
+//      same-address atomics serialize, and that pass alone cost more than the sort it saves.)
+//   2. when that leaves too many (or too few lie within 16): a radix select, 8 bits a pass
+//      from the top of the keys, keeping the keys whose chosen digits are at or above the
+//      digit that holds the list-th key, until few enough remain.
+// Every thread must call it.
+__device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float top, float inv_t) {
+    __shared__ unsigned histogram[256];
+    __shared__ key_t chosen;       // radix: the digits chosen so far, as the high bits of a key
+    __shared__ int in_above;       // radix: keys known to be in (above the chosen digits)
+    __shared__ int running;        // radix: keys whose high digits equal the chosen ones
+    __shared__ int compacted;
+    __shared__ int within;         // distance: the first bin left out (0: not resolved)
+    list = min(list, n);
+    const auto distance_bin = [&](key_t key) { return (top - value_of(key)) * inv_t * 16.0f; };
+    for (int i = threadIdx.x; i < 256; i += BLOCK_SIZE) histogram[i] = 0;
+    if (threadIdx.x == 0) { chosen = 0; in_above = 0; running = n; compacted = 0; within = 0; }
+    __syncthreads();
+    if (n > SMALL_SORT) {
+        for (int i = threadIdx.x; i < n; i += BLOCK_SIZE) {
+            const float bin = distance_bin(keys[i]);
+            if (bin < 256.0f) atomicAdd(&histogram[(int)bin], 1u);  // NaN and -inf: never
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane l holds bins 8l .. 8l+7; a scan over the lanes finds the first lane whose
+            // bins reach `list`, which walks its own bins to the bin holding the list-th key.
+            const int lane = threadIdx.x;
+            int mine = 0;
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) mine += histogram[8 * lane + k];
+            int at_or_below = mine;
+            #pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int other = __shfl_up_sync(0xffffffffu, at_or_below, offset);
+                if (lane >= offset) at_or_below += other;
+            }
+            const unsigned reached = __ballot_sync(0xffffffffu, at_or_below >= list);
+            if (reached && lane == __ffs(reached) - 1) {
+                int count = at_or_below - mine;
+                for (int k = 0; k < 8; ++k) {
+                    count += histogram[8 * lane + k];
+                    if (count >= list) {
+                        if (count <= SMALL_SORT) within = 8 * lane + k + 1;
+                        break;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (within > 0) {
+            for (int base = 0; base < n; base += BLOCK_SIZE) {  // whole warps: append_by_warp
+                const int i = base + threadIdx.x;
+                const key_t key = i < n ? keys[i] : 0ull;
+                append_by_warp(i < n && distance_bin(key) < (float)within, key, out, &compacted, SMALL_SORT);
+            }
+            __syncthreads();
+            int padded = 1;
+            while (padded < compacted) padded <<= 1;
+            for (int i = compacted + threadIdx.x; i < padded; i += BLOCK_SIZE) out[i] = 0ull;
+            sort_descending(out, padded);
+            return list;
+        }
+    }
+    int shift = 64;                // radix: bits below the chosen digits
+    while (in_above + running > SMALL_SORT) {  // block-uniform: shared values after a barrier
+        shift -= 8;
+        for (int i = threadIdx.x; i < 256; i += BLOCK_SIZE) histogram[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += BLOCK_SIZE) {
+            // Lanes adding to one bin serialize; the keys of a row spread over enough bins.
+            if (shift == 56 || (keys[i] >> (shift + 8)) == (chosen >> (shift + 8)))
+                atomicAdd(&histogram[(unsigned)(keys[i] >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            // Lane l sums bins 255 - 8l down to 248 - 8l; a scan over the lanes gives each lane
+            // the count of keys at or above its bins; the first lane that reaches `list` walks
+            // its own bins to the digit.
+            int mine = 0;
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) mine += histogram[255 - 8 * lane - k];
+            int at_or_above = mine;
+            #pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int other = __shfl_up_sync(0xffffffffu, at_or_above, offset);
+                if (lane >= offset) at_or_above += other;
+            }
+            const int need = list - in_above;
+            const unsigned reached = __ballot_sync(0xffffffffu, at_or_above >= need);
+            if (lane == __ffs(reached) - 1) {
+                int count = at_or_above - mine;  // keys in the bins above this lane's
+                for (int k = 0; k < 8; ++k) {
+                    const int digit = 255 - 8 * lane - k;
+                    if (count + (int)histogram[digit] >= need) {
+                        chosen |= (key_t)digit << shift;
+                        in_above += count;
+                        running = histogram[digit];
+                        break;
+                    }
+                    count += histogram[digit];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // Compact every key at or above the chosen digits (at most SMALL_SORT), then sort them.
+    const key_t lowest = chosen;  // the chosen digits with zeros below: the smallest key in
+    for (int base = 0; base < n; base += BLOCK_SIZE) {
+        const int i = base + threadIdx.x;
+        const key_t key = i < n ? keys[i] : 0ull;
+        append_by_warp(i < n && key >= lowest, key, out, &compacted, SMALL_SORT);
+    }
+    __syncthreads();
+    int padded = 1;
+    while (padded < compacted) padded <<= 1;
+    for (int i = compacted + threadIdx.x; i < padded; i += BLOCK_SIZE) out[i] = 0ull;
+    sort_descending(out, padded);
+    return list;
+}
+
+// Row b's token of a top-k draw (top_k <= LM_HEAD_TOP_K, then top-p), from the LM-head tasks'
+// heads and the logits: the same kept set, nucleus and Gumbel-max as the sample op's candidate
+// path (templates/sampling/sample.cu.tera, finish: the same functions on the same keys), so the
+// same token. Why the heads are enough: the k largest heads are k distinct keys of the row, so
+// the row's k-th largest key is at or above the k-th largest head (the floor). A key at or above
+// the floor lies in a task whose head is at or above it too, and exactly k tasks have such a
+// head (keys are unique). So the row's top k are among those k tasks' keys at or above the
+// floor: at most k x cols keys, read from the logits (a few per thread, all at once) instead of
+// the whole row, and cut by the sampler's top_keys. `keys` is the block's dynamic shared memory
+// (free once the tasks are done): room for tasks + 2 * SMALL_SORT + top_k * cols keys, which
+// the host checks (src/model/gpu/megakernel.rs, LmHead::takes_top_k). Every thread of the
+// block calls it.
+__device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, const float2* heads, int top_k,
+                                               float inv_t, float top_p, DrawKey draw, key_t* keys, int* next_ids) {
+    __shared__ int gathered;
+    const int tasks = s.tasks, cols = s.cols;
+    key_t* head_keys = keys;                     // [tasks]
+    key_t* best_heads = head_keys + tasks;       // [SMALL_SORT]: the k largest heads, sorted
+    key_t* kept_keys = best_heads + SMALL_SORT;  // [SMALL_SORT]: the row's k largest keys, sorted
+    key_t* candidates = kept_keys + SMALL_SORT;  // [top_k * cols]
+    float row_max = __int_as_float(0xff800000);
+    int bad = 0;
+    for (int t = threadIdx.x; t < tasks; t += THREADS) {
+        const float2 head = __ldcg(heads + b * tasks + t);
+        const int id = __float_as_int(head.y);
+        bad |= id == -1;
+        head_keys[t] = id < 0 ? 0ull : key_of(head.x, id);  // 0: below every real key
+        if (id >= 0) row_max = fmaxf(row_max, head.x);
+    }
+    if (threadIdx.x == 0) gathered = 0;
+    bad = __syncthreads_or(bad);
+    row_max = block_reduce_max(row_max);
+    if (bad || row_max == __int_as_float(0xff800000)) {  // NaN or +inf, or nothing finite: -1
+        if (threadIdx.x == 0) next_ids[b] = -1;
+        return;
+    }
+    top_keys(head_keys, tasks, top_k, best_heads, row_max, inv_t);
+    const key_t floor = best_heads[top_k - 1];
+    // Every key at or above the floor of the k tasks: whole warps in every turn (append_by_warp).
+    const storage_t* logits = s.out + (long long)b * s.n;
+    for (int base = 0; base < top_k * cols; base += THREADS) {
+        const int i = base + threadIdx.x;
+        const int token = i < top_k * cols ? id_of(best_heads[i / cols]) / cols * cols + i % cols : V;
+        const key_t key = token < V ? key_of(to_float(__ldcg(logits + token)), token) : 0ull;
+        append_by_warp(token < V && key >= floor, key, candidates, &gathered, top_k * cols);
+    }
+    __syncthreads();
+    int kept = top_keys(candidates, gathered, top_k, kept_keys, row_max, inv_t);
+    if (top_p < 1.0f) {
+        // The nucleus within what top-k kept, by one warp (as the sample op's finish cuts it).
+        __shared__ int nucleus;
+        if (threadIdx.x < 32) {
+            const int n = warp_nucleus(kept_keys, kept, row_max, inv_t, top_p, -1.0f);
+            if (threadIdx.x == 0) nucleus = n;
+        }
+        __syncthreads();
+        kept = nucleus;
+    }
+    // The Gumbel-max over the kept keys: one Philox call per key.
+    float best = __int_as_float(0xff800000);
+    int best_index = 0x7fffffff;
+    draw.sequence += b;
+    for (int i = threadIdx.x; i < kept; i += THREADS) {
+        const int id = id_of(kept_keys[i]);
+        const uint4 words = noise_words(draw, (unsigned)id / 4u);
+        const float score = fmaf(value_of(kept_keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
+        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
+    }
+    block_argmax(best, best_index);
+    if (threadIdx.x == 0) next_ids[b] = best_index == 0x7fffffff ? -1 : best_index;
+}
+
+// The step's next tokens, after every block's tasks (`best_*`: the block's running best of each
+// row). Greedy or a plain temperature: every block parks its best of each row in the workspace;
+// the last to arrive picks each row's winner, a warp a row. A top-k draw (top_k > 0): the last
+// min(B, grid) blocks to arrive wait for the others, then draw a row each (draw_row_by_heads).
+// `arrivals` is zeroed by the last block to leave the kernel. Every thread of the block calls it.
+__device__ void next_tokens(const Stage& last_stage, int B, int V, unsigned* arrivals, float* workspace,
+                            const float* best_val, const int* best_idx, const int* saw_nan, int top_k,
+                            float inv_temperature, float top_p, DrawKey draw, key_t* keys, int* next_ids) {
+    const int grid = gridDim.x;
+    float2* partials = reinterpret_cast<float2*>(workspace + last_stage.ws_offset);
+    __shared__ unsigned ticket;
+    if (top_k == 0 && threadIdx.x < B)
+        partials[blockIdx.x * MAX_ROWS + threadIdx.x] =
+            make_float2(best_val[threadIdx.x], __int_as_float(saw_nan[threadIdx.x] ? -1 : best_idx[threadIdx.x]));
+    __syncthreads();  // the block's partials (or heads, written by its tasks) are stored
+    if (threadIdx.x == SYNC_THREAD) ticket = add_acq_rel(arrivals, 1u);
+    __syncthreads();
+    if (top_k > 0) {
+        const int drawers = min(B, grid), first_row = grid - 1 - (int)ticket;
+        if (first_row >= drawers) return;
+        if (threadIdx.x == SYNC_THREAD) wait_for_count(arrivals, (unsigned)grid);  // every task's heads
+        __syncthreads();
+        const float2* heads = partials + grid * MAX_ROWS;
+        for (int b = first_row; b < B; b += drawers)
+            draw_row_by_heads(last_stage, b, V, heads, top_k, inv_temperature, top_p, draw, keys, next_ids);
+        return;
+    }
+    if (ticket != (unsigned)(grid - 1)) return;
+    __threadfence();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < B; b += WARPS) {  // a warp a row
+        float v = __int_as_float(0xff800000);
+        int idx = 0x7fffffff, nan = 0;
+        for (int g = lane; g < grid; g += 32) {
+            const float2 p = __ldcg(partials + g * MAX_ROWS + b);
+            const int pi = __float_as_int(p.y);
+            if (pi == -1) nan = 1;
+            else if (beats(p.x, pi, v, idx)) { v = p.x; idx = pi; }
+        }
+        warp_reduce_argmax(v, idx);
+        nan = __any_sync(0xffffffffu, nan);
+        if (lane == 0) next_ids[b] = nan || idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
     }
 }
 
@@ -1209,10 +1600,15 @@ __device__ void embed_task(const Stage& s, int B, int pos, const int* tokens) {
 // ---- the persistent kernel --------------------------------------------------------------------
 // Counters (unsigned, zero between steps): [0, n_stages) one per stage; then B*NH attention
 // arrivals; then one for the argmax partials; then one for blocks leaving. The last block to
-// leave zeroes the stage counters, so the next step (or a replay of a CUDA graph) starts clean.
+// leave zeroes the stage counters and the argmax arrivals, so the next step (or a replay of a
+// CUDA graph) starts clean.
 // The dynamic shared memory: the ring of SLOTS slots, then MAX_ROWS staged input rows (room for
 // 4C elements each; an MLP stage keeps its block's f32 sums after its C-wide rows: mlp_project).
-extern __shared__ __align__(16) unsigned char dynamic_smem[];
+// Once the block's tasks are done, a top-k draw's keys take the ring (draw_row_by_heads).
+// 128-byte aligned: the copy engine fills the ring's slots and the tasks read them in 16-byte
+// pieces, best from whole 128-byte lines; the static shared memory before it (whose size moves
+// with every change to the kernel) would otherwise decide where the ring starts.
+extern __shared__ __align__(128) unsigned char dynamic_smem[];
 
 // Its shared-window address, straight from the symbol (a generic pointer converted with
 // smem_address costs a special-register read, which the compiler repeats inside the hot loops
@@ -1227,14 +1623,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, unsigned* counters, float* workspace,
                        const int* tokens, int* next_ids, unsigned long long* timeline,
                        int B, int pos, int NH, int max_T, int V, float scale,
-                       float inv_temperature, int seed_lo, int seed_hi, int seq0) {
+                       float inv_temperature, int seed_lo, int seed_hi, int seq0, int top_k, float top_p) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    // The draw of this step's next tokens (at position pos + 1): 0 = greedy; see argmax_task.
+    // The draw of this step's next tokens (at position pos + 1): inv_temperature 0 = greedy;
+    // top_k > 0 (with inv_temperature > 0): a top-k draw from the tasks' heads. See draw.cu.tera.
     const DrawKey draw = {make_uint2((unsigned)seed_lo, (unsigned)seed_hi), (unsigned)(pos + 1), (unsigned)seq0};
     storage_t* ring = reinterpret_cast<storage_t*>(dynamic_smem);                   // SLOTS x SLOT_BYTES
     storage_t* xs = reinterpret_cast<storage_t*>(dynamic_smem + SLOTS * SLOT_BYTES);  // MAX_ROWS x k
@@ -1345,7 +1742,10 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
                 matvec_task(st, local, B, slot_addr, xs_addr, bias_s, tile, partial_s, pos, NH, max_T);
                 if (st.flags & FLAG_ARGMAX) {
                     __syncthreads();
-                    argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan, inv_temperature, draw);
+                    // a top-k draw's heads: after the argmax partials (a float2 a block and row)
+                    float2* heads = reinterpret_cast<float2*>(workspace + st.ws_offset) + grid * MAX_ROWS;
+                    argmax_task(st, local, B, V, tile, best_val, best_idx, saw_nan, inv_temperature, draw,
+                                top_k > 0 ? heads : nullptr);
                 }
             } else {
                 attention_task(st, local, B, pos, NH, max_T, scale, slot, arrivals, workspace, warp_state, partial_s,
@@ -1381,36 +1781,10 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
         }
     }
 
-    // The draw: every block parks its best of each row; the last to arrive picks the winner.
-    if (last_stage.flags & FLAG_ARGMAX) {
-        float2* partials = reinterpret_cast<float2*>(workspace + last_stage.ws_offset);
-        if (threadIdx.x < B)
-            partials[blockIdx.x * MAX_ROWS + threadIdx.x] =
-                make_float2(best_val[threadIdx.x], __int_as_float(saw_nan[threadIdx.x] ? -1 : best_idx[threadIdx.x]));
-        __syncthreads();
-        if (threadIdx.x == SYNC_THREAD) {
-            is_last = add_acq_rel(argmax_arrivals, 1u) == (unsigned)(grid - 1);
-        }
-        __syncthreads();
-        if (is_last) {
-            __threadfence();
-            const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-            for (int b = warp; b < B; b += WARPS) {  // a warp a row
-                float v = __int_as_float(0xff800000);
-                int idx = 0x7fffffff, nan = 0;
-                for (int g = lane; g < grid; g += 32) {
-                    const float2 p = __ldcg(partials + g * MAX_ROWS + b);
-                    const int pi = __float_as_int(p.y);
-                    if (pi == -1) nan = 1;
-                    else if (beats(p.x, pi, v, idx)) { v = p.x; idx = pi; }
-                }
-                warp_reduce_argmax(v, idx);
-                nan = __any_sync(0xffffffffu, nan);
-                if (lane == 0) next_ids[b] = nan || idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
-            }
-            if (threadIdx.x == SYNC_THREAD) *argmax_arrivals = 0;
-        }
-    }
+    // The draw (decode/draw.cu.tera): the tasks' partial answers merged by the last block(s).
+    if (last_stage.flags & FLAG_ARGMAX)
+        next_tokens(last_stage, B, V, argmax_arrivals, workspace, best_val, best_idx, saw_nan, top_k, inv_temperature,
+                    top_p, draw, reinterpret_cast<key_t*>(dynamic_smem), next_ids);
 
     // Leave; the last block out resets the stage counters for the next step.
     __syncthreads();
@@ -1418,6 +1792,7 @@ decode_megakernel_aef9bc9889503979_main(const int* stage_table, int n_stages, un
         __threadfence();
         if (atomicAdd(leaving, 1u) == (unsigned)(grid - 1)) {
             for (int i = 0; i < n_stages; ++i) counters[i] = 0;
+            *argmax_arrivals = 0;
             *leaving = 0;
             __threadfence();
         }

@@ -165,6 +165,20 @@ __device__ __forceinline__ void warp_reduce_argmax(float& best, int& best_index)
         if (beats(other, other_index, best, best_index)) { best = other; best_index = other_index; }
     }
 }
+// Block-wide (value, index) argmax: every thread ends with the block's winner in (best,
+// best_index). Every thread of the block must call it (it contains barriers).
+__device__ __forceinline__ void block_argmax(float& best, int& best_index) {
+    __shared__ float warp_best[WARPS];
+    __shared__ int warp_index[WARPS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    warp_reduce_argmax(best, best_index);
+    __syncthreads();  // a previous call may still be reading warp_best / warp_index
+    if (lane == 0) { warp_best[warp] = best; warp_index[warp] = best_index; }
+    __syncthreads();
+    best = lane < WARPS ? warp_best[lane] : __int_as_float(0xff800000);  // -inf
+    best_index = lane < WARPS ? warp_index[lane] : 0x7fffffff;
+    warp_reduce_argmax(best, best_index);  // every warp reduces the same partials
+}
 // Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3",
 // SC 2011). A counter-based generator: four 32-bit words are a pure function of a 128-bit
 // counter and a 64-bit key, so any thread can draw the number of any (token, position,
@@ -327,21 +341,6 @@ __device__ __forceinline__ void gumbel_scores(const DrawKey& draw, float inv_t, 
             if (beats(score, id, best, best_index)) { best = score; best_index = id; }
         }
     }
-}
-
-// Block-wide (value, index) argmax: every thread ends with the block's winner in (best,
-// best_index). Contains barriers.
-__device__ __forceinline__ void block_argmax(float& best, int& best_index) {
-    __shared__ float warp_best[WARPS];
-    __shared__ int warp_index[WARPS];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    warp_reduce_argmax(best, best_index);
-    __syncthreads();  // a previous call may still be reading warp_best / warp_index
-    if (lane == 0) { warp_best[warp] = best; warp_index[warp] = best_index; }
-    __syncthreads();
-    best = lane < WARPS ? warp_best[lane] : NEG_INF;
-    best_index = lane < WARPS ? warp_index[lane] : 0x7fffffff;
-    warp_reduce_argmax(best, best_index);  // every warp reduces the same partials
 }
 
 // Sorts n keys (a power of two) in shared memory, largest first: Batcher's bitonic network.

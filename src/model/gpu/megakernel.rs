@@ -74,13 +74,39 @@ pub fn decode_step_key(cfg: &GPT2Config, dtype: Dtype, b: usize) -> crate::tune:
     }
 }
 
+/// The largest top-k the megakernel's LM head draws itself (`LM_HEAD_TOP_K` in
+/// `templates/decode/megakernel.cu.tera`).
+pub const LM_HEAD_TOP_K: usize = 64;
+
+/// What decides whether a top-k draw fits the megakernel's LM head: its stage's tasks and
+/// columns a task, and the dynamic shared memory a block has (where the draw keeps its keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LmHead {
+    pub tasks: usize,
+    pub cols: usize,
+    pub shared_bytes: usize,
+}
+
+impl LmHead {
+    /// Whether the tasks' heads can give a top-k of `k` over `vocab` tokens: k at most
+    /// [`LM_HEAD_TOP_K`] and at most the tasks that hold tokens (the k largest heads are the
+    /// floor), and the heads, two sorted lists and the k tasks' keys fit in shared memory
+    /// (8 bytes a key; `draw_row_by_heads`).
+    pub fn takes_top_k(&self, k: usize, vocab: usize) -> bool {
+        let keys = self.tasks + 2 * 2 * LM_HEAD_TOP_K + k * self.cols;
+        k <= LM_HEAD_TOP_K && k <= vocab.div_ceil(self.cols.max(1)) && 8 * keys <= self.shared_bytes
+    }
+}
+
 /// Whether the megakernel's LM head draws the tokens of `params` itself, with no sample op after
-/// the step: greedy, or a temperature that keeps every token (the Gumbel-max over the row). A
-/// top-k or top-p runs the sample op after the step: a top-k drawn in the LM head (each block's
-/// best keys, merged by the last block) cost more than the sample op (benches/RESULTS.md, "Top-k
-/// in the LM head").
-pub fn drawn_in_lm_head(params: &SamplingParams, vocab: usize) -> bool {
-    params.is_greedy() || params.keeps_every_token(vocab)
+/// the step: greedy, a temperature that keeps every token (the Gumbel-max over the row), or a
+/// top-k that `head` takes (then any top-p: each task's largest logit, merged once every task is
+/// done). Top-p alone, or a larger top-k, runs the sample op after the step. (Each task keeping
+/// its best keys instead cost more than the sample op: benches/RESULTS.md, "Top-k in the LM head".)
+pub fn drawn_in_lm_head(params: &SamplingParams, vocab: usize, head: Option<&LmHead>) -> bool {
+    params.is_greedy()
+        || params.keeps_every_token(vocab)
+        || (params.cuts_top_k(vocab) && head.is_some_and(|h| h.takes_top_k(params.top_k, vocab)))
 }
 
 impl GpuBackend {
@@ -342,8 +368,27 @@ impl GpuBackend {
             .collect())
     }
 
+    /// Whether the last decode step's megakernel draws `params`' tokens in its LM head, with no
+    /// sample op after the step (false on the other engines, or before a megakernel step).
+    pub fn lm_head_draws(&self, params: &SamplingParams) -> bool {
+        self.step_engine() == crate::model::engine::DecodeEngine::Megakernel
+            && drawn_in_lm_head(params, self.model.config.vocab_size, self.megakernel_lm_head().as_ref())
+    }
+
+    /// The LM head of the megakernel prepared last (for [`drawn_in_lm_head`]).
+    pub(super) fn megakernel_lm_head(&self) -> Option<LmHead> {
+        let m = self.megakernel.as_ref()?;
+        let head = m.lowered.stages.last()?;
+        Some(LmHead {
+            tasks: head.tasks as usize,
+            cols: head.cols as usize,
+            shared_bytes: m.config.shared_mem_bytes as usize,
+        })
+    }
+
     /// One decode step of batch `b` at position `pos` as one cooperative launch: writes the
-    /// logits and the next ids, drawn by `draw` (one [`drawn_in_lm_head`] takes; `None`:
+    /// logits and the next ids, drawn by `draw` (one [`drawn_in_lm_head`] takes for this
+    /// megakernel's [`GpuBackend::megakernel_lm_head`]; `None`:
     /// greedy). Its input tokens are the uploaded ids, or with `tokens_on_device` the previous
     /// step's next ids (read by the embedding at the start of the step, overwritten with this
     /// step's at its end). Launched, not waited for.
@@ -389,18 +434,25 @@ impl GpuBackend {
             cfg.vocab_size as i32,
         );
         let scale = 1.0f32 / (cfg.head_dim() as f32).sqrt();
-        // 0: the argmax; else the Gumbel-max at this temperature, keyed as the sampler keys it.
-        let (inv_temperature, seed_lo, seed_hi, seq0) = match draw {
+        // 0: the argmax; else the Gumbel-max at this temperature, keyed as the sampler keys it,
+        // over the whole row (top_k 0) or over what top-k, then top-p, keep.
+        let (inv_temperature, seed_lo, seed_hi, seq0, top_k, top_p) = match draw {
             Some(d) if !d.params.is_greedy() => {
-                debug_assert!(drawn_in_lm_head(&d.params, cfg.vocab_size));
+                let top_k = if d.params.cuts_top_k(cfg.vocab_size) {
+                    d.params.top_k
+                } else {
+                    0
+                };
                 (
                     1.0f32 / d.params.temperature,
                     d.seed as u32 as i32,
                     (d.seed >> 32) as u32 as i32,
                     i32::try_from(d.first_sequence).unwrap_or(i32::MAX),
+                    i32::try_from(top_k).unwrap_or(i32::MAX),
+                    d.params.top_p,
                 )
             }
-            _ => (0.0f32, 0, 0, 0),
+            _ => (0.0f32, 0, 0, 0, 0, 1.0f32),
         };
         let mut launch = gpu
             .stream
@@ -422,7 +474,9 @@ impl GpuBackend {
             .arg(&inv_temperature)
             .arg(&seed_lo)
             .arg(&seed_hi)
-            .arg(&seq0);
+            .arg(&seq0)
+            .arg(&top_k)
+            .arg(&top_p);
         // SAFETY: the arguments follow the decode_step signature; the table points into this
         // backend's live weights and buffers (rebuilt whenever a buffer is reallocated), the
         // counters are zero between launches (the kernel resets them on exit), and the launch is
@@ -504,29 +558,51 @@ fn transposed_copy_fits(device: &str, bytes: usize, free: usize) -> Result<(), S
 
 #[cfg(test)]
 mod tests {
-    use super::{drawn_in_lm_head, transposed_copy_fits};
+    use super::{drawn_in_lm_head, transposed_copy_fits, LmHead, LM_HEAD_TOP_K};
     use crate::model::sampling::SamplingParams;
 
     /// Which draws the LM head takes (the rest run the sample op after the step).
     #[test]
-    fn the_lm_head_draws_greedy_and_a_plain_temperature() {
+    fn the_lm_head_draws_greedy_a_plain_temperature_and_a_small_top_k() {
         let p = |temperature, top_k, top_p| SamplingParams {
             temperature,
             top_k,
             top_p,
         };
         let vocab = 50_257;
+        // GPT-2's LM head at batch 1 on an H200's default point: 786 tasks of 64 columns
+        let head = LmHead {
+            tasks: 786,
+            cols: 64,
+            shared_bytes: 3 * 32 * 1024 + 4 * 768 * 2,
+        };
         for (params, fused) in [
             (SamplingParams::greedy(), true),
             (p(0.8, 1, 0.5), true),            // top-k 1: greedy
             (SamplingParams::default(), true), // temperature 1, nothing cut
             (p(0.7, vocab, 1.0), true),        // top-k of the whole vocabulary cuts nothing
-            (p(0.8, 40, 0.95), false),         // the usual setting: the sample op
-            (p(1.0, 64, 1.0), false),          // any top-k
-            (p(1.0, 0, 0.9), false),           // top-p alone
+            (p(0.8, 40, 0.95), true),          // the usual setting: from the tasks' heads
+            (p(1.0, 64, 1.0), true),           // the largest top-k the head takes
+            (p(1.0, 65, 1.0), false),          // larger: the sample op
+            (p(1.0, 0, 0.9), false),           // top-p alone: the sample op
         ] {
-            assert_eq!(drawn_in_lm_head(&params, vocab), fused, "{params:?}");
+            assert_eq!(drawn_in_lm_head(&params, vocab, Some(&head)), fused, "{params:?}");
         }
+        // without a prepared megakernel, top-k always runs the sample op
+        assert!(!drawn_in_lm_head(&p(0.8, 40, 0.95), vocab, None));
+        // fewer tasks holding tokens than k: the k-th head does not exist
+        let few = LmHead {
+            tasks: 30,
+            cols: 1676,
+            shared_bytes: 1 << 20,
+        };
+        assert!(few.takes_top_k(30, vocab) && !few.takes_top_k(31, vocab));
+        // the keys must fit in shared memory: the heads, two lists and k tasks' columns
+        let tight = LmHead {
+            shared_bytes: 8 * (786 + 4 * LM_HEAD_TOP_K + 40 * 64),
+            ..head
+        };
+        assert!(tight.takes_top_k(40, vocab) && !tight.takes_top_k(41, vocab));
     }
 
     #[test]

@@ -107,7 +107,8 @@ pub struct Lowered {
     pub stages: Vec<StageRecord>,
     /// The layer of each stage (timeline labels).
     pub layers: Vec<Option<usize>>,
-    /// Floats of workspace the kernel needs (attention partials, then argmax partials).
+    /// Floats of workspace the kernel needs (attention partials, then argmax partials, then a
+    /// top-k draw's heads).
     pub workspace_floats: usize,
     /// Counters: one per stage, one per attention head, argmax arrivals, blocks leaving.
     pub counters: usize,
@@ -448,9 +449,16 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
         s.ws_offset = argmax_offset as i32;
     }
     let counters = stages.len() + heads + 2;
+    // a top-k draw's heads: a float2 a row and LM-head task
+    let head_floats = stages
+        .last()
+        .filter(|s| s.flags & FLAG_ARGMAX != 0)
+        .map_or(0, |s| s.tasks as usize)
+        * geo.max_rows
+        * 2;
     Ok(Lowered {
-        // the argmax partials: a float2 a block and row
-        workspace_floats: argmax_offset + geo.grid * geo.max_rows * 2,
+        // the argmax partials: a float2 a block and row; then the heads
+        workspace_floats: argmax_offset + geo.grid * geo.max_rows * 2 + head_floats,
         stages,
         layers,
         counters,

@@ -224,7 +224,12 @@ impl GpuBackend {
         let pos = self.len;
         // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
         // none where the megakernel's LM head stage draws them itself.
-        let in_lm_head = choose.filter(|draw| megakernel && drawn_in_lm_head(&draw.params, cfg.vocab_size));
+        if megakernel {
+            self.prepare_megakernel(&ks, b)?;
+        }
+        let head = self.megakernel_lm_head();
+        let in_lm_head =
+            choose.filter(|draw| megakernel && drawn_in_lm_head(&draw.params, cfg.vocab_size, head.as_ref()));
         let chooser = match choose {
             Some(draw) if in_lm_head.is_none() => Some(Plan {
                 steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],

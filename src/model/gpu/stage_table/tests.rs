@@ -216,8 +216,9 @@ fn gpt2_small_lowers_to_one_stage_per_fused_op_about_a_wave_each() {
         "attn_proj waits for the 12 heads, not the 132 chunks"
     );
     assert_eq!(lowered.counters, s.len() + 12 + 2);
-    // attention's partials, then the argmax partials (a float2 a block and row)
-    assert_eq!(lowered.workspace_floats, 132 * 66 + 132 * 8 * 2);
+    // attention's partials, then the argmax partials (a float2 a block and row), then a top-k
+    // draw's heads (a float2 a row and LM-head task)
+    assert_eq!(lowered.workspace_floats, 132 * 66 + 132 * 8 * 2 + 1572 * 8 * 2);
     // tasks numbered in order, each stage waiting for the previous one, complete
     for w in s.windows(2) {
         assert_eq!(w[1].first_task, w[0].first_task + w[0].tasks);
