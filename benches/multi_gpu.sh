@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call (kind nvidia-h200-x2) for the several-GPU figures: the replica tests, then
-# `bench` forward (batch 16 x 1024) and greedy decode (batch 16) on one GPU and on all, greedy
-# ids and forward logits of one GPU against all, and (with TUNE=1) a cold `tune` on one GPU
-# against all (ONLY_TESTS=1: the tests alone; TESTS=0: the figures alone). Results in $OUT/r;
-# the summary is printed.
+# `bench` forward (batch 16 x 1024) and greedy decode (DECODE_BATCHES, default 16, 128 and 256,
+# after a 16-token prompt; and batch 16 after 768) on one GPU and on all, greedy ids (at
+# IDS_BATCHES, default 8 and 256) and forward logits of one GPU against all, and (with TUNE=1) a
+# cold `tune` on one GPU against all (ONLY_TESTS=1: the tests alone; TESTS=0: the figures
+# alone). DB=FILE: the tuning database every run reads (copied into the cache). Results in
+# $OUT/r; the summary is printed.
 set -uo pipefail
 out=${OUT:-/tmp}/r
 mkdir -p "$out"
@@ -25,6 +27,9 @@ if [[ ${TESTS:-1} == 1 ]]; then
   done
   # ONLY_TESTS=1: a call of its own for the tests, the figures in another.
   if [[ ${ONLY_TESTS:-0} == 1 ]]; then tar czf "${OUT:-/tmp}/results.tgz" -C "${OUT:-/tmp}" r; exit 0; fi
+fi
+if [[ -n ${DB:-} ]]; then
+  mkdir -p /tmp/kc-db/tuning && cp "$DB" /tmp/kc-db/tuning/ && export KERNELFORGE_CACHE=/tmp/kc-db
 fi
 if [[ ${TUNE:-0} == 1 ]]; then
   # Cold: an empty compile cache and database each (KERNELFORGE_CACHE holds both). `threads`:
@@ -50,18 +55,22 @@ bench() {  # name, args...
 # One GPU's own half of the batch, for what a replica could at best reach.
 bench "forward_half-0" --dtype bf16 --batch 8 --seq 1024 --generate 0 --repeats 30 --devices 0
 bench "decode_half-0" --dtype bf16 --batch 8 --seq 16 --generate 256 --repeats 1 --devices 0
+decode_batches=${DECODE_BATCHES:-16 128 256}
 for devices in 0 all; do
   bench "forward-$devices" --dtype bf16 --batch 16 --seq 1024 --generate 0 --repeats 30 --devices $devices
-  bench "decode-$devices" --dtype bf16 --batch 16 --seq 16 --generate 256 --repeats 1 --devices $devices
+  for b in $decode_batches; do
+    bench "decode$b-$devices" --dtype bf16 --batch $b --seq 16 --generate 256 --repeats 1 --devices $devices
+  done
   bench "decode_long-$devices" --dtype bf16 --batch 16 --seq 768 --generate 256 --repeats 1 --devices $devices
 done
-python3 - "$out" <<'PY'
+python3 - "$out" $decode_batches <<'PY'
 import json, sys
-out = sys.argv[1]
+out, decode_batches = sys.argv[1], sys.argv[2:]
 def load(n):
     try: return json.load(open(f"{out}/{n}.json"))
     except Exception as e: return None
-for kind, key in (("forward", "forward"), ("decode", "decode"), ("decode_long", "decode")):
+runs = [("forward", "forward")] + [(f"decode{b}", "decode") for b in decode_batches] + [("decode_long", "decode")]
+for kind, key in runs:
     one, two = load(f"{kind}-0"), load(f"{kind}-all")
     if not one or not two:
         print(kind, "missing"); continue
@@ -70,24 +79,32 @@ for kind, key in (("forward", "forward"), ("decode", "decode"), ("decode_long", 
     if key == "decode":
         g1, g2 = one[key].get("gpu_ms_per_step") or 0, two[key].get("gpu_ms_per_step") or 0
         extra = f"; after a {one[key]['prefill_tokens']}-token prefill; GPU ms/step {g1:.3f} vs {g2:.3f}; floor {one[key].get('floor_ms', 0):.3f} vs {two[key].get('floor_ms', 0):.3f} ms"
-    half = load(f"{kind.split('_')[0]}_half-0") if kind != "decode_long" else None
+    half = load({"forward": "forward_half-0", "decode16": "decode_half-0"}.get(kind, ""))
     if half:
         h = half[key]
         extra += f"; one GPU at batch 8: {h['tokens_per_s']:,.0f} tok/s" + (f", GPU ms/step {h.get('gpu_ms_per_step') or 0:.3f}" if key == "decode" else f", {h['median_ms']:.3f} ms vs {one[key]['median_ms']:.3f} at 16 and {two[key]['median_ms']:.3f} on all")
-    print(f"{kind} bf16 batch 16: 1 GPU {a:,.0f} tok/s, {two['devices']} slices {two.get('batch_slices')} {b:,.0f} tok/s -> {b/a:.2f}x ({two['device_name']}){extra}")
+    batch = one.get("batch", "?")
+    print(f"{kind} bf16 batch {batch}: 1 GPU {a:,.0f} tok/s, {two['devices']} slices {two.get('batch_slices')} {b:,.0f} tok/s -> {b/a:.2f}x ({two['device_name']}){extra}")
 PY
 # Greedy ids and forward logits: one GPU against all.
 for dtype in f32 bf16; do
   for devices in 0 all; do
-    timeout 200 $kf generate --model "$dir" --device cuda --dtype $dtype --ids 464,2068,7586 --batch 8 --greedy \
-      --ignore-eot --max-new-tokens 128 --print-ids --devices $devices > "$out/ids-$dtype-$devices.txt" 2> "$out/ids-$dtype-$devices.err"
+    for b in ${IDS_BATCHES:-8 256}; do
+      timeout 200 $kf generate --model "$dir" --device cuda --dtype $dtype --ids 464,2068,7586 --batch $b --greedy \
+        --ignore-eot --max-new-tokens 256 --print-ids --devices $devices > "$out/ids$b-$dtype-$devices.txt" 2> "$out/ids$b-$dtype-$devices.err"
+    done
     timeout 200 $kf forward --model "$dir" --device cuda --dtype $dtype --ids 464,2068,7586,11 --ids 50256,1,2,3 --ids 9,8,7,6 \
       --logits-out "$out/logits-$dtype-$devices.npy" --devices $devices > /dev/null 2> "$out/fwd-$dtype-$devices.err"
   done
-  cmp -s "$out/ids-$dtype-0.txt" "$out/ids-$dtype-all.txt" && echo "greedy ids $dtype batch 8: identical on 1 and all GPUs ($(wc -l < "$out/ids-$dtype-0.txt") sequences)" \
-    || echo "greedy ids $dtype: DIFFER"
+  for b in ${IDS_BATCHES:-8 256}; do
+    if [[ -s "$out/ids$b-$dtype-0.txt" ]] && cmp -s "$out/ids$b-$dtype-0.txt" "$out/ids$b-$dtype-all.txt"; then
+      echo "greedy ids $dtype batch $b, 256 steps: identical on 1 and all GPUs ($(wc -l < "$out/ids$b-$dtype-0.txt") sequences)"
+    else
+      echo "greedy ids $dtype batch $b: DIFFER or missing ($(tail -c 300 "$out/ids$b-$dtype-all.err"))"
+    fi
+  done
   cmp -s "$out/logits-$dtype-0.npy" "$out/logits-$dtype-all.npy" && echo "forward logits $dtype, 3 sequences: bit-identical on 1 and all GPUs" \
     || echo "forward logits $dtype: DIFFER"
 done
-tail -1 "$out"/ids-bf16-all.err
+tail -1 "$out"/ids256-bf16-all.err
 tar czf "${OUT:-/tmp}/results.tgz" -C "${OUT:-/tmp}" r
