@@ -52,15 +52,17 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
-    let tok = Tokenizer::gpt2();
-    let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
-    // Checked before the model loads (the vocabulary is GPT-2's until then).
-    args.sampling.draw(SamplingParams::default(), usize::MAX)?;
     let backend_options = BackendOptions {
         decode_engine: engine,
         ..args.target.backend_options(args.batch)
     };
+    // The GPUs open on a thread of their own (a few hundred milliseconds) while the tokenizer is
+    // built (its tables, ~50 ms) and the checkpoint loads.
     let opening_gpus = OpeningGpus::start(device, &backend_options);
+    let tok = Tokenizer::gpt2();
+    let ids = prompt_ids(&tok, &args.ids, &args.prompt)?;
+    // Checked before the model loads (the vocabulary is GPT-2's until then).
+    args.sampling.draw(SamplingParams::default(), usize::MAX)?;
     let loading = Instant::now();
     let model = load(&args.target.model)?;
     let load_ms = loading.elapsed().as_secs_f64() * 1e3;
