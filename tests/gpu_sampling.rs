@@ -3,12 +3,20 @@
 //! fit the exact kept distribution of the CPU reference (`ops::draw::kept`) by a chi-square test
 //! at p > 1e-3; no token outside the kept set may ever be drawn; top-k 1 must be the argmax; and
 //! a sample of draws must equal the CPU reference's token for token (same Philox keys).
-//! The CPU draw passes the same test on fewer draws without a GPU.
+//! The CPU draw passes the same test on fewer draws without a GPU. The decode megakernel's own
+//! draw in its LM head must pick the reference's token from the same logits.
+
+mod decode_support;
 
 use std::sync::Arc;
 
+use decode_support::{backend, gpu_lock, model};
+
 use kernelforge::codegen::Renderer;
 use kernelforge::gpu::{Compiler, DeviceProblem, Gpu, LoadedVariant};
+use kernelforge::model::generate::{Backend, Draw};
+use kernelforge::model::sampling::argmax;
+use kernelforge::model::DecodeEngine;
 use kernelforge::ops::draw::{draw, kept, DrawKey, SamplingParams};
 use kernelforge::ops::sample::Sample;
 use kernelforge::ops::{Arg, Epilogue, Mask, OpContract, Shape, Storage};
@@ -324,5 +332,88 @@ fn gpu_same_seed_same_tokens_on_every_engine() {
             "{sampling:?}: {} tokens a sequence equal on the CPU and every engine",
             want[0].len()
         );
+    }
+}
+
+/// The LM head's top-k draw (each task's largest logit, then the keys of the k tasks those
+/// name; decode/draw.cu.tera) picks exactly the token the reference sampler picks from the same
+/// logits. One megakernel steps greedily and returns its logits, a second one (same point, same
+/// tokens, so the same logits bit for bit) draws on the device; every row's token must equal
+/// `Draw::on_host` over the first one's logits. GPT-2's vocabulary (786 LM-head tasks of 64
+/// columns), top-k from 2 to 64 with and without top-p, f32 and bf16, one row, an odd batch
+/// (rows drawn by several blocks at once) and 16 rows on the tensor cores.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn megakernel_top_k_draws_equal_the_reference_sampler_on_the_same_logits() {
+    let _lock = gpu_lock();
+    let vocab = 50_257;
+    let m = model(2, 2, 128, 256, vocab, 91);
+    let settings = [(0.8, 40, 0.95), (1.0, 64, 1.0), (0.6, 2, 1.0), (1.7, 13, 0.3)];
+    let sixteen = [
+        ("max_rows", 16),
+        ("threads", 256),
+        ("tensor_cores", 1),
+        ("cols_per_warp", 1),
+    ];
+    type Point<'a> = &'a [(&'a str, i64)];
+    let cases: [(Dtype, usize, Point); 4] = [
+        (Dtype::F32, 1, &[]),
+        (Dtype::F32, 5, &[]),
+        (Dtype::Bf16, 8, &[]),
+        (Dtype::Bf16, 16, &sixteen),
+    ];
+    for (dtype, batch, point) in cases {
+        let mut logits_of = backend(&m, batch, dtype, DecodeEngine::Megakernel);
+        let mut drawer = backend(&m, batch, dtype, DecodeEngine::Megakernel);
+        if !point.is_empty() {
+            let point: Vec<(String, i64)> = point.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+            logits_of.set_megakernel_point(point.clone());
+            drawer.set_megakernel_point(point);
+        }
+        let prompt_len = 9;
+        let prompts: Vec<Vec<u32>> = (0..batch as u32)
+            .map(|b| {
+                (0..prompt_len)
+                    .map(|i| (i * 131 + b * 977 + 5) % vocab as u32)
+                    .collect()
+            })
+            .collect();
+        let first = logits_of.prefill_last(&prompts).unwrap();
+        drawer.prefill_last(&prompts).unwrap();
+        let mut next: Vec<u32> = (0..batch).map(|b| argmax(first.last(b)).unwrap()).collect();
+        let mut position = prompt_len as usize;
+        let mut drawn = 0;
+        for (i, &(temperature, top_k, top_p)) in settings.iter().enumerate() {
+            let draw = Draw {
+                params: SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                },
+                seed: 0x5eed + i as u64,
+                first_sequence: 3,
+            };
+            for step in 0..6 {
+                position += 1;
+                let logits = logits_of.decode(&next).unwrap();
+                let got = drawer.decode_draw(&next, &draw, position).unwrap();
+                for (b, &token) in got.iter().enumerate() {
+                    let want = draw.on_host(logits.last(b), b, position).unwrap();
+                    assert_eq!(
+                        token, want,
+                        "{dtype:?} batch {batch}, {:?}, step {step}, sequence {b}: drawn in the LM head vs the reference on the same logits",
+                        draw.params
+                    );
+                }
+                drawn += got.len();
+                next = got;
+            }
+            assert!(
+                drawer.lm_head_draws(&draw.params),
+                "{:?} drawn in the LM head",
+                draw.params
+            );
+        }
+        eprintln!("{dtype:?} batch {batch}: {drawn} top-k draws in the LM head equal the reference's");
     }
 }

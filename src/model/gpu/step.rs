@@ -6,7 +6,7 @@
 use anyhow::{bail, Context, Result as AnyResult};
 
 use super::exec::record_event;
-use super::megakernel::drawn_in_lm_head;
+use super::lm_head_draw::drawn_in_lm_head;
 use super::plan::{HeadRows, Plan};
 use super::{GpuBackend, PINNED_LOGITS_ROWS, SYNC_HINT};
 use crate::gpu::GpuError;
