@@ -1604,7 +1604,7 @@ __device__ void embed_task(const Stage& s, int B, int pos, const int* tokens) {
 // CUDA graph) starts clean.
 // The dynamic shared memory: the ring of SLOTS slots, then MAX_ROWS staged input rows (room for
 // 4C elements each; an MLP stage keeps its block's f32 sums after its C-wide rows: mlp_project).
-// Once the block's tasks are done, a top-k draw's keys take the ring (draw_row_by_heads).
+// Once the block's tasks are done, a top-k draw's keys take all of it (draw_row_by_heads).
 // 128-byte aligned: the copy engine fills the ring's slots and the tasks read them in 16-byte
 // pieces, best from whole 128-byte lines; the static shared memory before it (whose size moves
 // with every change to the kernel) would otherwise decide where the ring starts.
