@@ -172,15 +172,15 @@ impl<'a> Shared<'a> {
                     .or_insert_with(|| c.resources.clone());
             }
         }
-        // Counted when the specs were checked (under the default limits, whose expression
-        // variables `limits` shares); counted again only if the limits differ.
+        // Counted once under the default limits (whose expression variables `limits` shares);
+        // counted under `limits` where they differ.
         let point_counts = input
             .catalog
             .families
             .iter()
             .map(|f| {
                 let n = if same_vars(&limits) {
-                    Ok(f.valid_points)
+                    f.valid_points()
                 } else {
                     f.point_count(&limits)
                 };

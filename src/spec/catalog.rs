@@ -28,8 +28,8 @@ impl Catalog {
         if files.is_empty() {
             return Err(SpecError::NoSpecs(specs_dir.to_path_buf()));
         }
-        // In parallel: checking a family walks its whole space (`space.rs`; 138,240 points for
-        // matmul_wgmma_tma), which every command pays at start-up.
+        // In parallel (each family is checked on its own: its default point, and its whole
+        // space only when the default fails; `space.rs`).
         let families = {
             use rayon::prelude::*;
             files

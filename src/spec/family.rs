@@ -103,9 +103,10 @@ pub struct Family {
     /// Full points the tuner's first round takes besides the default (`[[start]]` in the spec:
     /// each the default with some params changed), checked valid like the default.
     pub starts: Vec<IndexMap<String, i64>>,
-    /// Valid points under the default (H100) limits, counted when the spec was checked (the
-    /// report shows it without enumerating the space again).
-    pub valid_points: usize,
+    /// Valid points under the default (H100) limits, counted once when first asked
+    /// ([`Family::valid_points`]): walking a space costs up to ~0.2 s (`decode_megakernel`'s
+    /// 72,000 points), which loading the catalog, at the start of every command, need not pay.
+    pub(super) valid_count: std::sync::OnceLock<usize>,
 }
 
 /// Parameter values and derived values of one point, each in spec order.
@@ -170,12 +171,16 @@ impl Family {
         }
     }
 
-    /// Checks that the default point is valid, that some point is, and that the shape-time
-    /// expressions only use known variables (evaluated at the default on the op's first test shape).
-    /// Returns the number of valid points.
-    pub(super) fn check_points(&self, limits: &DeviceLimits, shape: &Shape) -> Result<usize, SpecError> {
-        let points = self.points(limits)?;
-        if points.is_empty() {
+    /// Checks that the default point is valid (so some point is), and that the shape-time
+    /// expressions only use known variables (evaluated at the default on the op's first test
+    /// shape). The space is walked only when the default is not valid, to tell an empty space
+    /// (every point rejected, and by which constraint) from a bad default.
+    pub(super) fn check_points(&self, limits: &DeviceLimits, shape: &Shape) -> Result<(), SpecError> {
+        let default_ok = self
+            .evaluate_point(&self.default, limits)
+            .and_then(|(params, derived)| self.failed_constraint(&params, &derived, limits))
+            .is_ok_and(|failed| failed.is_none());
+        if !default_ok && self.points(limits)?.is_empty() {
             let total: usize = self.params.values().map(|v| v.len()).product();
             let mut worst = String::new();
             for c in &self.require {
@@ -247,7 +252,16 @@ impl Family {
                 _ => {}
             }
         }
-        Ok(points.len())
+        Ok(())
+    }
+
+    /// Valid points under the default limits (counted on the first call; see `valid_count`).
+    pub fn valid_points(&self) -> Result<usize, SpecError> {
+        if let Some(&n) = self.valid_count.get() {
+            return Ok(n);
+        }
+        let n = self.point_count(&DeviceLimits::default())?;
+        Ok(*self.valid_count.get_or_init(|| n))
     }
 
     pub(super) fn count_rejected(&self, constraint: &Expr, limits: &DeviceLimits) -> Result<usize, SpecError> {

@@ -488,7 +488,7 @@ impl Family {
             starts.push(point);
         }
 
-        let mut family = Family {
+        let family = Family {
             name: f.name.clone(),
             op,
             template: f.template.clone(),
@@ -514,9 +514,9 @@ impl Family {
             constants,
             default: raw.default,
             starts,
-            valid_points: 0,
+            valid_count: Default::default(),
         };
-        family.valid_points = family.check_points(&DeviceLimits::default(), &test_shape)?;
+        family.check_points(&DeviceLimits::default(), &test_shape)?;
         Ok(family)
     }
 }
