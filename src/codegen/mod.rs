@@ -1,8 +1,9 @@
 //! Renders variants through the tera templates into CUDA C++ source, and writes the
 //! `generated/` folder people read.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::spec::{expand, Catalog, DeviceLimits, Points, SpecError, Variant};
 
@@ -58,6 +59,30 @@ impl Renderer {
         })?;
         tera.autoescape_on(vec![]);
         Ok(Renderer { tera })
+    }
+
+    /// The templates under `templates_dir` parsed once for the whole process (every GPU
+    /// backend's registry shares them), so that a command can start the parse on a thread of its
+    /// own early ([`Renderer::warm`]) and the backend finds it done. A caller that arrives while
+    /// another thread parses waits for that parse. The error is the parse's, as text.
+    pub fn shared(templates_dir: &Path) -> Result<Arc<Renderer>, String> {
+        type Cell = Arc<OnceLock<Result<Arc<Renderer>, String>>>;
+        static PARSED: Mutex<BTreeMap<PathBuf, Cell>> = Mutex::new(BTreeMap::new());
+        let cell: Cell = {
+            let mut parsed = PARSED.lock().unwrap_or_else(|e| e.into_inner());
+            parsed.entry(templates_dir.to_path_buf()).or_default().clone()
+        };
+        cell.get_or_init(|| Renderer::new(templates_dir).map(Arc::new).map_err(|e| e.to_string()))
+            .clone()
+    }
+
+    /// Starts [`Renderer::shared`] for `templates_dir` on a thread of its own (its result is
+    /// kept for the caller that needs it; an error is reported there).
+    pub fn warm(templates_dir: &Path) {
+        let dir = templates_dir.to_path_buf();
+        std::thread::spawn(move || {
+            let _ = Renderer::shared(&dir);
+        });
     }
 
     /// Renders a template that is not a family (the baselines' helper kernels) with `vars`.
@@ -250,5 +275,33 @@ mod tests {
     fn blank_line_runs_collapse_to_one() {
         assert_eq!(collapse_blank_lines("a  \n\n\n\nb\n\nc\n\n"), "a\n\nb\n\nc");
         assert_eq!(collapse_blank_lines("x"), "x");
+    }
+
+    /// One parse a folder for the whole process: a warm start and every later caller (from
+    /// other threads too) share it; another folder gets its own; a folder whose templates do not
+    /// parse gives the same error to every caller.
+    #[test]
+    fn templates_are_parsed_once_a_folder_and_shared() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a");
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::write(a.join("t.cu.tera"), "// {{ x }}\n").unwrap();
+        Renderer::warm(&a);
+        let first = Renderer::shared(&a).unwrap();
+        let others: Vec<Arc<Renderer>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4).map(|_| s.spawn(|| Renderer::shared(&a).unwrap())).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(others.iter().all(|r| Arc::ptr_eq(r, &first)));
+        assert_eq!(
+            first.render_template("t.cu.tera", &[("x", "7")]).unwrap().trim(),
+            "// 7"
+        );
+        let b = dir.path().join("b");
+        std::fs::create_dir_all(&b).unwrap();
+        std::fs::write(b.join("t.cu.tera"), "// {{ x \n").unwrap();
+        let e = Renderer::shared(&b).err().unwrap();
+        assert!(e.contains("t.cu.tera"), "{e}");
+        assert_eq!(Renderer::shared(&b).err().unwrap(), e);
     }
 }

@@ -47,7 +47,7 @@ pub struct Selected {
 pub struct Registry {
     pub catalog: Catalog,
     pub db: Option<TuningDb>,
-    renderer: Renderer,
+    renderer: Arc<Renderer>,
     compiler: Compiler,
     loaded: HashMap<String, Arc<LoadedVariant>>,
     /// Messages worth showing once (a tuned entry no longer valid for its spec, ...).
@@ -56,7 +56,7 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(catalog: Catalog, db: Option<TuningDb>, compiler: Compiler) -> Result<Registry, RegistryError> {
-        let renderer = Renderer::new(&catalog.templates_dir).map_err(|e| RegistryError::Build(e.to_string()))?;
+        let renderer = Renderer::shared(&catalog.templates_dir).map_err(RegistryError::Build)?;
         Ok(Registry {
             catalog,
             db,

@@ -33,7 +33,8 @@ pub(crate) struct CheckedGpus {
 
 /// The GPUs a batch will run on, being opened on a thread of their own: started before the
 /// checkpoint loads, so that the driver's start-up and each CUDA context (a few hundred
-/// milliseconds on a large GPU) overlap the host's reading. [`check_batch_fits`] takes them
+/// milliseconds on a large GPU) overlap the host's reading; the templates are parsed meanwhile
+/// too (about 0.1 s). [`check_batch_fits`] takes them
 /// (their free memory) and keeps them open until the backend has opened the same contexts.
 pub(crate) struct OpeningGpus(Option<JoinHandle<Option<Vec<OpenedGpu>>>>);
 
@@ -41,10 +42,14 @@ pub(crate) struct OpeningGpus(Option<JoinHandle<Option<Vec<OpenedGpu>>>>);
 type OpenedGpu = (usize, Gpu);
 
 impl OpeningGpus {
-    /// Starts opening the GPUs `opts` asks for (none on the CPU).
+    /// Starts opening the GPUs `opts` asks for (none on the CPU), and parsing the kernel
+    /// templates the backend renders from (on another thread: `Renderer::warm`).
     pub(crate) fn start(device: Device, opts: &BackendOptions) -> OpeningGpus {
         if device == Device::Cpu {
             return OpeningGpus(None);
+        }
+        if let Ok(root) = crate::cli::project_root(opts.root.as_deref()) {
+            crate::codegen::Renderer::warm(&root.join("templates"));
         }
         let (asked, max_batch) = (opts.devices.clone(), opts.max_batch.max(1));
         OpeningGpus(Some(std::thread::spawn(move || {
