@@ -1288,7 +1288,7 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
 // floor: at most k x cols keys, read from the logits (a few per thread, all at once) instead of
 // the whole row, and cut by the sampler's top_keys. `keys` is the block's dynamic shared memory
 // (free once the tasks are done): room for tasks + 2 * SMALL_SORT + top_k * cols keys, which
-// the host checks (src/model/gpu/megakernel.rs, LmHead::takes_top_k). Every thread of the
+// the host checks (src/model/gpu/lm_head_draw.rs, LmHeadTasks::takes_top_k). Every thread of the
 // block calls it.
 __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, const float2* heads, int top_k,
                                                float inv_t, float top_p, DrawKey draw, key_t* keys, int* next_ids) {
