@@ -20,9 +20,10 @@ use crate::tune::verify::{self, Check, Shapes, Status};
 /// picks one family.
 #[derive(Debug, Args)]
 pub struct GenArgs {
-    /// Output folder.
-    #[arg(long, value_name = "DIR", default_value = "generated")]
-    pub out: PathBuf,
+    /// Output folder (default: generated/ in the project folder, the one --root names, so that
+    /// rendering another project's specs never writes into this folder's generated/).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
     /// Render only this spec file.
     #[arg(long, value_name = "FILE")]
     pub spec: Option<PathBuf>,
@@ -147,11 +148,7 @@ pub fn gen(root: &Path, args: GenArgs) -> Result<()> {
     };
     let points = if args.all { Points::All } else { Points::Default };
     let files = render_catalog(&catalog, points, &DeviceLimits::default())?;
-    let out = if args.out.is_relative() && !args.out.exists() && args.out == Path::new("generated") {
-        root.join("generated")
-    } else {
-        args.out.clone()
-    };
+    let out = args.out.clone().unwrap_or_else(|| root.join("generated"));
     if args.check {
         let mut stale = Vec::new();
         for f in &files {
