@@ -176,11 +176,16 @@ impl Family {
     /// shape). The space is walked only when the default is not valid, to tell an empty space
     /// (every point rejected, and by which constraint) from a bad default.
     pub(super) fn check_points(&self, limits: &DeviceLimits, shape: &Shape) -> Result<(), SpecError> {
-        let default_ok = self
-            .evaluate_point(&self.default, limits)
-            .and_then(|(params, derived)| self.failed_constraint(&params, &derived, limits))
-            .is_ok_and(|failed| failed.is_none());
-        if !default_ok && self.points(limits)?.is_empty() {
+        // The default and the start points must be valid points of the space.
+        let valid = |field: String, what: &str, point: &IndexMap<String, i64>| -> Result<Point, SpecError> {
+            let (params, derived) = self.evaluate_point(point, limits)?;
+            match self.failed_constraint(&params, &derived, limits)? {
+                Some(failed) => Err(self.field_error(field, format!("{what} violates `{failed}`"))),
+                None => Ok((params, derived)),
+            }
+        };
+        let default = valid("default".into(), "the default point", &self.default);
+        if default.is_err() && self.points(limits)?.is_empty() {
             let total: usize = self.params.values().map(|v| v.len()).product();
             let mut worst = String::new();
             for c in &self.require {
@@ -194,15 +199,7 @@ impl Family {
                 format!("no point of the {total}-point space satisfies every constraint{worst}"),
             ));
         }
-        // The default and the start points must be valid points of the space.
-        let valid = |field: String, what: &str, point: &IndexMap<String, i64>| -> Result<Point, SpecError> {
-            let (params, derived) = self.evaluate_point(point, limits)?;
-            match self.failed_constraint(&params, &derived, limits)? {
-                Some(failed) => Err(self.field_error(field, format!("{what} violates `{failed}`"))),
-                None => Ok((params, derived)),
-            }
-        };
-        let (default_params, default_derived) = valid("default".into(), "the default point", &self.default)?;
+        let (default_params, default_derived) = default?;
         for (i, start) in self.starts.iter().enumerate() {
             valid(format!("start[{i}]"), "the point", start)?;
         }

@@ -5,8 +5,9 @@
 //! points, of which about 2% are valid. Evaluating every point (its derived values, then its
 //! constraints) took about a second, paid at the start of every command (loading the catalog
 //! counted each family's valid points; it now checks the default point and walks a space only
-//! when that fails, or when the count is asked for) and again by the tuner (its candidate pools). The walk
-//! binds the parameters in spec order, so it visits points in the order of the full product.
+//! when that fails, or when the count is asked for) and again by the tuner (its candidate
+//! pools). The walk binds the parameters in spec order, so it visits points in the order of the
+//! full product.
 //! Each derived value is computed, and each constraint tested, at the first level where every
 //! parameter it depends on (directly or through derived values) is bound; a constraint that
 //! fails there rejects the whole subtree below.

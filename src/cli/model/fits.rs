@@ -34,8 +34,8 @@ pub(crate) struct CheckedGpus {
 /// The GPUs a batch will run on, being opened on a thread of their own: started before the
 /// checkpoint loads, so that the driver's start-up and each CUDA context (a few hundred
 /// milliseconds on a large GPU) overlap the host's reading; the templates are parsed meanwhile
-/// too (about 0.1 s). [`check_batch_fits`] takes them
-/// (their free memory) and keeps them open until the backend has opened the same contexts.
+/// too (about 0.1 s). [`check_batch_fits`] takes them (their free memory) and keeps them open
+/// until the backend has opened the same contexts.
 pub(crate) struct OpeningGpus(Option<JoinHandle<Option<Vec<OpenedGpu>>>>);
 
 /// A GPU's ordinal and its opened context.

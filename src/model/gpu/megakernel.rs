@@ -357,16 +357,15 @@ impl GpuBackend {
     /// megakernel's [`GpuBackend::megakernel_lm_head`]; `None`:
     /// greedy). Its input tokens are the uploaded ids, or with `tokens_on_device` the previous
     /// step's next ids (read by the embedding at the start of the step, overwritten with this
-    /// step's at its end). Launched, not waited for.
+    /// step's at its end). Launched, not waited for. The caller has prepared the megakernel for
+    /// `b` ([`GpuBackend::prepare_megakernel`]: it decides the draw from the prepared table).
     pub(super) fn megakernel_step(
         &mut self,
-        ks: &Kernels,
         b: usize,
         pos: usize,
         tokens_on_device: bool,
         draw: Option<&Draw>,
     ) -> AnyResult<()> {
-        self.prepare_megakernel(ks, b)?;
         let cfg = self.model.config.clone();
         let events = self.profile_begin()?;
         let gpu = &self.gpu;

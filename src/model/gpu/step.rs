@@ -223,7 +223,8 @@ impl GpuBackend {
         let ks = self.kernels(b, 1, true, false)?;
         let pos = self.len;
         // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
-        // none where the megakernel's LM head stage draws them itself.
+        // none where the megakernel's LM head stage draws them itself (which its table decides:
+        // prepared here, once per batch size, before megakernel_step launches it).
         if megakernel {
             self.prepare_megakernel(&ks, b)?;
         }
@@ -241,7 +242,7 @@ impl GpuBackend {
         let graphs = self.decode_graphs();
         if megakernel {
             record_event(&start, &self.gpu)?;
-            self.megakernel_step(&ks, b, pos, last.is_none(), in_lm_head)?;
+            self.megakernel_step(b, pos, last.is_none(), in_lm_head)?;
         } else {
             if graphs && self.prepared != Some((b, pos, self.buffers_generation)) {
                 self.prepare_decode_graph(&ks, b, pos)?;
