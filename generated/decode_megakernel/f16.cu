@@ -1115,6 +1115,33 @@ __device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float
     if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
     return row_mass < 0.0f ? kept : 0;
 }
+
+// warp_nucleus by the block's first warp, its answer given to every thread (through shared
+// memory: the same value everywhere, so a branch on it stays block-uniform). Every thread of
+// the block must call it (it contains a barrier).
+__device__ __forceinline__ int block_nucleus(const key_t* sorted, int kept, float row_max, float inv_t, float top_p,
+                                             float row_mass) {
+    __shared__ int nucleus;
+    if (threadIdx.x < 32) {
+        const int n = warp_nucleus(sorted, kept, row_max, inv_t, top_p, row_mass);
+        if (threadIdx.x == 0) nucleus = n;
+    }
+    __syncthreads();
+    return nucleus;
+}
+// The Gumbel-max draw among the first `kept` keys of a list: this thread's best score of
+// value / T + g(token) over every BLOCK_SIZE-th key (one Philox call per key), folded into
+// (best, best_index); block_argmax then gives the block's token.
+__device__ __forceinline__ void gumbel_among(const key_t* keys, int kept, float inv_t, const DrawKey& draw,
+                                             float& best, int& best_index) {
+    for (int i = threadIdx.x; i < kept; i += BLOCK_SIZE) {
+        const int id = id_of(keys[i]);
+        const uint4 words = noise_words(draw, (unsigned)id / 4u);
+        const float score = fmaf(value_of(keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
+        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
+    }
+}
+
 // Sorts n keys (a power of two) in shared memory, largest first: Batcher's bitonic network.
 // Every stage compares pairs (i, i ^ distance) whose order depends only on i, so all threads
 // work without a data-dependent branch; a barrier separates the stages.
@@ -1326,26 +1353,13 @@ __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, con
     }
     __syncthreads();
     int kept = top_keys(candidates, gathered, top_k, kept_keys, row_max, inv_t);
-    if (top_p < 1.0f) {
-        // The nucleus within what top-k kept, by one warp (as the sample op's finish cuts it).
-        __shared__ int nucleus;
-        if (threadIdx.x < 32) {
-            const int n = warp_nucleus(kept_keys, kept, row_max, inv_t, top_p, -1.0f);
-            if (threadIdx.x == 0) nucleus = n;
-        }
-        __syncthreads();
-        kept = nucleus;
-    }
-    // The Gumbel-max over the kept keys: one Philox call per key.
+    // The nucleus within what top-k kept (as the sample op's finish cuts it), then the
+    // Gumbel-max over the kept keys.
+    if (top_p < 1.0f) kept = block_nucleus(kept_keys, kept, row_max, inv_t, top_p, -1.0f);
     float best = __int_as_float(0xff800000);
     int best_index = 0x7fffffff;
     draw.sequence += b;
-    for (int i = threadIdx.x; i < kept; i += THREADS) {
-        const int id = id_of(kept_keys[i]);
-        const uint4 words = noise_words(draw, (unsigned)id / 4u);
-        const float score = fmaf(value_of(kept_keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
-        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
-    }
+    gumbel_among(kept_keys, kept, inv_t, draw, best, best_index);
     block_argmax(best, best_index);
     if (threadIdx.x == 0) next_ids[b] = best_index == 0x7fffffff ? -1 : best_index;
 }

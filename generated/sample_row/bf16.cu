@@ -302,6 +302,20 @@ __device__ __forceinline__ int warp_nucleus(const key_t* sorted, int kept, float
     if (crossing) return __shfl_sync(0xffffffffu, nucleus, __ffs(crossing) - 1);
     return row_mass < 0.0f ? kept : 0;
 }
+
+// warp_nucleus by the block's first warp, its answer given to every thread (through shared
+// memory: the same value everywhere, so a branch on it stays block-uniform). Every thread of
+// the block must call it (it contains a barrier).
+__device__ __forceinline__ int block_nucleus(const key_t* sorted, int kept, float row_max, float inv_t, float top_p,
+                                             float row_mass) {
+    __shared__ int nucleus;
+    if (threadIdx.x < 32) {
+        const int n = warp_nucleus(sorted, kept, row_max, inv_t, top_p, row_mass);
+        if (threadIdx.x == 0) nucleus = n;
+    }
+    __syncthreads();
+    return nucleus;
+}
 #define NEG_INF __int_as_float(0xff800000)  // -inf (NVRTC has no <math.h> INFINITY)
 
 enum Path { GREEDY = 0, GUMBEL = 1, CANDIDATES = 2, BISECTION = 3 };
@@ -372,6 +386,19 @@ __device__ __forceinline__ void gumbel_scores(const DrawKey& draw, float inv_t, 
             const float score = fmaf(v[q + r], inv_t, gumbel_of(word_of(words, r)));
             if (beats(score, id, best, best_index)) { best = score; best_index = id; }
         }
+    }
+}
+
+// The Gumbel-max draw among the first `kept` keys of a list: this thread's best score of
+// value / T + g(token) over every BLOCK_SIZE-th key (one Philox call per key), folded into
+// (best, best_index); block_argmax then gives the block's token.
+__device__ __forceinline__ void gumbel_among(const key_t* keys, int kept, float inv_t, const DrawKey& draw,
+                                             float& best, int& best_index) {
+    for (int i = threadIdx.x; i < kept; i += BLOCK_SIZE) {
+        const int id = id_of(keys[i]);
+        const uint4 words = noise_words(draw, (unsigned)id / 4u);
+        const float score = fmaf(value_of(keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
+        if (beats(score, id, best, best_index)) { best = score; best_index = id; }
     }
 }
 
@@ -854,13 +881,10 @@ sample_row_491bdeb1c1cb807a_finish(int* out, const storage_t* logits, float* wor
             kept = top_keys(merged, n, list, best_keys, row_max, inv_t);
             if (top_p < 1.0f) {
                 // The nucleus: the shortest prefix of the list whose mass reaches p of the total
-                // (top-k's mass when top-k cut first), by one warp (warp_nucleus).
-                __shared__ int nucleus;  // 0: the nucleus is longer than the list
-                if (threadIdx.x < 32) {
-                    const int n = warp_nucleus(best_keys, kept, row_max, inv_t, top_p, cuts_top_k(V, top_k) ? -1.0f : total);
-                    if (threadIdx.x == 0) nucleus = n;
-                }
-                __syncthreads();
+                // (top-k's mass when top-k cut first), by one warp (block_nucleus); 0: the
+                // nucleus is longer than the list.
+                const int nucleus =
+                    block_nucleus(best_keys, kept, row_max, inv_t, top_p, cuts_top_k(V, top_k) ? -1.0f : total);
                 if (nucleus == 0) {
                     path = BISECTION;  // the nucleus is longer than the candidate list
                 } else {
@@ -895,12 +919,7 @@ sample_row_491bdeb1c1cb807a_finish(int* out, const storage_t* logits, float* wor
         // The Gumbel-max over the first `kept` candidates: one Philox call per candidate.
         best = NEG_INF;
         best_index = 0x7fffffff;
-        for (int i = threadIdx.x; i < kept; i += BLOCK_SIZE) {
-            const int id = id_of(best_keys[i]);
-            const uint4 words = noise_words(draw, (unsigned)id / 4u);
-            const float score = fmaf(value_of(best_keys[i]), inv_t, gumbel_of(word_of(words, id % 4)));
-            if (beats(score, id, best, best_index)) { best = score; best_index = id; }
-        }
+        gumbel_among(best_keys, kept, inv_t, draw, best, best_index);
     }
     block_argmax(best, best_index);
     if (threadIdx.x == 0) out[row] = best_index == 0x7fffffff ? -1 : best_index;
