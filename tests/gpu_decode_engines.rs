@@ -1,14 +1,16 @@
 //! What every decode engine (launches, graph, megakernel) shares, on random models: steps that
 //! choose their tokens on the device run one ahead and give the ids of steps run one at a time;
 //! greedy ids of every engine equal the kernel-by-kernel path's over 256 steps; a batch the
-//! megakernel cannot hold runs on the graph engine and says so; and `tune --decode-step` stores
-//! the faster engine, which `bench` then runs by default.
+//! megakernel cannot hold runs on the graph engine and says so; a graph step whose cache grows
+//! into the next length bucket switches its attention kernel in place; and `tune --decode-step`
+//! stores the faster engine, which `bench` then runs by default.
 //!
 //! GPU tests are `#[ignore = "needs a CUDA GPU"]`.
 
 mod decode_support;
 
 use decode_support::{backend, gpu_lock, model, tie_gap};
+use kernelforge::gpu::{Compiler, Gpu};
 use kernelforge::model::config::GPT2Config;
 use kernelforge::model::generate::{Backend, Logits};
 use kernelforge::model::gpu::GpuBackend;
@@ -16,6 +18,8 @@ use kernelforge::model::sampling::argmax;
 use kernelforge::model::weights::GPT2Weights;
 use kernelforge::model::DecodeEngine;
 use kernelforge::spec::Dtype;
+use kernelforge::tune::db::{default_path, DbHeader, Entry, TuneKey, TuningDb};
+use kernelforge::tune::workloads::decode_attention_shape;
 
 /// Greedy steps run one ahead on every engine (`model::gpu::run_ahead`): a chain of greedy
 /// steps, broken now and then by feeding other tokens, up to the end of the context, gives
@@ -185,6 +189,105 @@ fn greedy_ids_of_every_engine_equal_kernel_by_kernel_over_256_steps() {
             }
         }
     }
+}
+
+/// A graph step whose cache grows into the next length bucket switches its attention nodes to
+/// that bucket's kernel in place (recording the graph again costs about a millisecond of the
+/// host's time in the middle of a decode); a bucket whose kernel brings another number of
+/// launches (a combine) records it once more. A 300-token model has buckets 128, 256 and 300;
+/// a tuning database gives each its own decode attention, and the graph engine's logits equal
+/// the kernel-by-kernel path's at every step across both boundaries.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_steps_switch_the_attention_kernel_of_each_cache_bucket_in_place() {
+    let _lock = gpu_lock();
+    let (batch, prompt_len, n_ctx) = (3usize, 16usize, 300usize);
+    let tiny = model(2, 2, 128, n_ctx, 1000, 77);
+    let cache = tempfile::tempdir().unwrap();
+    let gpu = Gpu::new(0).unwrap();
+    let header = DbHeader::for_device(&gpu, &Compiler::new(&gpu.info.arch()).unwrap());
+    // The backends read the database from KERNELFORGE_CACHE when they open (the lock keeps the
+    // other tests of this binary from opening one meanwhile).
+    std::env::set_var("KERNELFORGE_CACHE", cache.path());
+    let mut db = TuningDb::open(&default_path(&header), header).unwrap();
+    type Winner = (i64, &'static str, &'static [(&'static str, i64)]);
+    let winners: [Winner; 3] = [
+        (
+            128,
+            "attention_decode_groups",
+            &[("keys_per_split", 256), ("warps", 4), ("rows_at_once", 2)],
+        ),
+        (
+            256,
+            "attention_decode_groups",
+            &[("keys_per_split", 512), ("warps", 2), ("rows_at_once", 4)],
+        ),
+        (300, "attention_decode", &[("splits", 4), ("block_size", 64)]),
+    ];
+    for (len, family, params) in winners {
+        let shape = decode_attention_shape(batch as i64, 2, 64, len);
+        let key = TuneKey {
+            op: "attention_decode".into(),
+            dtype: "bf16".into(),
+            variant_kind: "none".into(),
+            shape: shape.clone(),
+        };
+        let params = [("head_dim", 64)]
+            .iter()
+            .chain(params)
+            .map(|&(k, v)| (k.to_string(), v));
+        let entry = Entry {
+            family: family.into(),
+            params: params.collect(),
+            shape,
+            median_ms: 0.01,
+            spread_ms: 0.0,
+            baseline_ms: None,
+            baseline: None,
+            baseline_unavailable: None,
+            variants_tried: 1,
+            tuned_at: 0,
+            role: None,
+            flops: 0.0,
+            bytes: 0.0,
+            candidates: Vec::new(),
+        };
+        db.insert(&key, entry);
+    }
+    db.save().unwrap();
+    let mut reference = backend(&tiny, batch, Dtype::Bf16, DecodeEngine::Launches);
+    let mut graph = backend(&tiny, batch, Dtype::Bf16, DecodeEngine::Graph);
+    std::env::remove_var("KERNELFORGE_CACHE");
+
+    let prompts: Vec<Vec<u32>> = (0..batch as u32)
+        .map(|b| (0..prompt_len as u32).map(|i| (i * 31 + b * 7 + 3) % 1000).collect())
+        .collect();
+    let first = reference.prefill_last(&prompts).unwrap();
+    graph.prefill_last(&prompts).unwrap();
+    let mut next: Vec<u32> = (0..batch).map(|b| argmax(first.last(b)).unwrap()).collect();
+    for position in prompt_len..n_ctx {
+        let want: Logits = reference.decode(&next).unwrap();
+        let got: Logits = graph.decode(&next).unwrap();
+        for b in 0..batch {
+            let (w, g) = (want.last(b), got.last(b));
+            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = w.iter().zip(g).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                worst <= 1e-5 * scale,
+                "position {position} sequence {b}: the graph's logits differ from kernel-by-kernel's by {worst:.3e} \
+                 (largest logit {scale:.3e})"
+            );
+        }
+        next = (0..batch).map(|b| argmax(want.last(b)).unwrap()).collect();
+    }
+    // Recorded at the first step, and at 257 (a combine after the partial kernel); the switch
+    // at 129 happened in place.
+    assert_eq!(
+        graph.graphs_recorded(),
+        2,
+        "graphs recorded over {} steps",
+        n_ctx - prompt_len
+    );
 }
 
 /// The kernelforge binary: `KERNELFORGE_BIN`, else the one cargo built beside this test, else a

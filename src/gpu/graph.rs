@@ -6,8 +6,10 @@
 //! node depends on the one before, so the order is the stream order), instantiated, and then
 //! replayed with a single `cuGraphLaunch`. Between replays only a few arguments change (the
 //! position and the cache length), so a replay walks the same launches again and rewrites just
-//! the nodes whose arguments or geometry differ (`cuGraphExecKernelNodeSetParams`), which costs
-//! far less than launching.
+//! the nodes whose arguments, geometry or kernel differ (`cuGraphExecKernelNodeSetParams`), which
+//! costs far less than launching, and far less than recording the graph again: when a decode
+//! step's cache grows into the next length bucket, its attention nodes switch to that bucket's
+//! kernel in place.
 //!
 //! A node whose kernel waits for its predecessor itself (`griddepcontrol.wait`, see
 //! `templates/common/launch.cu.tera`) hangs on a *programmatic* edge: the driver launches it as
@@ -28,6 +30,8 @@ use crate::spec::Launch;
 struct Node {
     handle: sys::CUgraphNode,
     function: sys::CUfunction,
+    /// Hangs on a programmatic edge (see [`KernelGraph::add`]).
+    programmatic: bool,
     launch: Launch,
     args: Vec<ArgValue>,
 }
@@ -40,7 +44,8 @@ pub struct KernelGraph {
     nodes: Vec<Node>,
 }
 
-/// The same launch can be replayed as node `index` only if it is the same kernel.
+/// A launch cannot be replayed as node `index`: the graph is shorter, the node's edge is of
+/// the other kind, or the driver refused to switch the node to the launch's kernel.
 #[derive(Debug, thiserror::Error)]
 #[error("launch {index} ({launch}) does not match the recorded graph node ({recorded})")]
 pub struct GraphMismatch {
@@ -145,6 +150,7 @@ impl KernelGraph {
         self.nodes.push(Node {
             handle,
             function: function.cu_function(),
+            programmatic,
             launch: launch.clone(),
             args: args.to_vec(),
         });
@@ -166,39 +172,48 @@ impl KernelGraph {
 
     /// Sets node `index` to launch `function` with `launch` and `args`, rewriting the
     /// instantiated node only when something differs. Returns whether it rewrote it.
+    /// `waits_for_previous` as for [`Self::add`]: a node keeps the kind of edge it was recorded
+    /// with, so a kernel that waits differently is a mismatch. Another kernel in the node is
+    /// asked of the driver, which refuses what a node cannot switch to (another context, a
+    /// kernel using dynamic parallelism); a refusal is a mismatch too, and the caller records
+    /// the graph again.
     pub fn update(
         &mut self,
         index: usize,
         function: &CudaFunction,
         launch: &Launch,
         args: &[ArgValue],
+        waits_for_previous: bool,
     ) -> Result<bool, GraphUpdateError> {
         let node = self.nodes.get_mut(index).ok_or_else(|| GraphMismatch {
             index,
             launch: launch.function.clone(),
             recorded: "nothing: the graph is shorter".into(),
         })?;
-        if node.function != function.cu_function() || node.launch.function != launch.function {
-            return Err(GraphMismatch {
-                index,
-                launch: launch.function.clone(),
-                recorded: node.launch.function.clone(),
-            }
-            .into());
+        let mismatch = |why: &str| GraphMismatch {
+            index,
+            launch: launch.function.clone(),
+            recorded: format!("{}{why}", node.launch.function),
+        };
+        let same_kernel = node.function == function.cu_function();
+        if (waits_for_previous && index > 0) != node.programmatic {
+            return Err(mismatch(", recorded with the other kind of edge").into());
         }
-        if node.launch == *launch && node.args == args {
+        if same_kernel && node.launch == *launch && node.args == args {
             return Ok(false);
         }
         let exec = self.exec;
         // SAFETY: the executable graph is live and `node.handle` is one of its kernel nodes;
         // the driver copies the argument values before returning.
-        with_node_params(node.function, launch, args, |params| unsafe {
+        let set = with_node_params(function.cu_function(), launch, args, |params| unsafe {
             sys::cuGraphExecKernelNodeSetParams_v2(exec, node.handle, params).result()
-        })?
-        .map_err(GpuError::cuda(format!(
-            "updating {} in the CUDA graph",
-            launch.function
-        )))?;
+        })?;
+        match set {
+            Ok(()) => {}
+            Err(e) if !same_kernel => return Err(mismatch(&format!(", which the driver cannot switch: {e}")).into()),
+            Err(e) => return Err(GpuError::cuda(format!("updating {} in the CUDA graph", launch.function))(e).into()),
+        }
+        node.function = function.cu_function();
         node.launch = launch.clone();
         node.args = args.to_vec();
         Ok(true)

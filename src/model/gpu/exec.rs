@@ -6,10 +6,11 @@
 use anyhow::{bail, Context, Result as AnyResult};
 use cudarc::driver::CudaEvent;
 
-use super::plan::{HeadRows, Node, Plan, Step};
+use super::plan::{HeadRows, Node, Pass, Plan, Step};
 use super::select::Kernels;
 use super::GpuBackend;
 use crate::gpu::{Gpu, GpuError, GraphUpdateError, KernelGraph};
+use crate::model::generate::Draw;
 use crate::spec::shape_text;
 
 /// `0` (or `never`) launches every kernel of a step after the one before has ended, in CUDA
@@ -20,6 +21,35 @@ pub const PROGRAMMATIC_LAUNCH_ENV: &str = "KERNELFORGE_PROGRAMMATIC_LAUNCH";
 /// Whether the value of [`PROGRAMMATIC_LAUNCH_ENV`] leaves programmatic edges on (the default).
 pub(super) fn programmatic_launch_from_env(value: Option<&str>) -> bool {
     !matches!(value.map(str::trim), Some("0" | "never" | "off" | "false"))
+}
+
+/// What a decode step's CUDA graph is set up to run: the step at position `pos` for `b`
+/// sequences, where its input ids come from (`pass`), and the kernel that chooses its next
+/// tokens (`draw`; none when the caller reads the logits back). The chooser is a node of the
+/// graph like the rest, so it launches while the LM head ends, and nothing is put on the stream
+/// between two steps but the ids' copy back to the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct GraphStep {
+    pub b: usize,
+    pub pos: usize,
+    pub pass: Pass,
+    pub draw: Option<Draw>,
+}
+
+/// The graphs a backend keeps: one for each batch size and way of choosing the tokens (none,
+/// the argmax, the sampler), which launch different kernels; the rest of a [`GraphStep`] (the
+/// position, the ids' source, the sampling settings) only changes arguments, in place.
+pub(super) type GraphKey = (usize, u8);
+
+impl GraphStep {
+    pub(super) fn key(&self) -> GraphKey {
+        let chooser = match &self.draw {
+            None => 0,
+            Some(d) if d.params.is_greedy() => 1,
+            Some(_) => 2,
+        };
+        (self.b, chooser)
+    }
 }
 
 /// Where launches go.
@@ -92,7 +122,7 @@ impl GpuBackend {
                     if *stale {
                         break;
                     }
-                    match graph.update(*next, k.loaded.function(l).with_context(what)?, l, args) {
+                    match graph.update(*next, k.loaded.function(l).with_context(what)?, l, args, programmatic) {
                         Ok(_) => *next += 1,
                         Err(GraphUpdateError::Mismatch(_)) => *stale = true,
                         Err(GraphUpdateError::Gpu(e)) => return Err(anyhow::Error::new(e).context(what())),
@@ -148,25 +178,33 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// Points the graph of batch size `b` at the decode step at position `pos`: replays the
-    /// step's launches into it, rewriting the nodes whose arguments changed, or records it
-    /// (again) when there is none or the launches no longer match it.
-    pub(super) fn prepare_decode_graph(&mut self, ks: &Kernels, b: usize, pos: usize) -> AnyResult<()> {
+    /// The launches of a decode step's graph: the step, then its chooser.
+    fn graph_plan(&mut self, ks: &Kernels, step: &GraphStep) -> AnyResult<Plan> {
+        let mut plan = self.build_plan(ks, step.b, 1, step.pos, step.pass, HeadRows::All)?;
+        if let Some(draw) = &step.draw {
+            plan.steps.push(self.choose_step(ks, step.b, draw, step.pos + 1)?);
+        }
+        Ok(plan)
+    }
+
+    /// Points the graph of `step`'s batch size and chooser at `step`: replays the step's
+    /// launches into it, rewriting the nodes whose arguments changed, or records it (again)
+    /// when there is none or the launches no longer match it.
+    pub(super) fn prepare_decode_graph(&mut self, ks: &Kernels, step: GraphStep) -> AnyResult<()> {
         // The cache-length-dependent workspace is sized for the longest cache up front, so
         // that no step reallocates it under the graph's pointers.
         for (len, k) in &ks.decode_attention {
             let longest = self.decode_attention_shape(k, *len);
             self.ws_ptr(k, Some(&longest))?;
         }
-        if let Some(graph) = self.decode_graphs.remove(&b) {
+        let key = step.key();
+        if let Some(graph) = self.decode_graphs.remove(&key) {
             self.launch_mode = LaunchMode::Update {
                 graph,
                 next: 0,
                 stale: false,
             };
-            let walked = self
-                .build_plan(ks, b, 1, pos, true, HeadRows::All)
-                .and_then(|p| self.execute(&p));
+            let walked = self.graph_plan(ks, &step).and_then(|p| self.execute(&p));
             let LaunchMode::Update { graph, next, stale } =
                 std::mem::replace(&mut self.launch_mode, LaunchMode::Direct)
             else {
@@ -174,23 +212,23 @@ impl GpuBackend {
             };
             walked?;
             if !stale && next == graph.len() {
-                self.decode_graphs.insert(b, graph);
-                self.prepared = Some((b, pos, self.buffers_generation));
+                self.decode_graphs.insert(key, graph);
+                self.prepared = Some((step, self.buffers_generation));
                 return Ok(());
             }
-            // The kernels changed under the graph (a reselection): record it again.
+            // The launches no longer fit the graph (another number of kernels, a kernel the
+            // driver cannot switch a node to): record it again.
         }
         self.launch_mode = LaunchMode::Record(KernelGraph::new(&self.gpu.ctx)?);
-        let walked = self
-            .build_plan(ks, b, 1, pos, true, HeadRows::All)
-            .and_then(|p| self.execute(&p));
+        let walked = self.graph_plan(ks, &step).and_then(|p| self.execute(&p));
         let LaunchMode::Record(mut graph) = std::mem::replace(&mut self.launch_mode, LaunchMode::Direct) else {
             unreachable!("the launch mode is only changed here")
         };
         walked?;
         graph.instantiate()?;
-        self.decode_graphs.insert(b, graph);
-        self.prepared = Some((b, pos, self.buffers_generation));
+        self.graphs_recorded += 1;
+        self.decode_graphs.insert(key, graph);
+        self.prepared = Some((step, self.buffers_generation));
         Ok(())
     }
 }

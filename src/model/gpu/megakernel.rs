@@ -14,7 +14,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use super::buffers::upload_fits;
 use super::lm_head_draw::{drawn_in_lm_head, LmHeadTasks};
 use super::megakernel_point::{fitted_default, most_rows, MegakernelSummary, MEGAKERNEL_FAMILY};
-use super::plan::{HeadRows, Plan};
+use super::plan::{HeadRows, Pass, Plan};
 use super::select::{Kernel, Kernels};
 use super::stage_table::{
     check_schedule, lower, Geometry, Lowered, MlpFusion, PlanOp, StageRecord, ACC_SPREAD, MAX_TASK_COLS, STAGE_OPS,
@@ -224,7 +224,14 @@ impl GpuBackend {
             chunk_rows: whole,
         };
         // The cache length does not matter to the table: the kernel gets the position.
-        let plan: Plan = self.build_plan(ks, b, 1, self.len.max(1) - 1, true, HeadRows::Greedy)?;
+        let plan: Plan = self.build_plan(
+            ks,
+            b,
+            1,
+            self.len.max(1) - 1,
+            Pass::Decode { from_draw: false },
+            HeadRows::Greedy,
+        )?;
         let ops: Vec<PlanOp> = plan
             .nodes()
             .map(|n| PlanOp {

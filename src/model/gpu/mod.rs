@@ -180,10 +180,12 @@ pub struct GpuBackend {
     ln_folding: LayernormFolding,
     /// The folded weights and biases uploaded so far (`fold.rs`), prefill only.
     folded: fold::FoldedWeights,
-    /// The recorded decode-step graph of each batch size.
-    decode_graphs: HashMap<usize, KernelGraph>,
-    /// (batch, position, buffers generation) the graph of that batch size is set up for.
-    prepared: Option<(usize, usize, u64)>,
+    /// The recorded decode-step graphs (see [`exec::GraphStep`]).
+    decode_graphs: HashMap<exec::GraphKey, KernelGraph>,
+    /// How many times a decode-step graph was recorded (see [`GpuBackend::graphs_recorded`]).
+    graphs_recorded: usize,
+    /// The step (and buffers generation) the graph of its key is set up for.
+    prepared: Option<(exec::GraphStep, u64)>,
     /// Bumped whenever a buffer the kernels address is reallocated.
     buffers_generation: u64,
     /// Logits bytes (in the storage type) copied back by a prefill.
@@ -338,6 +340,14 @@ impl GpuBackend {
     /// `KERNELFORGE_SYNC_EACH` needs launches one by one).
     pub fn decode_graphs(&self) -> bool {
         self.step_engine() == DecodeEngine::Graph && self.profiler.is_none() && !self.sync_each
+    }
+
+    /// How many decode-step graphs this backend has recorded: once per batch size, and again
+    /// only when a step's launches no longer fit its graph (another number of kernels, a
+    /// reselection the driver cannot switch a node to). A cache growing into the next length
+    /// bucket switches the attention nodes in place.
+    pub fn graphs_recorded(&self) -> usize {
+        self.graphs_recorded
     }
 
     /// Megakernel only: stamp every task of each decode step (start, inputs ready, end) so that

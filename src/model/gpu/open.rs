@@ -234,6 +234,7 @@ impl GpuBackend {
             ln_folding,
             folded: Default::default(),
             decode_graphs: HashMap::new(),
+            graphs_recorded: 0,
             prepared: None,
             buffers_generation: 0,
             host_logits: Vec::new(),

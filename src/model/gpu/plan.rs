@@ -29,6 +29,18 @@ pub(super) struct Node {
     pub layer: Option<usize>,
 }
 
+/// Which pass a plan runs, and where a decode step's input ids are read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// B sequences of T tokens from the start of the cache, their ids uploaded to `act.ids`.
+    Prefill,
+    /// One token a sequence after the cache. `from_draw`: the ids are the previous step's
+    /// choice, read where its argmax or sampler wrote them (`act.next_ids`, which this step's
+    /// own choice overwrites only after every kernel before it has run); else uploaded to
+    /// `act.ids`. A NaN row's -1 there is read as token 0 (such a step is thrown away).
+    Decode { from_draw: bool },
+}
+
 /// One step of a plan.
 #[derive(Clone)]
 pub(super) enum Step {
@@ -135,15 +147,19 @@ impl GpuBackend {
         b: usize,
         t: usize,
         pos: usize,
-        decode: bool,
+        pass: Pass,
         head: HeadRows,
     ) -> AnyResult<Plan> {
+        let decode = pass != Pass::Prefill;
         let mut plan = Builder::default();
         let cfg = self.model.config.clone();
         let (c, nh, hs, n_ctx) = (cfg.n_embd, cfg.n_head, cfg.head_dim(), cfg.n_ctx);
         let rows = b * t;
         let g = &self.gpu;
-        let ids = ptr(g, &self.act.ids);
+        let ids = match pass {
+            Pass::Decode { from_draw: true } => ptr(g, &self.act.next_ids),
+            _ => ptr(g, &self.act.ids),
+        };
         let mut x = self.act.x[0].ptr(g);
         let mut y = self.act.x[1].ptr(g);
         let ln = self.act.ln.ptr(g);

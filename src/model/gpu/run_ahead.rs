@@ -2,9 +2,9 @@
 //!
 //! A generation loop feeds each step the ids the previous step returned. So once a step is
 //! launched, the next one can be launched right behind it, reading those ids straight from the
-//! device, before the host has read them back: the megakernel reads its input tokens from the
-//! buffer its draw (or the sampler after it) writes; the graph and launches engines copy them
-//! from there into the step's input on the device first. A sampled step is as deterministic as
+//! device, before the host has read them back: every engine's step reads its input tokens from
+//! the buffer the previous step's draw (the megakernel's LM head, the argmax or the sampler)
+//! wrote (`plan::Pass::Decode { from_draw: true }`). A sampled step is as deterministic as
 //! a greedy one: its draw is keyed by (seed, sequence, position), not by a host-side state. The
 //! GPU then runs steps back to back. Without it, the GPU idles every step while the host wakes
 //! up, copies the ids back, checks them and launches the next step: about 25 µs a step on the

@@ -6,8 +6,9 @@
 use anyhow::{bail, Context, Result as AnyResult};
 
 use super::exec::record_event;
+use super::exec::GraphStep;
 use super::lm_head_draw::drawn_in_lm_head;
-use super::plan::{HeadRows, Plan};
+use super::plan::{HeadRows, Pass, Plan};
 use super::{GpuBackend, PINNED_LOGITS_ROWS, SYNC_HINT};
 use crate::gpu::GpuError;
 use crate::model::engine::DecodeEngine;
@@ -147,7 +148,7 @@ impl GpuBackend {
         self.len = 0;
         self.ensure_capacity(b, t)?;
         let ks = self.kernels(b, t, false, head == HeadRows::Last)?;
-        let plan = self.build_plan(&ks, b, t, 0, false, head)?;
+        let plan = self.build_plan(&ks, b, t, 0, Pass::Prefill, head)?;
         // The prefill's GPU time: the ids' upload and every kernel, not the logits' copy back.
         let (start, end) = (self.timing_event()?, self.timing_event()?);
         record_event(&start, &self.gpu)?;
@@ -190,7 +191,7 @@ impl GpuBackend {
     /// One decode step up to the LM head (and, when `choose` is given, the argmax or sampling
     /// kernel into `act.next_ids`), launched but not waited for. Returns the batch size.
     /// `last`: the tokens to feed; `None`: the previous step's chosen ids, still in
-    /// `act.next_ids` (the megakernel engine only: see `run_ahead.rs`).
+    /// `act.next_ids`, where this step reads them (see `run_ahead.rs`).
     pub(super) fn decode_step(&mut self, last: Option<&[u32]>, choose: Option<&Draw>) -> AnyResult<usize> {
         self.discard_ahead();
         if let Some(why) = &self.decode_missing {
@@ -215,8 +216,7 @@ impl GpuBackend {
         let megakernel = self.step_engine() == DecodeEngine::Megakernel;
         match last {
             Some(last) => self.upload_ids(&last.iter().map(|&t| vec![t]).collect::<Vec<_>>())?,
-            // The megakernel reads the ids where its draw wrote them; the other engines' step
-            // reads `act.ids`, filled from there on the device (below, after the start event).
+            // Every engine reads the ids where the previous step's choice wrote them.
             None if choose.is_some() => {}
             None => bail!("a decode step from the previous step's ids needs the ids drawn on the device"),
         }
@@ -224,39 +224,46 @@ impl GpuBackend {
         let pos = self.len;
         // The kernel that chooses this step's tokens (at position pos + 1) after the step's own;
         // none where the megakernel's LM head stage draws them itself (which its table decides:
-        // prepared here, once per batch size, before megakernel_step launches it).
+        // prepared here, once per batch size, before megakernel_step launches it), and inside
+        // the graph on the graph engine.
         if megakernel {
             self.prepare_megakernel(&ks, b)?;
         }
         let head = self.megakernel_lm_head();
         let in_lm_head =
             choose.filter(|draw| megakernel && drawn_in_lm_head(&draw.params, cfg.vocab_size, head.as_ref()));
+        let graphs = self.decode_graphs();
+        let pass = Pass::Decode {
+            from_draw: last.is_none(),
+        };
+        // The graph engine's chooser is a node of its graph; the others launch it after the step.
         let chooser = match choose {
-            Some(draw) if in_lm_head.is_none() => Some(Plan {
+            Some(draw) if in_lm_head.is_none() && !graphs => Some(Plan {
                 steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],
                 head_rows: b,
             }),
             _ => None,
         };
+        let graph_step = GraphStep {
+            b,
+            pos,
+            pass,
+            draw: choose.copied(),
+        };
         let (start, end) = (self.timing_event()?, self.timing_event()?);
-        let graphs = self.decode_graphs();
         if megakernel {
             record_event(&start, &self.gpu)?;
             self.megakernel_step(b, pos, last.is_none(), in_lm_head)?;
-        } else {
-            if graphs && self.prepared != Some((b, pos, self.buffers_generation)) {
-                self.prepare_decode_graph(&ks, b, pos)?;
+        } else if graphs {
+            if self.prepared != Some((graph_step, self.buffers_generation)) {
+                self.prepare_decode_graph(&ks, graph_step)?;
             }
             record_event(&start, &self.gpu)?;
-            if last.is_none() {
-                self.ids_from_the_last_draw(b)?;
-            }
-            if graphs {
-                self.decode_graphs[&b].launch(&self.gpu.stream)?;
-            } else {
-                let plan = self.build_plan(&ks, b, 1, pos, true, HeadRows::All)?;
-                self.execute(&plan)?;
-            }
+            self.decode_graphs[&graph_step.key()].launch(&self.gpu.stream)?;
+        } else {
+            record_event(&start, &self.gpu)?;
+            let plan = self.build_plan(&ks, b, 1, pos, pass, HeadRows::All)?;
+            self.execute(&plan)?;
         }
         if let Some(plan) = &chooser {
             self.execute(plan)?;
@@ -265,29 +272,22 @@ impl GpuBackend {
         self.step_events = Some((start, end));
         self.len += 1;
         if graphs {
-            // While the GPU runs this step, set the graph up for the next one (only the
-            // position and the cache length change): updates do not touch a launched graph.
+            // While the GPU runs this step, set the graph up for the next one: the next position,
+            // and, when this step chooses its tokens, ids read from that choice (a chain).
+            // Updates do not touch a launched graph.
             self.prepared = None;
             if pos + 1 < cfg.n_ctx {
-                self.prepare_decode_graph(&ks, b, pos + 1)?;
+                let next = GraphStep {
+                    pos: pos + 1,
+                    pass: Pass::Decode {
+                        from_draw: choose.is_some(),
+                    },
+                    ..graph_step
+                };
+                self.prepare_decode_graph(&ks, next)?;
             }
         }
         Ok(b)
-    }
-
-    /// The step's input ids are the previous step's draw (a step launched ahead on the launches
-    /// or graph engine): `next_ids` copied into `ids` on the device, in stream order after the
-    /// draw and its copy to the host. A NaN row's -1 is read as token 0 by the encoder (such a
-    /// step is thrown away).
-    fn ids_from_the_last_draw(&mut self, b: usize) -> AnyResult<()> {
-        let (src, mut dst) = (self.act.next_ids.slice(0..b), self.act.ids.slice_mut(0..b));
-        self.gpu
-            .stream
-            .memcpy_dtod(&src, &mut dst)
-            .map_err(GpuError::cuda(format!(
-                "copying {b} drawn token ids to the step's input"
-            )))?;
-        Ok(())
     }
 
     pub(super) fn decode_impl(&mut self, last: &[u32]) -> AnyResult<Logits> {
