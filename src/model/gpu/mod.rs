@@ -28,8 +28,9 @@
 //!
 //! A step is built as a plan (`plan.rs`: ordered op nodes over these buffers) and run by one of
 //! three executors ([`DecodeEngine`]): kernel by kernel or as a CUDA graph (`exec.rs`: the first
-//! step of a batch size records its launches as a [`KernelGraph`]; later steps rewrite only the
-//! nodes whose arguments changed and replay it with one launch), or lowered to one persistent
+//! step of a batch size and way of choosing its tokens records its launches, the argmax or
+//! sampler included, as a [`KernelGraph`]; later steps rewrite only the nodes whose arguments or
+//! kernels changed and replay it with one launch), or lowered to one persistent
 //! kernel (`megakernel.rs`); `step.rs` runs a prefill or decode step through them (ids in,
 //! logits or next ids out). Profiling and `KERNELFORGE_SYNC_EACH` launch kernel by kernel
 //! instead of the graph. Kernel selection lives in `select.rs`; opening the backend (catalog,
