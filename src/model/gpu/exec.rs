@@ -36,17 +36,26 @@ pub(super) struct GraphStep {
     pub draw: Option<Draw>,
 }
 
-/// The graphs a backend keeps: one for each batch size and way of choosing the tokens (none,
-/// the argmax, the sampler), which launch different kernels; the rest of a [`GraphStep`] (the
-/// position, the ids' source, the sampling settings) only changes arguments, in place.
-pub(super) type GraphKey = (usize, u8);
+/// How a decode graph chooses its tokens, which decides the kernels at its end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Chooser {
+    /// No kernel: the caller reads the logits back.
+    Nothing,
+    Argmax,
+    Sampler,
+}
+
+/// The graphs a backend keeps: one for each batch size and [`Chooser`], which launch different
+/// kernels; the rest of a [`GraphStep`] (the position, the ids' source, the sampling settings)
+/// only changes arguments, in place.
+pub(super) type GraphKey = (usize, Chooser);
 
 impl GraphStep {
     pub(super) fn key(&self) -> GraphKey {
         let chooser = match &self.draw {
-            None => 0,
-            Some(d) if d.params.is_greedy() => 1,
-            Some(_) => 2,
+            None => Chooser::Nothing,
+            Some(d) if d.params.is_greedy() => Chooser::Argmax,
+            Some(_) => Chooser::Sampler,
         };
         (self.b, chooser)
     }

@@ -5,8 +5,7 @@
 
 use anyhow::{bail, Context, Result as AnyResult};
 
-use super::exec::record_event;
-use super::exec::GraphStep;
+use super::exec::{record_event, GraphStep};
 use super::lm_head_draw::drawn_in_lm_head;
 use super::plan::{HeadRows, Pass, Plan};
 use super::{GpuBackend, PINNED_LOGITS_ROWS, SYNC_HINT};
