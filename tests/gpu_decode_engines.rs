@@ -236,23 +236,7 @@ fn graph_steps_switch_the_attention_kernel_of_each_cache_bucket_in_place() {
             .iter()
             .chain(params)
             .map(|&(k, v)| (k.to_string(), v));
-        let entry = Entry {
-            family: family.into(),
-            params: params.collect(),
-            shape,
-            median_ms: 0.01,
-            spread_ms: 0.0,
-            baseline_ms: None,
-            baseline: None,
-            baseline_unavailable: None,
-            variants_tried: 1,
-            tuned_at: 0,
-            role: None,
-            flops: 0.0,
-            bytes: 0.0,
-            candidates: Vec::new(),
-        };
-        db.insert(&key, entry);
+        db.insert(&key, Entry::timed(family, params.collect(), shape, 0.01));
     }
     db.save().unwrap();
     let mut reference = backend(&tiny, batch, Dtype::Bf16, DecodeEngine::Launches);

@@ -140,6 +140,29 @@ pub struct Entry {
     pub candidates: Vec<Candidate>,
 }
 
+impl Entry {
+    /// A winner known only by its time: one variant tried, no spread, no peer, no candidates
+    /// (a database written by hand, as tests do to steer the model's selection).
+    pub fn timed(family: &str, params: IndexMap<String, i64>, shape: Shape, median_ms: f64) -> Entry {
+        Entry {
+            family: family.into(),
+            params,
+            shape,
+            median_ms,
+            spread_ms: 0.0,
+            baseline_ms: None,
+            baseline: None,
+            baseline_unavailable: None,
+            variants_tried: 1,
+            tuned_at: 0,
+            role: None,
+            flops: 0.0,
+            bytes: 0.0,
+            candidates: Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 struct FileLayout {
     header: DbHeader,

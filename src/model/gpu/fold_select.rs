@@ -240,22 +240,7 @@ mod tests {
     }
 
     fn entry(shape: &Shape, median_ms: f64) -> crate::tune::db::Entry {
-        crate::tune::db::Entry {
-            family: "f".into(),
-            params: Default::default(),
-            shape: shape.clone(),
-            median_ms,
-            spread_ms: 0.0,
-            baseline_ms: None,
-            baseline: None,
-            baseline_unavailable: None,
-            variants_tried: 1,
-            tuned_at: 0,
-            role: None,
-            flops: 0.0,
-            bytes: 0.0,
-            candidates: Vec::new(),
-        }
+        crate::tune::db::Entry::timed("f", Default::default(), shape.clone(), median_ms)
     }
 
     fn insert(db: &mut TuningDb, op: &str, dtype: Dtype, epilogue: Epilogue, dims: &[(&str, i64)], ms: f64) {
