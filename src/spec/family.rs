@@ -204,7 +204,15 @@ impl Family {
             valid(format!("start[{i}]"), "the point", start)?;
         }
         // Evaluate every shape-time expression once so that typos surface at load time.
-        let vars = self.scope(&default_params, &default_derived, self.epilogues[0], shape, limits);
+        let widest = self.dtypes.iter().map(|d| d.storage().bytes()).max().unwrap_or(4);
+        let vars = self.scope(
+            &default_params,
+            &default_derived,
+            self.epilogues[0],
+            widest,
+            shape,
+            limits,
+        );
         let mut all: Vec<(String, &Expr)> = Vec::new();
         for (i, c) in self.shape_constraints.iter().enumerate() {
             all.push((format!("constraints.shape[{i}]"), c));
@@ -310,15 +318,21 @@ impl Family {
         vars
     }
 
+    /// The launch-time scope: the point's, `elem_bytes` (bytes of one stored element of the
+    /// variant's dtype: a point is dtype-free, so shared memory sized by the dtype is checked in
+    /// `constraints.shape`), the shape's variables (a shape may set `elem_bytes` itself) and the
+    /// epilogue's.
     pub(super) fn scope(
         &self,
         params: &IndexMap<String, i64>,
         derived: &IndexMap<String, i64>,
         epilogue: Epilogue,
+        elem_bytes: usize,
         shape: &Shape,
         limits: &DeviceLimits,
     ) -> Vars {
         let mut vars = self.point_scope(params, derived, limits);
+        vars.set("elem_bytes", elem_bytes as i64);
         for (k, v) in shape {
             vars.set(k, *v);
         }

@@ -176,8 +176,14 @@ impl Variant {
     }
 
     pub(super) fn vars(&self, shape: &Shape, limits: &DeviceLimits) -> Vars {
-        self.family
-            .scope(&self.params, &self.derived, self.epilogue, shape, limits)
+        self.family.scope(
+            &self.params,
+            &self.derived,
+            self.epilogue,
+            self.dtype.storage().bytes(),
+            shape,
+            limits,
+        )
     }
 
     /// Whether the variant can run on the device `limits` describes at all: a family with an
