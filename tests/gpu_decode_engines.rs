@@ -200,6 +200,61 @@ fn greedy_ids_of_every_engine_equal_kernel_by_kernel_over_256_steps() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn graph_steps_switch_the_attention_kernel_of_each_cache_bucket_in_place() {
+    graph_steps_equal_launches_with_decode_attention(
+        [
+            (
+                128,
+                "attention_decode_groups",
+                &[("keys_per_split", 256), ("warps", 4), ("rows_at_once", 2)],
+            ),
+            (
+                256,
+                "attention_decode_groups",
+                &[("keys_per_split", 512), ("warps", 2), ("rows_at_once", 4)],
+            ),
+            (300, "attention_decode", &[("splits", 4), ("block_size", 64)]),
+        ],
+        // recorded at the first step, and at 257 (a combine after the partial kernel); the
+        // switch at 129 happened in place
+        2,
+    );
+}
+
+/// `attention_decode_stream` in the graph: its blocks copy the cache rows of their first items
+/// before they wait for the QKV projection (a programmatic edge lets them start while it runs),
+/// the query and the step's own key and value after. Its logits equal the kernel-by-kernel
+/// path's (where each kernel starts after the one before has ended) at every step, in every
+/// bucket: one split, a split of the step's row alone, several splits and their combine.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_steps_on_the_streaming_decode_attention_equal_kernel_by_kernel() {
+    let stream = |split_rows, stages| {
+        [
+            ("split_rows", split_rows),
+            ("warps", 4),
+            ("stages", stages),
+            ("rows_at_once", 2),
+            ("blocks_per_sm", 1),
+        ]
+    };
+    graph_steps_equal_launches_with_decode_attention(
+        [
+            (128, "attention_decode_stream", &stream(128, 2)),
+            (256, "attention_decode_stream", &stream(64, 4)),
+            (300, "attention_decode_stream", &stream(32, 3)),
+        ],
+        // recorded at the first step and at 129 (a combine after the partial kernel from there on)
+        2,
+    );
+}
+
+type Winner<'a> = (i64, &'static str, &'a [(&'static str, i64)]);
+
+/// Greedy decode of a 300-token model (buckets 128, 256 and 300) over its whole context on the
+/// graph engine and kernel by kernel, with a tuning database naming each bucket's decode
+/// attention (`winners`): the logits agree at every step, and the graph engine recorded its
+/// graph `recordings` times.
+fn graph_steps_equal_launches_with_decode_attention(winners: [Winner; 3], recordings: usize) {
     let _lock = gpu_lock();
     let (batch, prompt_len, n_ctx) = (3usize, 16usize, 300usize);
     let tiny = model(2, 2, 128, n_ctx, 1000, 77);
@@ -210,20 +265,6 @@ fn graph_steps_switch_the_attention_kernel_of_each_cache_bucket_in_place() {
     // other tests of this binary from opening one meanwhile).
     std::env::set_var("KERNELFORGE_CACHE", cache.path());
     let mut db = TuningDb::open(&default_path(&header), header).unwrap();
-    type Winner = (i64, &'static str, &'static [(&'static str, i64)]);
-    let winners: [Winner; 3] = [
-        (
-            128,
-            "attention_decode_groups",
-            &[("keys_per_split", 256), ("warps", 4), ("rows_at_once", 2)],
-        ),
-        (
-            256,
-            "attention_decode_groups",
-            &[("keys_per_split", 512), ("warps", 2), ("rows_at_once", 4)],
-        ),
-        (300, "attention_decode", &[("splits", 4), ("block_size", 64)]),
-    ];
     for (len, family, params) in winners {
         let shape = decode_attention_shape(batch as i64, 2, 64, len);
         let key = TuneKey {
@@ -264,11 +305,9 @@ fn graph_steps_switch_the_attention_kernel_of_each_cache_bucket_in_place() {
         }
         next = (0..batch).map(|b| argmax(want.last(b)).unwrap()).collect();
     }
-    // Recorded at the first step, and at 257 (a combine after the partial kernel); the switch
-    // at 129 happened in place.
     assert_eq!(
         graph.graphs_recorded(),
-        2,
+        recordings,
         "graphs recorded over {} steps",
         n_ctx - prompt_len
     );

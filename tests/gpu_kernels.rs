@@ -9,7 +9,7 @@ use kernel_checks::*;
 use kernelforge::codegen::Renderer;
 use kernelforge::gpu::{Compiler, Gpu};
 use kernelforge::ops::{Epilogue, Mask, Shape};
-use kernelforge::spec::{variant_with, Catalog, Points};
+use kernelforge::spec::{variant_with, Catalog, Dtype, Points};
 use kernelforge::tune::verify::{verify, Shapes, Status};
 
 #[test]
@@ -56,6 +56,11 @@ fn check_vector_widths(family: &str, others: &[&[(&str, i64)]]) {
 /// Each of `points` (params that differ from the default) of `family`, in every dtype it
 /// lists: each must pass on some test shape and fail on none.
 fn check_points(family: &str, points: &[Vec<(&str, i64)>]) {
+    check_points_in(family, points, |_| true);
+}
+
+/// [`check_points`] in the family's dtypes `dtype_wanted` keeps.
+fn check_points_in(family: &str, points: &[Vec<(&str, i64)>], dtype_wanted: impl Fn(Dtype) -> bool) {
     let catalog = catalog_of(&[]);
     let f = catalog
         .families
@@ -68,7 +73,7 @@ fn check_points(family: &str, points: &[Vec<(&str, i64)>]) {
         let mut variants = Vec::new();
         for point in points {
             let point: Vec<(String, i64)> = point.iter().map(|&(k, v)| (k.to_string(), v)).collect();
-            for &dtype in &f.dtypes {
+            for &dtype in f.dtypes.iter().filter(|&&d| dtype_wanted(d)) {
                 let v = variant_with(&f, &point, dtype, Epilogue::None, Mask::None, limits)
                     .unwrap_or_else(|e| panic!("{family} {point:?}: {e}"));
                 wanted.push(v.key());
@@ -273,6 +278,53 @@ fn gpu_attention_decode_groups_every_point() {
         }
     }
     check_points("attention_decode_groups", &points);
+}
+
+/// Every point of `attention_decode_stream` at one block an SM (split length x warps x ring
+/// slots x rows a turn) whose ring fits, and a few at more blocks, on every test shape: a block
+/// that walks one item or many (its ring's slots reused, their barriers' phases flipping), a
+/// split that ends inside a turn or holds the step's row alone, a cache of one split (no
+/// combine). A ring sized by the dtype: the points whose f32 ring does not fit run in f16 and
+/// bf16 only.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_attention_decode_stream_every_point() {
+    let max_smem = 227 * 1024; // H100 and H200, per block
+    let ring = |split_rows: i64, stages: i64, elem_bytes: i64| stages * (2 * split_rows + 1) * 64 * elem_bytes + 128;
+    let (mut everywhere, mut halves) = (Vec::new(), Vec::new());
+    for split_rows in [32, 64, 128, 256] {
+        for warps in [2, 4, 8] {
+            for stages in [2, 3, 4, 6, 8] {
+                if ring(split_rows, stages, 2) > max_smem {
+                    continue;
+                }
+                for rows_at_once in [1, 2, 4] {
+                    let point = vec![
+                        ("split_rows", split_rows),
+                        ("warps", warps),
+                        ("stages", stages),
+                        ("rows_at_once", rows_at_once),
+                        ("blocks_per_sm", 1),
+                    ];
+                    if ring(split_rows, stages, 4) <= max_smem {
+                        everywhere.push(point);
+                    } else {
+                        halves.push(point);
+                    }
+                }
+            }
+        }
+    }
+    for blocks_per_sm in [2, 3, 4] {
+        everywhere.push(vec![
+            ("split_rows", 32),
+            ("stages", 2),
+            ("blocks_per_sm", blocks_per_sm),
+        ]);
+    }
+    halves.push(vec![("split_rows", 32), ("stages", 2), ("blocks_per_sm", 8)]);
+    check_points("attention_decode_stream", &everywhere);
+    check_points_in("attention_decode_stream", &halves, |d| d != Dtype::F32);
 }
 
 #[test]

@@ -59,10 +59,19 @@ impl OpContract for AttentionDecode {
         check_i32(self, shape, &[("k_cache", b * nh * max_t * hs)])
     }
     fn test_shapes(&self, _epilogue: Epilogue, _mask: Mask) -> Vec<Shape> {
-        [(1, 2, 1), (3, 2, 5), (1, 3, 129), (5, 3, 257), (2, 2, 1000)]
-            .iter()
-            .map(|&(b, nh, t)| shape_of(&[("B", b), ("NH", nh), ("T", t), ("HS", 64), ("max_T", t + 7)]))
-            .collect()
+        // (16, 12, 300): more (sequence, head, split) items than a persistent grid has blocks,
+        // so that its blocks walk several each and reuse their ring of shared-memory slots.
+        [
+            (1, 2, 1),
+            (3, 2, 5),
+            (1, 3, 129),
+            (5, 3, 257),
+            (2, 2, 1000),
+            (16, 12, 300),
+        ]
+        .iter()
+        .map(|&(b, nh, t)| shape_of(&[("B", b), ("NH", nh), ("T", t), ("HS", 64), ("max_T", t + 7)]))
+        .collect()
     }
     fn problem(&self, shape: &Shape, epilogue: Epilogue, mask: Mask, rng: &mut StdRng) -> Result<Problem, OpError> {
         let mut shape = shape.clone();
