@@ -13,7 +13,7 @@ use anyhow::{bail, Result};
 use super::bench::BenchArgs;
 use super::bench_batches_report::progress_words;
 use super::bench_decode::{ComputePeak, FloorReport};
-use super::bench_setup::{bench_tokens, set_up, BackendFacts, BenchSetup};
+use super::bench_setup::{bench_tokens, set_up, BackendFacts, BenchSetup, ForwardTiming};
 use crate::model::engine::DecodeEngine;
 use crate::model::gpu::MegakernelSummary;
 
@@ -45,11 +45,10 @@ pub(super) struct BatchRun {
 pub(super) struct BatchesReport {
     pub(super) run: BenchSetup,
     pub(super) first: usize,
-    pub(super) warmup_ms: f64,
-    /// The timed forward passes (ms), their median and its tokens/s.
-    pub(super) forward_runs: Vec<f64>,
-    pub(super) forward_ms: f64,
-    pub(super) forward_tps: f64,
+    /// The first forward pass (compiles, first runs); `None` with the forward pass left out.
+    pub(super) warmup_ms: Option<f64>,
+    /// The timed forward passes at the first batch (`None`: too large for the kernels' index).
+    pub(super) forward: Option<ForwardTiming>,
     pub(super) batches: Vec<BatchRun>,
     pub(super) copy_gb_per_s: Option<f64>,
     pub(super) peak: Option<ComputePeak>,
@@ -94,11 +93,21 @@ fn measure_batches(args: &BenchArgs) -> Result<BatchesReport> {
     let first = args.batch.first();
     let tokens = bench_tokens(first, args.seq, run.cfg.vocab_size);
     let repeats = args.repeats.max(1);
-    let t0 = Instant::now();
-    run.forward(&tokens)?; // warm-up
-    let warmup_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let (forward_runs, forward_ms) = run.time_forward(&tokens, repeats)?;
-    let forward_tps = (first * args.seq) as f64 / (forward_ms / 1e3);
+    // The forward pass at the first batch, unless it is too large for the kernels' index
+    // (the decode steps' prefills take the last position's logits only).
+    let mut warmup_ms = None;
+    let forward = match run.forward_too_large(first, args.seq) {
+        Some(why) => {
+            run.notes.push(format!("forward not timed: {why}"));
+            None
+        }
+        None => {
+            let t0 = Instant::now();
+            run.forward(&tokens)?;
+            warmup_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+            Some(run.time_forward(&tokens, repeats)?)
+        }
+    };
 
     let count = args.batch.sizes().len();
     let mut batches = Vec::with_capacity(count);
@@ -132,9 +141,7 @@ fn measure_batches(args: &BenchArgs) -> Result<BatchesReport> {
         run,
         first,
         warmup_ms,
-        forward_runs,
-        forward_ms,
-        forward_tps,
+        forward,
         batches,
         copy_gb_per_s,
         peak,

@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use super::bench::{draw_words, BenchArgs};
 use super::bench_batches::{BatchRun, BatchesReport};
 use super::bench_decode::{grouped, ComputePeak, FloorReport};
+use super::bench_setup::ForwardTiming;
 use crate::model::engine::DecodeEngine;
 use crate::model::generate::Draw;
 
@@ -28,12 +29,7 @@ impl BatchesReport {
             "batch": self.first,
             "seq": args.seq,
             "warmup_ms": self.warmup_ms,
-            "forward": {
-                "median_ms": self.forward_ms,
-                "runs_ms": self.forward_runs,
-                "tokens": self.first * args.seq,
-                "tokens_per_s": self.forward_tps,
-            },
+            "forward": ForwardTiming::json(self.forward.as_ref()),
             "copy_gb_per_s": self.copy_gb_per_s,
             "compute_peak": ComputePeak::json(self.peak.as_ref()),
             "batches": self
@@ -70,13 +66,18 @@ impl BatchesReport {
                 facts.devices[0]
             );
         }
-        text += &format!("warm-up (compile + first forward pass): {:.1} ms\n", self.warmup_ms);
-        text += &format!(
-            "forward (batch {first} only): median {:.2} ms of {} ({:.0} tokens/s)\n",
-            self.forward_ms,
-            self.forward_runs.len(),
-            self.forward_tps
-        );
+        if let Some(ms) = self.warmup_ms {
+            text += &format!("warm-up (compile + first forward pass): {ms:.1} ms\n");
+        }
+        text += &match &self.forward {
+            Some(f) => format!(
+                "forward (batch {first} only): median {:.2} ms of {} ({:.0} tokens/s)\n",
+                f.median_ms,
+                f.runs_ms.len(),
+                f.tokens_per_s
+            ),
+            None => "forward: not timed (see the note below)\n".to_string(),
+        };
         text += &format!(
             "decode: {steps} steps after a {prefill}-token prefill at each batch{}\n",
             draw_words(&run.draw)

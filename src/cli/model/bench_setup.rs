@@ -45,6 +45,54 @@ pub(super) fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// Why a forward pass over `batch` x `seq` tokens on `gpus` GPUs cannot run, naming the batch
+/// and the sequence length that would: its logits (a row for every position of a GPU's slice,
+/// `vocab` wide) must stay within the kernels' 32-bit element index. The decode steps are not
+/// bound by it: their prefill takes the last position's logits only.
+pub(super) fn forward_too_large(batch: usize, seq: usize, gpus: usize, vocab: usize) -> Option<String> {
+    let (gpus, limit) = (gpus.max(1), i32::MAX as usize);
+    let slice = batch.div_ceil(gpus);
+    let elements = slice * seq * vocab;
+    if elements <= limit {
+        return None;
+    }
+    let batch_fits = gpus * (limit / (seq * vocab));
+    let seq_fits = limit / (slice * vocab);
+    let on = if gpus > 1 {
+        format!(" on each of {gpus} GPUs")
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "the forward pass of --batch {batch} x --seq {seq} would hold {:.1} G logits ({slice} x {seq} positions x {vocab}{on}), \
+         more than its kernels' 32-bit index reaches; it runs at --batch {batch_fits} or less at this --seq, or --seq {seq_fits} or less at this --batch",
+        elements as f64 / 1e9
+    ))
+}
+
+/// The timed forward pass: every run's wall ms, their median, the tokens of one pass and
+/// the tokens a second at the median.
+pub(super) struct ForwardTiming {
+    pub runs_ms: Vec<f64>,
+    pub median_ms: f64,
+    pub tokens: usize,
+    pub tokens_per_s: f64,
+}
+
+impl ForwardTiming {
+    /// The `forward` object of `bench --json` (`null` when the pass was not timed).
+    pub fn json(timing: Option<&ForwardTiming>) -> serde_json::Value {
+        timing.map_or(serde_json::Value::Null, |f| {
+            json!({
+                "median_ms": f.median_ms,
+                "runs_ms": f.runs_ms,
+                "tokens": f.tokens,
+                "tokens_per_s": f.tokens_per_s,
+            })
+        })
+    }
+}
+
 /// What a bench run settles before any timed work: the model, how tokens are drawn, how many
 /// decode steps follow how long a prefill, and the backend (on the GPU, sized for the largest
 /// batch asked for).
@@ -183,16 +231,30 @@ impl BenchSetup {
         Ok(())
     }
 
-    /// `repeats` timed forward passes over `tokens`: each one's wall ms, and their median.
-    pub fn time_forward(&mut self, tokens: &[Vec<u32>], repeats: usize) -> Result<(Vec<f64>, f64)> {
-        let mut runs = Vec::with_capacity(repeats);
+    /// `repeats` timed forward passes over `tokens`: each one's wall ms, their median and the
+    /// tokens a second at it.
+    pub fn time_forward(&mut self, tokens: &[Vec<u32>], repeats: usize) -> Result<ForwardTiming> {
+        let mut runs_ms = Vec::with_capacity(repeats);
         for _ in 0..repeats {
             let t = std::time::Instant::now();
             self.forward(tokens)?;
-            runs.push(t.elapsed().as_secs_f64() * 1e3);
+            runs_ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
-        let median_ms = median(&mut runs.clone());
-        Ok((runs, median_ms))
+        let median_ms = median(&mut runs_ms.clone());
+        let tokens = tokens.iter().map(Vec::len).sum::<usize>();
+        Ok(ForwardTiming {
+            runs_ms,
+            median_ms,
+            tokens,
+            tokens_per_s: tokens as f64 / (median_ms / 1e3),
+        })
+    }
+
+    /// Why the forward pass over `batch` x `seq` tokens cannot run on the GPU, naming what
+    /// would ([`forward_too_large`]); `None` when it can, and on the CPU.
+    pub fn forward_too_large(&self, batch: usize, seq: usize) -> Option<String> {
+        let gpus = self.gpu.as_ref()?.devices().len();
+        forward_too_large(batch, seq, gpus, self.cfg.padded_vocab_size)
     }
 
     /// A prefill of `prompts`, then `steps` decode steps each drawing its tokens as asked
@@ -315,5 +377,31 @@ impl BackendFacts {
             .iter()
             .map(|(role, kernel, choice, shape)| json!({ "role": role, "kernel": kernel, "choice": choice, "shape": shape }))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forward_too_large;
+
+    #[test]
+    fn a_forward_pass_past_the_32_bit_index_names_the_batch_and_the_seq_that_fit() {
+        // GPT-2's padded vocabulary: 768 x 50,304 x 55 positions fit, 56 do not.
+        assert_eq!(forward_too_large(55, 768, 1, 50304), None);
+        let why = forward_too_large(256, 768, 1, 50304).unwrap();
+        assert!(why.contains("--batch 256 x --seq 768"), "{why}");
+        assert!(why.contains("9.9 G logits (256 x 768 positions x 50304)"), "{why}");
+        assert!(
+            why.contains("--batch 55 or less") && why.contains("--seq 166 or less"),
+            "{why}"
+        );
+        // Two GPUs hold half the batch each: twice the batch fits, and the slice decides the seq.
+        let why = forward_too_large(256, 768, 2, 50304).unwrap();
+        assert!(why.contains("128 x 768 positions x 50304 on each of 2 GPUs"), "{why}");
+        assert!(
+            why.contains("--batch 110 or less") && why.contains("--seq 333 or less"),
+            "{why}"
+        );
+        assert_eq!(forward_too_large(16, 1024, 1, 50304), None);
     }
 }
