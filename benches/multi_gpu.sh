@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (kind nvidia-h200-x2) for the several-GPU figures: the replica tests, then
 # `bench` forward (batch 16 x 1024) and greedy decode (DECODE_BATCHES, default 16, 128 and 256,
-# after a 16-token prompt; and batch 16 after 768) on one GPU and on all, greedy ids (at
+# after a 16-token prompt; and LONG_BATCHES, default 16, after 768, where the cache read grows
+# with the batch) on one GPU and on all, greedy ids (at
 # IDS_BATCHES, default 8 and 256) and forward logits of one GPU against all, and (with TUNE=1) a
 # cold `tune` on one GPU against all (ONLY_TESTS=1: the tests alone; TESTS=0: the figures
 # alone). DB=FILE: the tuning database every run reads (copied into the cache). Results in
@@ -29,7 +30,10 @@ if [[ ${TESTS:-1} == 1 ]]; then
   if [[ ${ONLY_TESTS:-0} == 1 ]]; then tar czf "${OUT:-/tmp}/results.tgz" -C "${OUT:-/tmp}" r; exit 0; fi
 fi
 if [[ -n ${DB:-} ]]; then
-  mkdir -p /tmp/kc-db/tuning && cp "$DB" /tmp/kc-db/tuning/ && export KERNELFORGE_CACHE=/tmp/kc-db
+  # saved under the name the backend looks for, from the database's own header (tune::db's file_name)
+  name=$(python3 -c 'import json, re, sys; h = json.load(open(sys.argv[1]))["header"]
+print(re.sub("[^a-z0-9]", "-", h["gpu"].lower()).strip("-") + "-sm%d%d.json" % tuple(h["compute_capability"]))' "$DB") || exit 2
+  mkdir -p /tmp/kc-db/tuning && cp "$DB" "/tmp/kc-db/tuning/$name" && export KERNELFORGE_CACHE=/tmp/kc-db
 fi
 if [[ ${TUNE:-0} == 1 ]]; then
   # Cold: an empty compile cache and database each (KERNELFORGE_CACHE holds both). `threads`:
@@ -56,20 +60,23 @@ bench() {  # name, args...
 bench "forward_half-0" --dtype bf16 --batch 8 --seq 1024 --generate 0 --repeats 30 --devices 0
 bench "decode_half-0" --dtype bf16 --batch 8 --seq 16 --generate 256 --repeats 1 --devices 0
 decode_batches=${DECODE_BATCHES:-16 128 256}
+long_batches=${LONG_BATCHES:-16}
 for devices in 0 all; do
   bench "forward-$devices" --dtype bf16 --batch 16 --seq 1024 --generate 0 --repeats 30 --devices $devices
   for b in $decode_batches; do
     bench "decode$b-$devices" --dtype bf16 --batch $b --seq 16 --generate 256 --repeats 1 --devices $devices
   done
-  bench "decode_long-$devices" --dtype bf16 --batch 16 --seq 768 --generate 256 --repeats 1 --devices $devices
+  for b in $long_batches; do
+    bench "decode_long$b-$devices" --dtype bf16 --batch $b --seq 768 --generate 256 --repeats 1 --devices $devices
+  done
 done
-python3 - "$out" $decode_batches <<'PY'
+python3 - "$out" "$decode_batches" "$long_batches" <<'PY'
 import json, sys
-out, decode_batches = sys.argv[1], sys.argv[2:]
+out, decode_batches, long_batches = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
 def load(n):
     try: return json.load(open(f"{out}/{n}.json"))
     except Exception as e: return None
-runs = [("forward", "forward")] + [(f"decode{b}", "decode") for b in decode_batches] + [("decode_long", "decode")]
+runs = [("forward", "forward")] + [(f"decode{b}", "decode") for b in decode_batches] + [(f"decode_long{b}", "decode") for b in long_batches]
 for kind, key in runs:
     one, two = load(f"{kind}-0"), load(f"{kind}-all")
     if not one or not two:
@@ -83,6 +90,8 @@ for kind, key in runs:
     if half:
         h = half[key]
         extra += f"; one GPU at batch 8: {h['tokens_per_s']:,.0f} tok/s" + (f", GPU ms/step {h.get('gpu_ms_per_step') or 0:.3f}" if key == "decode" else f", {h['median_ms']:.3f} ms vs {one[key]['median_ms']:.3f} at 16 and {two[key]['median_ms']:.3f} on all")
+    tuned = one.get("tuned_kernels") or {}
+    extra += f"; kernels tuned {tuned.get('tuned', '?')}/{tuned.get('total', '?')}"
     batch = one.get("batch", "?")
     print(f"{kind} bf16 batch {batch}: 1 GPU {a:,.0f} tok/s, {two['devices']} slices {two.get('batch_slices')} {b:,.0f} tok/s -> {b/a:.2f}x ({two['device_name']}){extra}")
 PY
