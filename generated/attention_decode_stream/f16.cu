@@ -315,6 +315,85 @@ constexpr int VALUES_AT = SPLIT_ROWS * ROW_BYTES, QUERY_AT = 2 * SPLIT_ROWS * RO
 static_assert(HEAD_DIM % VEC == 0 && PIECES <= 32 && 32 % PIECES == 0, "a row's pieces fill part of one warp");
 static_assert(ROW_BYTES % 16 == 0 && SLOT_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes to 16-byte addresses");
 
+// The online softmax of the lane-group kernels. A group is PIECES consecutive lanes that take
+// one row together, lane j holding the row's j-th 16-byte piece; it keeps its own state over
+// the rows it takes (running max m, sum l and unnormalised output acc, in the log2 domain),
+// ROWS_AT_ONCE rows a turn. After each lane has its piece's share of the turn's scores:
+// the scores summed across the group by shuffles, then the state advanced over the turn's rows
+// that exist (row first + i * GROUPS below end).
+__device__ __forceinline__ void advance_group(float (&score)[ROWS_AT_ONCE], const float (&value)[ROWS_AT_ONCE][VEC],
+                                              int first, int end, float& m, float& l, float (&acc)[VEC]) {
+    // the group's lanes are consecutive: xor offsets below PIECES stay inside it
+    #pragma unroll
+    for (int offset = PIECES / 2; offset > 0; offset >>= 1)
+        #pragma unroll
+        for (int i = 0; i < ROWS_AT_ONCE; ++i) score[i] += __shfl_xor_sync(0xffffffffu, score[i], offset);
+    float m_new = m;
+    #pragma unroll
+    for (int i = 0; i < ROWS_AT_ONCE; ++i)
+        if (first + i * GROUPS < end) m_new = fmaxf(m_new, score[i]);
+    if (m_new == __int_as_float(0xff800000)) return;  // the group has had no row yet
+    const float rescale = fast_exp2(m - m_new);  // 2^-inf = 0 before the first row
+    l *= rescale;
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] *= rescale;
+    #pragma unroll
+    for (int i = 0; i < ROWS_AT_ONCE; ++i) {
+        if (first + i * GROUPS >= end) continue;
+        const float p = fast_exp2(score[i] - m_new);
+        l += p;
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, value[i][j], acc[j]);
+    }
+    m = m_new;
+}
+
+// The warp's groups' states into one by shuffles (lanes with the same piece hold the same
+// elements), which lanes 0 .. PIECES - 1 hand to the block: the outputs to `partial` (HEAD_DIM
+// floats), (m, l) to `state`. Every lane of the warp must call it.
+__device__ __forceinline__ void publish_warp_state(float m, float l, float (&acc)[VEC], float* partial, float2* state) {
+    #pragma unroll
+    for (int offset = PIECES; offset < 32; offset <<= 1) {
+        float acc_other[VEC];
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) acc_other[j] = __shfl_xor_sync(0xffffffffu, acc[j], offset);
+        const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
+        const float l_other = __shfl_xor_sync(0xffffffffu, l, offset);
+        merge_state(m, l, acc, m_other, l_other, acc_other);
+    }
+    const int lane = threadIdx.x % 32;
+    if (lane < PIECES) {
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) partial[lane * VEC + j] = acc[j];
+        if (lane == 0) *state = make_float2(m, l);
+    }
+}
+
+// After a barrier behind every warp's publish_warp_state: the warps' states into the split's,
+// in a fixed order (thread d finishes element d). A cache of one split (`whole`) writes its
+// head's output row `out`; a longer one its split's state, m, l, then the HEAD_DIM
+// unnormalised outputs, to `split_state` for the combine kernel.
+__device__ __forceinline__ void finish_split(const float (*partial)[HEAD_DIM], const float2* warp_state, bool whole,
+                                             storage_t* out, float* split_state) {
+    float M = __int_as_float(0xff800000), L = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, warp_state[w].x);
+    float weight[WARPS];
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        weight[w] = warp_state[w].x == M ? 1.0f : fast_exp2(warp_state[w].x - M);  // a warp without rows: 0
+        L = fmaf(warp_state[w].y, weight[w], L);
+    }
+    for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
+        float o = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) o = fmaf(partial[w][d], weight[w], o);
+        if (whole) out[d] = from_float(o / L);
+        else split_state[2 + d] = o;
+    }
+    if (!whole && threadIdx.x == 0) { split_state[0] = M; split_state[1] = L; }
+}
+
 // The number of splits of a cache of T rows (combine recomputes it).
 __device__ __forceinline__ int splits_of(int T) { return (T + SPLIT_ROWS - 1) / SPLIT_ROWS; }
 
@@ -448,47 +527,10 @@ attention_decode_stream_459ac268a927a7d3_partial(storage_t* out, const storage_t
                 #pragma unroll
                 for (int j = 0; j < VEC; ++j) score[i] = fmaf(q_piece[j], key[j], score[i]);
             }
-            // the group's lanes are consecutive: xor offsets below PIECES stay inside it
-            #pragma unroll
-            for (int offset = PIECES / 2; offset > 0; offset >>= 1)
-                #pragma unroll
-                for (int i = 0; i < ROWS_AT_ONCE; ++i) score[i] += __shfl_xor_sync(0xffffffffu, score[i], offset);
-            float m_new = m;
-            #pragma unroll
-            for (int i = 0; i < ROWS_AT_ONCE; ++i)
-                if (r + i * GROUPS < rows) m_new = fmaxf(m_new, score[i]);
-            if (m_new != __int_as_float(0xff800000)) {   // the group has had a row
-                const float rescale = fast_exp2(m - m_new);  // 2^-inf = 0 before the first row
-                l *= rescale;
-                #pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] *= rescale;
-                #pragma unroll
-                for (int i = 0; i < ROWS_AT_ONCE; ++i) {
-                    if (r + i * GROUPS >= rows) continue;
-                    const float p = fast_exp2(score[i] - m_new);
-                    l += p;
-                    #pragma unroll
-                    for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, value[i][j], acc[j]);
-                }
-                m = m_new;
-            }
+            advance_group(score, value, r, rows, m, l, acc);
         }
+        publish_warp_state(m, l, acc, partial_s[buffer][warp], &warp_state[buffer][warp]);
 
-        // The warp's groups into one state (lanes with the same `piece` hold the same elements).
-        #pragma unroll
-        for (int offset = PIECES; offset < 32; offset <<= 1) {
-            float acc_other[VEC];
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) acc_other[j] = __shfl_xor_sync(0xffffffffu, acc[j], offset);
-            const float m_other = __shfl_xor_sync(0xffffffffu, m, offset);
-            const float l_other = __shfl_xor_sync(0xffffffffu, l, offset);
-            merge_state(m, l, acc, m_other, l_other, acc_other);
-        }
-        if (lane < PIECES) {
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) partial_s[buffer][warp][piece * VEC + j] = acc[j];
-            if (lane == 0) warp_state[buffer][warp] = make_float2(m, l);
-        }
         // Every warp's state is in shared memory, and every thread is done with the slot
         // (and with the other buffer, which the next turn writes): thread 0 refills the slot
         // with the item STAGES turns on while the block finishes this one.
@@ -501,25 +543,9 @@ attention_decode_stream_459ac268a927a7d3_partial(storage_t* out, const storage_t
             load_step_rows(q, k, v, item + STAGES * gridDim.x, T, slot);
         }
 
-        // The warps' states into the split's, in a fixed order: thread d finishes element d.
-        float M = __int_as_float(0xff800000), L = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, warp_state[buffer][w].x);
-        float weight[WARPS];
-        #pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            weight[w] = warp_state[buffer][w].x == M ? 1.0f : fast_exp2(warp_state[buffer][w].x - M);  // a warp without rows: 0
-            L = fmaf(warp_state[buffer][w].y, weight[w], L);
-        }
-        float* state = workspace + (bh * splits + it.split) * STATE;  // m, l, then the outputs
-        for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
-            float o = 0.0f;
-            #pragma unroll
-            for (int w = 0; w < WARPS; ++w) o = fmaf(partial_s[buffer][w][d], weight[w], o);
-            if (splits == 1) out[bh * HEAD_DIM + d] = from_float(o / L);  // the whole cache: done
-            else state[2 + d] = o;
-        }
-        if (splits > 1 && threadIdx.x == 0) { state[0] = M; state[1] = L; }
+        // The warps' states into the split's.
+        finish_split(partial_s[buffer], warp_state[buffer], splits == 1, out + bh * HEAD_DIM,
+                     workspace + (bh * splits + it.split) * STATE);
     }
 }
 
