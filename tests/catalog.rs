@@ -458,3 +458,61 @@ fn ranks_order_each_ops_families_in_each_dtype_without_ties() {
         }
     }
 }
+
+/// `elem_bytes` in the launch-time scope: attention_decode_stream's ring of shared memory is
+/// sized by the variant's dtype (a point is dtype-free), so the same point asks half the bytes
+/// in 16-bit storage, a ring that fits only in halves is refused for f32 by its shape
+/// constraint, and the family is offered only where batch x heads is at most three per SM.
+#[test]
+fn the_streaming_decode_attention_sizes_its_ring_by_the_dtype() {
+    let c = catalog();
+    let f = c.family("attention_decode_stream").unwrap();
+    let limits = DeviceLimits::default();
+    let point = |split_rows: i64, stages: i64| {
+        vec![
+            ("split_rows".to_string(), split_rows),
+            ("stages".to_string(), stages),
+            ("blocks_per_sm".to_string(), 1),
+        ]
+    };
+    let shape = |b: i64, nh: i64| -> kernelforge::ops::Shape {
+        [("B", b), ("NH", nh), ("T", 300), ("HS", 64), ("max_T", 307)]
+            .into_iter()
+            .map(|(n, x)| (n.to_string(), x))
+            .collect()
+    };
+    let variant = |point: &[(String, i64)], dtype| {
+        variant_with(
+            f,
+            point,
+            dtype,
+            kernelforge::ops::Epilogue::None,
+            kernelforge::ops::Mask::None,
+            &limits,
+        )
+        .unwrap()
+    };
+    // 3 slots of 128 keys, 128 values and the query, 64 elements a row, then the barriers
+    for (dtype, bytes) in [(Dtype::Bf16, 2), (Dtype::F32, 4)] {
+        let v = variant(&point(128, 3), dtype);
+        let partial = &v.launches(&shape(2, 2), &limits).unwrap()[0];
+        assert_eq!(partial.smem_bytes as i64, 3 * 257 * 64 * bytes + 128, "{dtype}");
+        assert!(v.check_shape(&shape(2, 2), &limits).is_ok(), "{dtype}");
+    }
+    // Two slots of 256-row splits: 131 KB in bf16, 263 KB in f32 (more than a block may have).
+    assert!(variant(&point(256, 2), Dtype::Bf16)
+        .check_shape(&shape(2, 2), &limits)
+        .is_ok());
+    let why = variant(&point(256, 2), Dtype::F32)
+        .check_shape(&shape(2, 2), &limits)
+        .unwrap_err();
+    assert!(why.contains("elem_bytes"), "{why}");
+    // 32 x 12 heads on 132 SMs is offered, 64 x 12 is not.
+    assert!(variant(&point(64, 2), Dtype::Bf16)
+        .check_shape(&shape(32, 12), &limits)
+        .is_ok());
+    let why = variant(&point(64, 2), Dtype::Bf16)
+        .check_shape(&shape(64, 12), &limits)
+        .unwrap_err();
+    assert!(why.contains("B * NH <= 3 * num_sms"), "{why}");
+}
