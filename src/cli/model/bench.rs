@@ -31,7 +31,9 @@ pub struct BenchArgs {
     #[arg(long, default_value = "1", value_name = "B[,B...]", value_parser = BatchList::parse, help = BATCH_HELP)]
     pub batch: BatchList,
     /// Tokens per sequence of the timed forward pass (random ids); with a --batch list the
-    /// forward pass runs at the list's first batch only.
+    /// forward pass runs at the list's first batch only. A pass whose logits (batch x seq x
+    /// the padded vocabulary, per GPU) would pass the kernels' 32-bit index is left out with a
+    /// note; the decode steps after it still run.
     #[arg(long, default_value_t = 128)]
     pub seq: usize,
     /// Decode steps to time, after a prefill of --seq tokens (fewer if the steps would not fit
