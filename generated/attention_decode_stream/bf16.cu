@@ -21,6 +21,12 @@
 // kernel (rows 0 .. T - 2 are no kernel's output in this step), their query and step rows
 // after it.
 //
+// What it buys, measured (H200, GPT-2 small): a step 2-11% faster where few heads share the
+// GPU (batch 1-32), and slower past that, because a block still takes its items one after
+// another (wait, score, merge its warps, store): with thousands of heads, one block a head keeps
+// more loads in flight at once. The spec offers it only where B * NH <= 3 * num_sms
+// (benches/RESULTS.md, "The streaming decode attention, measured").
+//
 //   partial (grid: min(items, num_sms * BLOCKS_PER_SM)): per item, lane groups of PIECES lanes
 //     take rows group, group + GROUPS, ... of the slot (16 bytes of a key and a value a lane),
 //     ROWS_AT_ONCE a turn, as in attention_decode_groups; the groups' online softmax states
