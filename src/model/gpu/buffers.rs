@@ -3,7 +3,8 @@
 //! of it is allocated (so a GPU that cannot hold it is refused with the figures).
 
 use anyhow::Result as AnyResult;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::sys::{cuMemHostGetDevicePointer_v2, CU_MEMHOSTALLOC_DEVICEMAP};
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
 
 use super::{ptr, GpuBackend};
 use crate::gpu::{Gpu, GpuError};
@@ -36,8 +37,60 @@ pub(super) struct Activations {
     /// The last position of each sequence, gathered for the LM head of `prefill_last`.
     pub last: DeviceTensor,
     pub logits: DeviceTensor,
-    /// The argmax token of each sequence (greedy decode steps).
-    pub next_ids: CudaSlice<i32>,
+    /// The tokens each decode step chose on the device (argmax, sampler or the megakernel's
+    /// LM head), written where the host reads them.
+    pub next_ids: DrawnIds,
+}
+
+/// Where decode steps that choose their tokens on the device write them: page-locked host
+/// memory mapped into the GPU's address space, so the draw's kernel writes each id across PCIe
+/// and the host reads it once the step's event has passed. No copy runs between two steps: a
+/// copy back was work for a copy engine between two steps' kernels, which cost the megakernel
+/// at batch 1 6 µs a step on the H200 (benches/RESULTS.md, "The drawn ids written to the host").
+///
+/// Two slots of `capacity` ids: a step writes one while the host may still read the other,
+/// which the step before wrote, and the step reads its own input tokens from that other slot
+/// (see `run_ahead.rs`).
+pub(super) struct DrawnIds {
+    host: PinnedHostSlice<i32>,
+    device: u64,
+    capacity: usize,
+}
+
+impl DrawnIds {
+    fn new(gpu: &Gpu, capacity: usize) -> AnyResult<DrawnIds> {
+        let what = || format!("allocating mapped page-locked memory for 2 x {capacity} token ids");
+        // SAFETY: nothing reads the memory before a step has written the part read (the host
+        // after that step's event, a step after the one before it on the stream); zeroed below.
+        let mut host = unsafe {
+            gpu.ctx
+                .alloc_pinned_with_flags::<i32>(2 * capacity, CU_MEMHOSTALLOC_DEVICEMAP)
+        }
+        .map_err(GpuError::cuda(what()))?;
+        let base = host.as_mut_ptr().map_err(GpuError::cuda(what()))?;
+        // SAFETY: `base` is the start of 2 * capacity i32s just allocated, used by nothing yet.
+        unsafe { std::ptr::write_bytes(base, 0, 2 * capacity) };
+        let mut device = 0;
+        // SAFETY: `base` was allocated above with CU_MEMHOSTALLOC_DEVICEMAP in this context.
+        unsafe { cuMemHostGetDevicePointer_v2(&mut device, base.cast(), 0).result() }
+            .map_err(GpuError::cuda(what()))?;
+        Ok(DrawnIds { host, device, capacity })
+    }
+
+    /// The device address of `slot` (0 or 1).
+    pub fn ptr(&self, slot: usize) -> u64 {
+        self.device + (slot * self.capacity * std::mem::size_of::<i32>()) as u64
+    }
+
+    /// The first `b` ids of `slot`. Only once the step that wrote them has finished (its event
+    /// synchronized): the memory is the GPU's to write until then.
+    pub fn read(&self, slot: usize, b: usize) -> AnyResult<Vec<i32>> {
+        let ids = self
+            .host
+            .as_slice()
+            .map_err(GpuError::cuda("reading the drawn token ids"))?;
+        Ok(ids[slot * self.capacity..][..b].to_vec())
+    }
 }
 
 /// The device memory a replica needs, by what it holds (bytes).
@@ -169,10 +222,7 @@ impl GpuBackend {
             fc_pre: alloc(gpu, storage, if unfused { rows * 4 * c } else { 0 }, "fc (pre-GELU)")?,
             last: alloc(gpu, storage, max_batch.max(rows / cfg.n_ctx) * c, "last rows")?,
             logits: alloc(gpu, storage, rows * cfg.padded_vocab_size, "logits")?,
-            next_ids: gpu
-                .stream
-                .alloc_zeros::<i32>(max_batch.max(rows / cfg.n_ctx).max(1))
-                .map_err(GpuError::cuda("allocating the next-token ids"))?,
+            next_ids: DrawnIds::new(gpu, max_batch.max(rows / cfg.n_ctx).max(1))?,
         })
     }
 
@@ -199,6 +249,9 @@ impl GpuBackend {
         if b * t > self.act.rows || b > self.act.last.len / cfg.n_embd {
             let rows = (b * cfg.n_ctx).max(self.act.rows);
             let storage = self.dtype.storage();
+            // A step launched ahead may still be writing into the buffers about to be freed
+            // (the drawn ids are host memory, which freeing does not wait for).
+            self.gpu.synchronize()?;
             self.act = Self::alloc_activations(&self.gpu, storage, &cfg, 0, 1, false)?; // free the old ones first
             self.act = Self::alloc_activations(&self.gpu, storage, &cfg, rows, b, self.unfused)?;
             self.buffers_generation += 1;

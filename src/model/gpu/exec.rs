@@ -190,8 +190,8 @@ impl GpuBackend {
     /// The launches of a decode step's graph: the step, then its chooser.
     fn graph_plan(&mut self, ks: &Kernels, step: &GraphStep) -> AnyResult<Plan> {
         let mut plan = self.build_plan(ks, step.b, 1, step.pos, step.pass, HeadRows::All)?;
-        if let Some(draw) = &step.draw {
-            plan.steps.push(self.choose_step(ks, step.b, draw, step.pos + 1)?);
+        if let (Some(draw), Pass::Decode { slot, .. }) = (&step.draw, step.pass) {
+            plan.steps.push(self.choose_step(ks, step.b, draw, step.pos + 1, slot)?);
         }
         Ok(plan)
     }

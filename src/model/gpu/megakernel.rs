@@ -229,7 +229,10 @@ impl GpuBackend {
             b,
             1,
             self.len.max(1) - 1,
-            Pass::Decode { from_draw: false },
+            Pass::Decode {
+                from_draw: false,
+                slot: 0,
+            },
             HeadRows::Greedy,
         )?;
         let ops: Vec<PlanOp> = plan
@@ -363,9 +366,9 @@ impl GpuBackend {
     /// logits and the next ids, drawn by `draw` (one [`drawn_in_lm_head`] takes for this
     /// megakernel's [`GpuBackend::megakernel_lm_head`]; `None`:
     /// greedy). Its input tokens are the uploaded ids, or with `tokens_on_device` the previous
-    /// step's next ids (read by the embedding at the start of the step, overwritten with this
-    /// step's at its end). Launched, not waited for. The caller has prepared the megakernel for
-    /// `b` ([`GpuBackend::prepare_megakernel`]: it decides the draw from the prepared table).
+    /// step's next ids (their slot of `act.next_ids`; this step's go to the other). Launched,
+    /// not waited for. The caller has prepared the megakernel for `b`
+    /// ([`GpuBackend::prepare_megakernel`]: it decides the draw from the prepared table).
     pub(super) fn megakernel_step(
         &mut self,
         b: usize,
@@ -376,9 +379,9 @@ impl GpuBackend {
         let cfg = self.model.config.clone();
         let events = self.profile_begin()?;
         let gpu = &self.gpu;
-        let next_ids = ptr(gpu, &self.act.next_ids);
+        let next_ids = self.act.next_ids.ptr(self.draw_slot);
         let ids = if tokens_on_device {
-            next_ids
+            self.act.next_ids.ptr(self.draw_slot ^ 1)
         } else {
             ptr(gpu, &self.act.ids)
         };

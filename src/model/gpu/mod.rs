@@ -202,10 +202,9 @@ pub struct GpuBackend {
     /// the last step choosing on the device returned (a caller feeding them back is chaining).
     ahead: Option<run_ahead::LaunchedStep>,
     returned: Vec<u32>,
-    /// Page-locked landing places of chosen ids (two: one step's ids can still be on
-    /// their way while the next step's are copied), and the one the next step uses.
-    pinned_ids: Vec<PinnedHostSlice<i32>>,
-    next_pinned: usize,
+    /// The slot of `act.next_ids` the decode step being launched writes its chosen ids to (the
+    /// step before wrote the other: see `buffers::DrawnIds`).
+    draw_slot: usize,
     decode_gpu_ms: (f64, usize),
     /// [`GpuBackend::megakernel_most_rows`], once asked.
     megakernel_rows_held: std::sync::OnceLock<usize>,

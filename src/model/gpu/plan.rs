@@ -35,10 +35,10 @@ pub(super) enum Pass {
     /// B sequences of T tokens from the start of the cache, their ids uploaded to `act.ids`.
     Prefill,
     /// One token a sequence after the cache. `from_draw`: the ids are the previous step's
-    /// choice, read where its argmax or sampler wrote them (`act.next_ids`, which this step's
-    /// own choice overwrites only after every kernel before it has run); else uploaded to
-    /// `act.ids`. A NaN row's -1 there is read as token 0 (such a step is thrown away).
-    Decode { from_draw: bool },
+    /// choice, read where its argmax or sampler wrote them (the slot of `act.next_ids` other
+    /// than `slot`); else uploaded to `act.ids`. A NaN row's -1 there is read as token 0 (such
+    /// a step is thrown away). `slot`: where this step's own choice goes, if it chooses.
+    Decode { from_draw: bool, slot: usize },
 }
 
 /// One step of a plan.
@@ -157,7 +157,7 @@ impl GpuBackend {
         let rows = b * t;
         let g = &self.gpu;
         let ids = match pass {
-            Pass::Decode { from_draw: true } => ptr(g, &self.act.next_ids),
+            Pass::Decode { from_draw: true, slot } => self.act.next_ids.ptr(slot ^ 1),
             _ => ptr(g, &self.act.ids),
         };
         let mut x = self.act.x[0].ptr(g);
@@ -316,8 +316,8 @@ impl GpuBackend {
         };
         debug_assert_eq!(ks.lm_head.shape["M"] as usize, head_rows);
         self.matmul(&mut plan, &ks.lm_head, logits, head_in, head_weight, head_bias, 0)?;
-        if decode && head == HeadRows::Greedy {
-            plan.steps.push(self.argmax_step(ks, b)?);
+        if let (Pass::Decode { slot, .. }, HeadRows::Greedy) = (pass, head) {
+            plan.steps.push(self.argmax_step(ks, b, slot)?);
         }
         Ok(Plan {
             steps: plan.steps,
@@ -396,14 +396,14 @@ impl GpuBackend {
         }
     }
 
-    /// The greedy argmax of a decode step's logits into `act.next_ids`.
-    pub(super) fn argmax_step(&self, ks: &Kernels, b: usize) -> AnyResult<Step> {
+    /// The greedy argmax of a decode step's logits into `slot` of `act.next_ids`.
+    pub(super) fn argmax_step(&self, ks: &Kernels, b: usize, slot: usize) -> AnyResult<Step> {
         let Some(k) = ks.argmax.as_ref() else {
             bail!("greedy decode on the device needs the {ARGMAX_OP} op and a family for it");
         };
         let cfg = &self.model.config;
         let args = [
-            ArgValue::Ptr(ptr(&self.gpu, &self.act.next_ids)),
+            ArgValue::Ptr(self.act.next_ids.ptr(slot)),
             ArgValue::Ptr(self.act.logits.ptr(&self.gpu)),
             i32_arg(b, "B")?,
             i32_arg(cfg.vocab_size, "V")?,
@@ -414,11 +414,18 @@ impl GpuBackend {
         Ok(one.steps.remove(0))
     }
 
-    /// The step that picks a decode step's next tokens into `act.next_ids`: the argmax for a
-    /// greedy draw, else the sampler, drawing the tokens at `position`.
-    pub(super) fn choose_step(&mut self, ks: &Kernels, b: usize, draw: &Draw, position: usize) -> AnyResult<Step> {
+    /// The step that picks a decode step's next tokens into `slot` of `act.next_ids`: the
+    /// argmax for a greedy draw, else the sampler, drawing the tokens at `position`.
+    pub(super) fn choose_step(
+        &mut self,
+        ks: &Kernels,
+        b: usize,
+        draw: &Draw,
+        position: usize,
+        slot: usize,
+    ) -> AnyResult<Step> {
         if draw.params.is_greedy() {
-            return self.argmax_step(ks, b);
+            return self.argmax_step(ks, b, slot);
         }
         let Some(k) = ks.sample.as_ref() else {
             bail!("sampling on the device needs the {SAMPLE_OP} op and a family for it");
@@ -427,7 +434,7 @@ impl GpuBackend {
         let cfg = &self.model.config;
         let params = &draw.params;
         let args = [
-            ArgValue::Ptr(ptr(&self.gpu, &self.act.next_ids)),
+            ArgValue::Ptr(self.act.next_ids.ptr(slot)),
             ArgValue::Ptr(self.act.logits.ptr(&self.gpu)),
             ArgValue::Ptr(ws),
             i32_arg(b, "B")?,

@@ -15,6 +15,13 @@
 //! otherwise, or does anything but such a step next, throws the guess away: the step has written the cache
 //! row at the next position, which whatever runs at that position writes again, and nothing
 //! reads a cache position at or beyond the cached length.
+//!
+//! The chosen ids go straight to the host: the draw's kernel writes them into page-locked host
+//! memory mapped into the GPU's address space (`buffers::DrawnIds`), so nothing but the steps'
+//! graphs and events is on the stream. Its two slots alternate: a step writes one, reads its
+//! own input tokens from the other (the step before's choice), and the host reads a step's
+//! slot after that step's event, while the step after it (launched ahead) writes the other.
+//! The step after that, which writes this slot again, is launched only once the host has read it.
 
 use anyhow::{Context, Result as AnyResult};
 use cudarc::driver::CudaEvent;
@@ -31,12 +38,11 @@ pub(super) struct LaunchedStep {
     /// these, and ask for the same draw, for the step to count.
     fed: Vec<u32>,
     draw: Draw,
-    /// The pinned buffer (of two) its ids land in, and the event after that copy (recorded
-    /// here: the context does not track events on buffers, so the buffer's own is not).
+    /// The slot of `act.next_ids` its ids land in.
     slot: usize,
-    landed: CudaEvent,
-    /// Events around its kernels (its GPU time).
-    events: Option<(CudaEvent, CudaEvent)>,
+    /// Events around its kernels, the chooser's included (its GPU time; once the second has
+    /// passed, its ids are in its slot).
+    events: (CudaEvent, CudaEvent),
 }
 
 impl GpuBackend {
@@ -54,41 +60,22 @@ impl GpuBackend {
         }
     }
 
-    /// A step choosing its ids by `draw`, copied back into a pinned buffer once it is done:
-    /// from `last` (uploaded), or with `None` from the previous step's choices, still on the
-    /// device.
+    /// A step choosing its ids by `draw` into the next slot of `act.next_ids` (host memory the
+    /// GPU writes: nothing to copy back), from `last` (uploaded), or with `None` from the
+    /// previous step's choices in the other slot.
     fn launch_chosen(&mut self, last: Option<&[u32]>, draw: &Draw) -> AnyResult<LaunchedStep> {
-        let b = self.batch;
-        if self.pinned_ids.iter().any(|p| p.len() < b) || self.pinned_ids.len() < 2 {
-            // no copy may still be on its way into the buffers being replaced
-            self.gpu.synchronize().context(SYNC_HINT)?;
-            self.pinned_ids = (0..2)
-                // SAFETY: page-locked memory of b i32s; nothing reads it before a copy has
-                // filled it (the slot's event orders the read after the copy).
-                .map(|_| unsafe { self.gpu.ctx.alloc_pinned_with_flags::<i32>(b, 0) })
-                .collect::<Result<_, _>>()
-                .map_err(GpuError::cuda(format!(
-                    "allocating page-locked memory for {b} token ids"
-                )))?;
-        }
-        let slot = self.next_pinned;
-        self.next_pinned ^= 1;
+        self.draw_slot ^= 1;
+        let slot = self.draw_slot;
         self.decode_step(last, Some(draw))?;
-        self.gpu
-            .stream
-            .memcpy_dtoh(&self.act.next_ids.slice(0..b), &mut self.pinned_ids[slot])
-            .map_err(GpuError::cuda(format!("copying {b} token ids back")))?;
-        let landed = self
-            .gpu
-            .stream
-            .record_event(None)
-            .map_err(GpuError::cuda("recording the token ids' copy"))?;
+        let events = self
+            .step_events
+            .take()
+            .context("a decode step left no events behind")?;
         Ok(LaunchedStep {
             fed: last.map(<[u32]>::to_vec).unwrap_or_default(),
             draw: *draw,
             slot,
-            landed,
-            events: self.step_events.take(),
+            events,
         })
     }
 
@@ -113,18 +100,20 @@ impl GpuBackend {
         };
         let b = self.batch;
         let landed = step
-            .landed
+            .events
+            .1
             .synchronize()
-            .and_then(|()| self.pinned_ids[step.slot].as_slice());
+            .map_err(|e| anyhow::Error::new(GpuError::cuda("waiting for the decode step's token ids")(e)))
+            .and_then(|()| self.act.next_ids.read(step.slot, b));
         let raw: Vec<i32> = match landed {
-            Ok(ids) => ids[..b].to_vec(),
+            Ok(ids) => ids,
             Err(e) => {
                 self.ahead = ahead;
                 self.discard_ahead();
-                return Err(GpuError::cuda("waiting for the decode step's token ids")(e)).context(SYNC_HINT);
+                return Err(e).context(SYNC_HINT);
             }
         };
-        self.step_events = step.events;
+        self.step_events = Some(step.events);
         self.finish_step_timing()?;
         self.flush_profile()?;
         let ids = raw
@@ -158,7 +147,7 @@ impl GpuBackend {
 }
 
 impl Drop for GpuBackend {
-    /// A step launched ahead may still be copying its ids into the pinned buffers about to be
+    /// A step launched ahead may still be writing its ids into the mapped buffer about to be
     /// freed: let the stream finish first.
     fn drop(&mut self) {
         if self.ahead.is_some() {

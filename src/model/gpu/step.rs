@@ -188,9 +188,9 @@ impl GpuBackend {
     }
 
     /// One decode step up to the LM head (and, when `choose` is given, the argmax or sampling
-    /// kernel into `act.next_ids`), launched but not waited for. Returns the batch size.
-    /// `last`: the tokens to feed; `None`: the previous step's chosen ids, still in
-    /// `act.next_ids`, where this step reads them (see `run_ahead.rs`).
+    /// kernel into its slot of `act.next_ids`), launched but not waited for. Returns the batch
+    /// size. `last`: the tokens to feed; `None`: the previous step's chosen ids, in the other
+    /// slot of `act.next_ids`, where this step reads them (see `run_ahead.rs`).
     pub(super) fn decode_step(&mut self, last: Option<&[u32]>, choose: Option<&Draw>) -> AnyResult<usize> {
         self.discard_ahead();
         if let Some(why) = &self.decode_missing {
@@ -234,11 +234,12 @@ impl GpuBackend {
         let graphs = self.decode_graphs();
         let pass = Pass::Decode {
             from_draw: last.is_none(),
+            slot: self.draw_slot,
         };
         // The graph engine's chooser is a node of its graph; the others launch it after the step.
         let chooser = match choose {
             Some(draw) if in_lm_head.is_none() && !graphs => Some(Plan {
-                steps: vec![self.choose_step(&ks, b, draw, pos + 1)?],
+                steps: vec![self.choose_step(&ks, b, draw, pos + 1, self.draw_slot)?],
                 head_rows: b,
             }),
             _ => None,
@@ -278,8 +279,10 @@ impl GpuBackend {
             if pos + 1 < cfg.n_ctx {
                 let next = GraphStep {
                     pos: pos + 1,
+                    // (a chained step writes the other slot: run_ahead.rs)
                     pass: Pass::Decode {
                         from_draw: choose.is_some(),
+                        slot: self.draw_slot ^ usize::from(choose.is_some()),
                     },
                     ..graph_step
                 };
