@@ -67,10 +67,7 @@ impl GpuBackend {
         self.draw_slot ^= 1;
         let slot = self.draw_slot;
         self.decode_step(last, Some(draw))?;
-        let events = self
-            .step_events
-            .take()
-            .context("a decode step left no events behind")?;
+        let events = self.step_events.take().context("a decode step left no events behind")?;
         Ok(LaunchedStep {
             fed: last.map(<[u32]>::to_vec).unwrap_or_default(),
             draw: *draw,
