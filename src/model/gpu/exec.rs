@@ -26,8 +26,8 @@ pub(super) fn programmatic_launch_from_env(value: Option<&str>) -> bool {
 /// What a decode step's CUDA graph is set up to run: the step at position `pos` for `b`
 /// sequences, where its input ids come from (`pass`), and the kernel that chooses its next
 /// tokens (`draw`; none when the caller reads the logits back). The chooser is a node of the
-/// graph like the rest, so it launches while the LM head ends, and nothing is put on the stream
-/// between two steps but the ids' copy back to the host.
+/// graph like the rest, so it launches while the LM head ends, and writes the ids where the host
+/// reads them (`buffers::DrawnIds`): nothing is put on the stream between two steps but events.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct GraphStep {
     pub b: usize,
