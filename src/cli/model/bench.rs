@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use serde_json::json;
 
 use super::batch_list::{BatchList, BATCH_HELP};
@@ -100,18 +100,11 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     let decode_tokens: Vec<Vec<u32>> = tokens.iter().map(|t| t[..decode_prefill].to_vec()).collect();
     let repeats = args.repeats.max(1);
 
-    // A forward pass too large for the kernels' index is left out when decode steps are asked
-    // for (their prefill takes the last position's logits only), else refused.
-    let too_large = run.forward_too_large(batch, args.seq);
-    match &too_large {
-        Some(why) if steps == 0 => bail!("{why}"),
-        Some(why) => run.notes.push(format!("forward not timed: {why}")),
-        None => {}
-    }
+    let forward_fits = run.forward_fits(batch, args.seq, steps)?;
 
     // Warm-up: compiles and loads every kernel, touches every buffer.
     let t0 = Instant::now();
-    if too_large.is_none() {
+    if forward_fits {
         run.forward(&tokens)?;
     }
     if steps > 0 {
@@ -119,9 +112,10 @@ pub fn run_bench(args: &BenchArgs) -> Result<()> {
     }
     let warmup_ms = t0.elapsed().as_secs_f64() * 1e3;
 
-    let forward = match too_large {
-        None => Some(run.time_forward(&tokens, repeats)?),
-        Some(_) => None,
+    let forward = if forward_fits {
+        Some(run.time_forward(&tokens, repeats)?)
+    } else {
+        None
     };
     run.take_gpu_ms_per_step()?; // forget the warm-up's steps
     let (decode_ms, last_tokens) = if steps > 0 {

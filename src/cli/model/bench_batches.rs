@@ -93,20 +93,15 @@ fn measure_batches(args: &BenchArgs) -> Result<BatchesReport> {
     let first = args.batch.first();
     let tokens = bench_tokens(first, args.seq, run.cfg.vocab_size);
     let repeats = args.repeats.max(1);
-    // The forward pass at the first batch, unless it is too large for the kernels' index
-    // (the decode steps' prefills take the last position's logits only).
+    // The forward pass at the first batch, unless it is too large for the kernels' index.
     let mut warmup_ms = None;
-    let forward = match run.forward_too_large(first, args.seq) {
-        Some(why) => {
-            run.notes.push(format!("forward not timed: {why}"));
-            None
-        }
-        None => {
-            let t0 = Instant::now();
-            run.forward(&tokens)?;
-            warmup_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
-            Some(run.time_forward(&tokens, repeats)?)
-        }
+    let forward = if run.forward_fits(first, args.seq, args.generate)? {
+        let t0 = Instant::now();
+        run.forward(&tokens)?;
+        warmup_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+        Some(run.time_forward(&tokens, repeats)?)
+    } else {
+        None
     };
 
     let count = args.batch.sizes().len();

@@ -250,11 +250,22 @@ impl BenchSetup {
         })
     }
 
-    /// Why the forward pass over `batch` x `seq` tokens cannot run on the GPU, naming what
-    /// would ([`forward_too_large`]); `None` when it can, and on the CPU.
-    pub fn forward_too_large(&self, batch: usize, seq: usize) -> Option<String> {
-        let gpus = self.gpu.as_ref()?.devices().len();
-        forward_too_large(batch, seq, gpus, self.cfg.padded_vocab_size)
+    /// Whether the forward pass over `batch` x `seq` tokens is timed. One too large for the
+    /// kernels' index on the GPU ([`forward_too_large`]) is left out with a note when `steps`
+    /// decode steps follow (their prefill takes the last position's logits only), and refused,
+    /// naming what would run, when none do.
+    pub fn forward_fits(&mut self, batch: usize, seq: usize, steps: usize) -> Result<bool> {
+        let Some(gpu) = self.gpu.as_ref() else {
+            return Ok(true);
+        };
+        match forward_too_large(batch, seq, gpu.devices().len(), self.cfg.padded_vocab_size) {
+            None => Ok(true),
+            Some(why) if steps == 0 => bail!("{why}"),
+            Some(why) => {
+                self.notes.push(format!("forward not timed: {why}"));
+                Ok(false)
+            }
+        }
     }
 
     /// A prefill of `prompts`, then `steps` decode steps each drawing its tokens as asked

@@ -77,9 +77,15 @@ impl DrawnIds {
         Ok(DrawnIds { host, device, capacity })
     }
 
-    /// The device address of `slot` (0 or 1).
+    /// The device address of `slot` (0 or 1): where the step of that slot writes its ids.
     pub fn ptr(&self, slot: usize) -> u64 {
         self.device + (slot * self.capacity * std::mem::size_of::<i32>()) as u64
+    }
+
+    /// Where the step of `slot` reads its input ids when they are the previous step's choice:
+    /// the other slot.
+    pub fn input_of(&self, slot: usize) -> u64 {
+        self.ptr(slot ^ 1)
     }
 
     /// The first `b` ids of `slot`. Only once the step that wrote them has finished (its event

@@ -381,7 +381,7 @@ impl GpuBackend {
         let gpu = &self.gpu;
         let next_ids = self.act.next_ids.ptr(self.draw_slot);
         let ids = if tokens_on_device {
-            self.act.next_ids.ptr(self.draw_slot ^ 1)
+            self.act.next_ids.input_of(self.draw_slot)
         } else {
             ptr(gpu, &self.act.ids)
         };

@@ -157,7 +157,7 @@ impl GpuBackend {
         let rows = b * t;
         let g = &self.gpu;
         let ids = match pass {
-            Pass::Decode { from_draw: true, slot } => self.act.next_ids.ptr(slot ^ 1),
+            Pass::Decode { from_draw: true, slot } => self.act.next_ids.input_of(slot),
             _ => ptr(g, &self.act.ids),
         };
         let mut x = self.act.x[0].ptr(g);

@@ -232,14 +232,15 @@ impl GpuBackend {
         let in_lm_head =
             choose.filter(|draw| megakernel && drawn_in_lm_head(&draw.params, cfg.vocab_size, head.as_ref()));
         let graphs = self.decode_graphs();
+        let slot = self.draw_slot;
         let pass = Pass::Decode {
             from_draw: last.is_none(),
-            slot: self.draw_slot,
+            slot,
         };
         // The graph engine's chooser is a node of its graph; the others launch it after the step.
         let chooser = match choose {
             Some(draw) if in_lm_head.is_none() && !graphs => Some(Plan {
-                steps: vec![self.choose_step(&ks, b, draw, pos + 1, self.draw_slot)?],
+                steps: vec![self.choose_step(&ks, b, draw, pos + 1, slot)?],
                 head_rows: b,
             }),
             _ => None,
@@ -282,7 +283,7 @@ impl GpuBackend {
                     // (a chained step writes the other slot: run_ahead.rs)
                     pass: Pass::Decode {
                         from_draw: choose.is_some(),
-                        slot: self.draw_slot ^ usize::from(choose.is_some()),
+                        slot: slot ^ usize::from(choose.is_some()),
                     },
                     ..graph_step
                 };
