@@ -420,8 +420,9 @@ fn the_unfused_path_matches_too() {
 }
 
 /// A decode step of as many sequences as the tensor-core matmuls take (64) folds its layernorms
-/// too (forced here; `tune` decides otherwise): the ln_ kernels run at M = 64, and the logits
-/// of every step match the CPU's and the unfolded GPU path's.
+/// too, `ln_f` into the LM head included (forced here; `tune` decides otherwise): the ln_
+/// kernels run at M = 64, and the logits of every step match the CPU's and the unfolded GPU
+/// path's.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_steps_of_64_sequences_fold_their_layernorms() {
@@ -459,7 +460,7 @@ fn decode_steps_of_64_sequences_fold_their_layernorms() {
         next = (0..batch).map(|b| argmax(want.last(b)).unwrap()).collect();
     }
     let choices = folded.kernel_choices();
-    for (role, epilogue) in [("qkv", "[ln_qkv]"), ("fc", "[ln_bias_gelu]")] {
+    for (role, epilogue) in [("qkv", "[ln_qkv]"), ("fc", "[ln_bias_gelu]"), ("lm_head", "[ln_bias]")] {
         assert!(
             choices.iter().any(|(r, label, _, shape)| r == role
                 && label.contains(epilogue)

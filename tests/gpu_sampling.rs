@@ -160,8 +160,16 @@ fn draws_on_gpu(
         .stored_as(storage);
     let logits = problem.tensor_index("logits").unwrap();
     problem.tensors[logits].data = kernelforge::ops::HostData::F32(row.repeat(rows));
-    problem.args[7] = Arg::F32(params.temperature);
-    problem.args[8] = Arg::F32(params.top_p);
+    // The kernel arguments by their names in the op's signature.
+    let arg = |name: &str| {
+        Sample
+            .signature()
+            .split(", ")
+            .position(|param| param.rsplit(' ').next() == Some(name))
+            .unwrap_or_else(|| panic!("the sample op has no argument `{name}`"))
+    };
+    problem.args[arg("temperature")] = Arg::F32(params.temperature);
+    problem.args[arg("top_p")] = Arg::F32(params.top_p);
     let mut device = DeviceProblem::upload(gpu, &problem).unwrap();
     let elems = loaded
         .variant
@@ -172,7 +180,7 @@ fn draws_on_gpu(
     let out = problem.tensor_index("out").unwrap();
     (0..rounds)
         .map(|round| {
-            problem.args[12] = Arg::I32(round as i32);
+            problem.args[arg("pos")] = Arg::I32(round as i32);
             device.poison_outputs(gpu, &problem).unwrap();
             loaded.launch(gpu, &problem, &device, &launches).unwrap();
             gpu.synchronize().unwrap();

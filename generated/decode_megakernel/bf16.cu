@@ -1310,6 +1310,14 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
     return list;
 }
 
+// Where the step's ids go: two copies, one in the host memory the host reads and one in device
+// memory, where the next step's embedding reads them without a trip across PCIe.
+struct NextIds {
+    int* out;
+    int* copy;
+    __device__ void put(int b, int id) const { out[b] = copy[b] = id; }
+};
+
 // Row b's token of a top-k draw (top_k <= LM_HEAD_TOP_K, then top-p), from the LM-head tasks'
 // heads and the logits: the same kept set, nucleus and Gumbel-max as the sample op's candidate
 // path (templates/sampling/sample.cu.tera, finish: the same functions on the same keys), so the
@@ -1323,7 +1331,7 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
 // the host checks (src/model/gpu/lm_head_draw.rs, LmHeadTasks::takes_top_k). Every thread of the
 // block calls it.
 __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, const float2* heads, int top_k,
-                                               float inv_t, float top_p, DrawKey draw, key_t* keys, int* next_ids) {
+                                               float inv_t, float top_p, DrawKey draw, key_t* keys, NextIds next_ids) {
     __shared__ int gathered;
     const int tasks = s.tasks, cols = s.cols;
     key_t* head_keys = keys;                     // [tasks]
@@ -1343,7 +1351,7 @@ __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, con
     bad = __syncthreads_or(bad);
     row_max = block_reduce_max(row_max);
     if (bad || row_max == __int_as_float(0xff800000)) {  // NaN or +inf, or nothing finite: -1
-        if (threadIdx.x == 0) next_ids[b] = -1;
+        if (threadIdx.x == 0) next_ids.put(b, -1);
         return;
     }
     top_keys(head_keys, tasks, top_k, best_heads, row_max, inv_t);
@@ -1366,7 +1374,7 @@ __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, con
     draw.sequence += b;
     gumbel_among(kept_keys, kept, inv_t, draw, best, best_index);
     block_argmax(best, best_index);
-    if (threadIdx.x == 0) next_ids[b] = best_index == 0x7fffffff ? -1 : best_index;
+    if (threadIdx.x == 0) next_ids.put(b, best_index == 0x7fffffff ? -1 : best_index);
 }
 
 // The step's next tokens, after every block's tasks (`best_*`: the block's running best of each
@@ -1376,7 +1384,7 @@ __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, con
 // `arrivals` is zeroed by the last block to leave the kernel. Every thread of the block calls it.
 __device__ void next_tokens(const Stage& last_stage, int B, int V, unsigned* arrivals, float* workspace,
                             const float* best_val, const int* best_idx, const int* saw_nan, int top_k,
-                            float inv_temperature, float top_p, DrawKey draw, key_t* keys, int* next_ids) {
+                            float inv_temperature, float top_p, DrawKey draw, key_t* keys, NextIds next_ids) {
     const int grid = gridDim.x;
     float2* partials = reinterpret_cast<float2*>(workspace + last_stage.ws_offset);
     __shared__ unsigned ticket;
@@ -1410,7 +1418,7 @@ __device__ void next_tokens(const Stage& last_stage, int B, int V, unsigned* arr
         }
         warp_reduce_argmax(v, idx);
         nan = __any_sync(0xffffffffu, nan);
-        if (lane == 0) next_ids[b] = nan || idx == 0x7fffffff ? -1 : idx;  // (a row of -inf: -1)
+        if (lane == 0) next_ids.put(b, nan || idx == 0x7fffffff ? -1 : idx);  // (a row of -inf: -1)
     }
 }
 
@@ -1640,7 +1648,7 @@ __device__ __forceinline__ unsigned dynamic_smem_address() {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, unsigned* counters, float* workspace,
-                       const int* tokens, int* next_ids, unsigned long long* timeline,
+                       const int* tokens, int* next_ids, int* next_ids_copy, unsigned long long* timeline,
                        int B, int pos, int NH, int max_T, int V, float scale,
                        float inv_temperature, int seed_lo, int seed_hi, int seq0, int top_k, float top_p) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1803,7 +1811,7 @@ decode_megakernel_c80902b663e601a5_main(const int* stage_table, int n_stages, un
     // The draw (decode/draw.cu.tera): the tasks' partial answers merged by the last block(s).
     if (last_stage.flags & FLAG_ARGMAX)
         next_tokens(last_stage, B, V, argmax_arrivals, workspace, best_val, best_idx, saw_nan, top_k, inv_temperature,
-                    top_p, draw, reinterpret_cast<key_t*>(dynamic_smem), next_ids);
+                    top_p, draw, reinterpret_cast<key_t*>(dynamic_smem), NextIds{next_ids, next_ids_copy});
 
     // Leave; the last block out resets the stage counters for the next step.
     __syncthreads();

@@ -11,6 +11,8 @@
 // Sampling on the device: out[b] = one token drawn from row b of the logits by temperature,
 // top-k and top-p, so that only B ids (not B x V logits) travel to the host. Exact: the same
 // token as the CPU reference (src/ops/draw.rs) for the same (seed, sequence, position).
+// out_copy[b] gets the same id: the model passes the host memory it reads as `out` and device
+// memory for the next decode step's embedding as `out_copy`, so that read stays on the GPU.
 //
 // The draw is Gumbel-max: among the kept tokens, the one with the largest
 //     score(v) = logit(v) / T + g(v),   g(v) = -ln(-ln(u(v))),  u(v) uniform from Philox
@@ -534,7 +536,7 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-sample_row_9cad2312e7e7002b_chunks(int* out, const storage_t* logits, float* workspace, int B, int V, int stride, int top_k,
+sample_row_9cad2312e7e7002b_chunks(int* out, int* out_copy, const storage_t* logits, float* workspace, int B, int V, int stride, int top_k,
                          float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
@@ -751,7 +753,7 @@ __device__ bool select_cut_by_bins(const storage_t* x, int V, bool aligned, bool
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
-sample_row_9cad2312e7e7002b_finish(int* out, const storage_t* logits, float* workspace, int B, int V, int stride, int top_k,
+sample_row_9cad2312e7e7002b_finish(int* out, int* out_copy, const storage_t* logits, float* workspace, int B, int V, int stride, int top_k,
                          float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
@@ -781,12 +783,12 @@ sample_row_9cad2312e7e7002b_finish(int* out, const storage_t* logits, float* wor
     bad = __syncthreads_or(bad);
     if (path == GREEDY || path == GUMBEL) {
         block_argmax(best, best_index);
-        if (threadIdx.x == 0) out[row] = bad || best_index == 0x7fffffff ? -1 : best_index;
+        if (threadIdx.x == 0) out[row] = out_copy[row] = bad || best_index == 0x7fffffff ? -1 : best_index;
         return;
     }
     row_max = block_reduce_max(row_max);
     if (bad || row_max == NEG_INF) {
-        if (threadIdx.x == 0) out[row] = -1;
+        if (threadIdx.x == 0) out[row] = out_copy[row] = -1;
         return;
     }
 
@@ -890,5 +892,5 @@ sample_row_9cad2312e7e7002b_finish(int* out, const storage_t* logits, float* wor
         gumbel_among(best_keys, kept, inv_t, draw, best, best_index);
     }
     block_argmax(best, best_index);
-    if (threadIdx.x == 0) out[row] = best_index == 0x7fffffff ? -1 : best_index;
+    if (threadIdx.x == 0) out[row] = out_copy[row] = best_index == 0x7fffffff ? -1 : best_index;
 }

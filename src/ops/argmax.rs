@@ -2,10 +2,12 @@
 //! (greedy decoding on the device, so that only B token ids, not B x V logits, travel back to
 //! the host); `-1` for a row that contains NaN.
 //!
-//! Kernel arguments: `int* out, const float* logits, int B, int V, int stride`.
+//! Kernel arguments: `int* out, int* out_copy, const float* logits, int B, int V, int stride`.
 //! Shape: `B` (rows), `V` (entries per row); optional `stride` (floats between row starts,
 //! default `V`, at least `V`: the model's logits rows are padded to a multiple of 64).
-//! Tensors: `out [B]` (int32 output), `logits [B, stride]` uniform in `[-4, 4]` with the row
+//! `out_copy [B]` gets the same ids (the model keeps one copy in host memory for the host and one
+//! in device memory for the next decode step).
+//! Tensors: `out [B]` and `out_copy [B]` (int32 outputs), `logits [B, stride]` uniform in `[-4, 4]` with the row
 //! maximum planted twice in each row of more than one entry (the first must win), a NaN in
 //! row 2 (its answer is -1) and large values in the padding (which must not win).
 //! Outputs are integers and must match exactly: see [`OpContract::exact`].
@@ -42,7 +44,7 @@ impl OpContract for Argmax {
         "index of the largest entry of each row (first on ties, -1 for NaN): greedy decoding"
     }
     fn signature(&self) -> &'static str {
-        "int* out, const float* logits, int B, int V, int stride"
+        "int* out, int* out_copy, const float* logits, int B, int V, int stride"
     }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "V"]
@@ -92,9 +94,14 @@ impl OpContract for Argmax {
             // Padding larger than any real entry: reading past V would be caught.
             row[v..].iter_mut().for_each(|x| *x = 100.0);
         }
-        let tensors = vec![TensorArg::output_i32("out", b), TensorArg::input_f32("logits", logits)];
+        let tensors = vec![
+            TensorArg::output_i32("out", b),
+            TensorArg::input_f32("logits", logits),
+            TensorArg::output_i32("out_copy", b),
+        ];
         let args = vec![
             Arg::Tensor(0),
+            Arg::Tensor(2),
             Arg::Tensor(1),
             Arg::I32(b as i32),
             Arg::I32(v as i32),
@@ -104,7 +111,7 @@ impl OpContract for Argmax {
     }
     fn reference(&self, problem: &Problem) -> Vec<(usize, Vec<f64>)> {
         let (v, stride) = (problem.shape["V"] as usize, problem.shape["stride"] as usize);
-        let out = problem
+        let out: Vec<f64> = problem
             .f32s("logits")
             .chunks(stride)
             .map(|row| {
@@ -121,7 +128,11 @@ impl OpContract for Argmax {
                 best as f64
             })
             .collect();
-        vec![(problem.tensor_index("out").unwrap(), out)]
+        let copy = out.clone();
+        vec![
+            (problem.tensor_index("out").unwrap(), out),
+            (problem.tensor_index("out_copy").unwrap(), copy),
+        ]
     }
 }
 
@@ -150,7 +161,8 @@ mod tests {
             1.0,
             0.0, // NaN
         ]);
-        assert_eq!(Argmax.reference(&p), vec![(0, vec![1.0, 1.0, -1.0])]);
+        let want = vec![1.0, 1.0, -1.0];
+        assert_eq!(Argmax.reference(&p), vec![(0, want.clone()), (2, want)]);
     }
 
     #[test]

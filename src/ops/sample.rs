@@ -4,15 +4,16 @@
 //! that holds NaN or +inf (or only -inf). Sampling on the device, so that only B token ids, not
 //! B x V logits, travel back to the host.
 //!
-//! Kernel arguments: `int* out, const float* logits, float* workspace, int B, int V, int stride,
-//! int top_k, float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos`.
+//! Kernel arguments: `int* out, int* out_copy, const float* logits, float* workspace, int B, int V,
+//! int stride, int top_k, float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos`.
 //! Shape: `B` (rows), `V` (entries per row); optional `stride` (default `V`), `top_k` (0: off),
 //! `temperature_milli` and `top_p_milli` (the float arguments in thousandths, default 1000),
 //! `seed_lo`, `seed_hi` (the seed's two 32-bit halves), `seq0` (the first row's sequence index)
 //! and `pos` (the position drawn for).
-//! Tensors: `out [B]` (int32 output), `logits [B, stride]` uniform in `[-4, 4]` with ten spikes
-//! in `[4, 12]` per row (so that top-p keeps a few tokens at small p and thousands at large p),
-//! a NaN in row 2, large values in the padding (which must never be drawn).
+//! `out_copy [B]` gets the same ids, as the argmax op's does.
+//! Tensors: `out [B]` and `out_copy [B]` (int32 outputs), `logits [B, stride]` uniform in
+//! `[-4, 4]` with ten spikes in `[4, 12]` per row (so that top-p keeps a few tokens at small p and
+//! thousands at large p), a NaN in row 2, large values in the padding (which must never be drawn).
 //! Outputs are integers and must match the reference exactly: the draw is an argmax of Gumbel
 //! scores, so the GPU and the f32 reference differ only where two scores tie within rounding.
 
@@ -69,7 +70,7 @@ impl OpContract for Sample {
         "one token per row by temperature, top-k and top-p (Gumbel-max, Philox keyed by seed, sequence, position)"
     }
     fn signature(&self) -> &'static str {
-        "int* out, const float* logits, float* workspace, int B, int V, int stride, int top_k, float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos"
+        "int* out, int* out_copy, const float* logits, float* workspace, int B, int V, int stride, int top_k, float temperature, float top_p, int seed_lo, int seed_hi, int seq0, int pos"
     }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "V"]
@@ -158,10 +159,15 @@ impl OpContract for Sample {
             row[v..].iter_mut().for_each(|x| *x = 100.0);
         }
         let params = params_of(&shape);
-        let tensors = vec![TensorArg::output_i32("out", b), TensorArg::input_f32("logits", logits)];
+        let tensors = vec![
+            TensorArg::output_i32("out", b),
+            TensorArg::input_f32("logits", logits),
+            TensorArg::output_i32("out_copy", b),
+        ];
         let i32_of = |name: &str| Arg::I32(shape[name] as i32);
         let args = vec![
             Arg::Tensor(0),
+            Arg::Tensor(2),
             Arg::Tensor(1),
             Arg::Workspace,
             i32_of("B"),
@@ -181,7 +187,7 @@ impl OpContract for Sample {
         let s = &problem.shape;
         let (v, stride) = (s["V"] as usize, s["stride"] as usize);
         let params = params_of(s);
-        let out = problem
+        let out: Vec<f64> = problem
             .f32s("logits")
             .chunks(stride)
             .enumerate()
@@ -194,7 +200,11 @@ impl OpContract for Sample {
                 draw(&logits[..v], &params, key).map_or(-1.0, f64::from)
             })
             .collect();
-        vec![(problem.tensor_index("out").unwrap(), out)]
+        let copy = out.clone();
+        vec![
+            (problem.tensor_index("out").unwrap(), out),
+            (problem.tensor_index("out_copy").unwrap(), copy),
+        ]
     }
 }
 

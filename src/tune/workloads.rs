@@ -126,10 +126,11 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
         // model/gpu/fold_select.rs), in a prefill and in a decode step of at least
         // TENSOR_CORE_MIN_ROWS sequences (the tensor-core kernels that fold it). Offers, not
         // needs: `tune` drops them where no family can run them (SpreadPlan::new). Not the LM
-        // head's: summing each row in the K loop costs its consumers more instructions than the
-        // MMAs leave them time for, and it measured 1.32 against 0.95 + 0.015 ms (bf16,
-        // M = 8192, H100; benches/RESULTS.md); `ln_bias` stays for `tune --op` and the model's
-        // forced folding.
+        // head's: in a prefill, summing each row in the K loop costs its consumers more
+        // instructions than the MMAs leave them time for (1.32 against 0.95 + 0.015 ms, bf16,
+        // M = 8192, H100); in a decode step it was chosen at batch 64 and 128 and the step did
+        // not get faster (H200; benches/RESULTS.md, tenth pass). `ln_bias` stays for `tune --op`
+        // and the model's forced folding.
         out.extend([
             mm(
                 "qkv projection (layernorm folded, QKV split)",
@@ -158,6 +159,20 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
         out.extend(decode_attention_workloads(cfg, batch, requested));
     }
     out
+}
+
+/// The shape the next tokens of a decode step are drawn on (argmax, sample): `batch` rows of
+/// the vocabulary's logits, a padded row apart. `tune --model` leaves these ops out: timed
+/// alone, the argmax's points differ by a few percent of their own time, and in the step the
+/// one that won alone at batch 64 (8 loads in flight, 54 registers a thread against the
+/// default's 4 and 32) cost 7 µs a step more than the default (H200; benches/RESULTS.md,
+/// tenth pass). `tune --op argmax --shape ...` still times them.
+pub fn next_tokens_shape(cfg: &ModelDims, batch: i64) -> Shape {
+    shape(&[
+        ("B", batch),
+        ("V", cfg.vocab_size as i64),
+        ("stride", cfg.padded_vocab_size as i64),
+    ])
 }
 
 /// Whether a prefill, or a decode step (`decode`), of `rows` rows in all may fold its

@@ -42,18 +42,24 @@ pub(super) struct Activations {
     pub next_ids: DrawnIds,
 }
 
-/// Where decode steps that choose their tokens on the device write them: page-locked host
-/// memory mapped into the GPU's address space, so the draw's kernel writes each id across PCIe
-/// and the host reads it once the step's event has passed. No copy runs between two steps: a
-/// copy back was work for a copy engine between two steps' kernels, which cost the megakernel
-/// at batch 1 6 µs a step on the H200 (benches/RESULTS.md, "The drawn ids written to the host").
+/// Where decode steps that choose their tokens on the device write them, twice: into page-locked
+/// host memory mapped into the GPU's address space, where the host reads them once the step's
+/// event has passed, and into device memory, where the next step's embedding reads them. No copy
+/// runs between two steps: a copy back was work for a copy engine between two steps' kernels,
+/// which cost the megakernel at batch 1 6 µs a step on the H200 (benches/RESULTS.md, "The drawn
+/// ids written straight to the host"); and the embedding reading its ids across PCIe waited a
+/// round trip before it could fetch its rows.
 ///
-/// Two slots of `capacity` ids: a step writes one while the host may still read the other,
-/// which the step before wrote, and the step reads its own input tokens from that other slot
-/// (see `run_ahead.rs`).
+/// Two slots of `capacity` ids in each place: a step writes one while the host may still read
+/// the other, which the step before wrote, and the step reads its own input tokens from that
+/// other slot's device copy (see `run_ahead.rs`).
 pub(super) struct DrawnIds {
     host: PinnedHostSlice<i32>,
-    device: u64,
+    /// `host`'s address in the GPU's address space.
+    host_mapped: u64,
+    /// Owned for `device_address`, which points into it.
+    _device: CudaSlice<i32>,
+    device_address: u64,
     capacity: usize,
 }
 
@@ -61,7 +67,7 @@ impl DrawnIds {
     fn new(gpu: &Gpu, capacity: usize) -> AnyResult<DrawnIds> {
         let what = || format!("allocating mapped page-locked memory for 2 x {capacity} token ids");
         // SAFETY: nothing reads the memory before a step has written the part read (the host
-        // after that step's event, a step after the one before it on the stream); zeroed below.
+        // after that step's event); zeroed below.
         let mut host = unsafe {
             gpu.ctx
                 .alloc_pinned_with_flags::<i32>(2 * capacity, CU_MEMHOSTALLOC_DEVICEMAP)
@@ -70,22 +76,44 @@ impl DrawnIds {
         let base = host.as_mut_ptr().map_err(GpuError::cuda(what()))?;
         // SAFETY: `base` is the start of 2 * capacity i32s just allocated, used by nothing yet.
         unsafe { std::ptr::write_bytes(base, 0, 2 * capacity) };
-        let mut device = 0;
+        let mut host_mapped = 0;
         // SAFETY: `base` was allocated above with CU_MEMHOSTALLOC_DEVICEMAP in this context.
-        unsafe { cuMemHostGetDevicePointer_v2(&mut device, base.cast(), 0).result() }
+        unsafe { cuMemHostGetDevicePointer_v2(&mut host_mapped, base.cast(), 0).result() }
             .map_err(GpuError::cuda(what()))?;
-        Ok(DrawnIds { host, device, capacity })
+        let device = gpu
+            .stream
+            .alloc_zeros::<i32>(2 * capacity)
+            .map_err(GpuError::cuda(format!(
+                "allocating 2 x {capacity} token ids on the device"
+            )))?;
+        let device_address = ptr(gpu, &device);
+        Ok(DrawnIds {
+            host,
+            host_mapped,
+            _device: device,
+            device_address,
+            capacity,
+        })
     }
 
-    /// The device address of `slot` (0 or 1): where the step of that slot writes its ids.
-    pub fn ptr(&self, slot: usize) -> u64 {
-        self.device + (slot * self.capacity * std::mem::size_of::<i32>()) as u64
+    fn offset(&self, slot: usize) -> u64 {
+        (slot * self.capacity * std::mem::size_of::<i32>()) as u64
+    }
+
+    /// Where the step of `slot` (0 or 1) writes the ids the host reads (mapped host memory).
+    pub fn host_ptr(&self, slot: usize) -> u64 {
+        self.host_mapped + self.offset(slot)
+    }
+
+    /// Where the step of `slot` writes the same ids in device memory, for the next step.
+    pub fn device_ptr(&self, slot: usize) -> u64 {
+        self.device_address + self.offset(slot)
     }
 
     /// Where the step of `slot` reads its input ids when they are the previous step's choice:
-    /// the other slot.
+    /// the device copy of the other slot.
     pub fn input_of(&self, slot: usize) -> u64 {
-        self.ptr(slot ^ 1)
+        self.device_ptr(slot ^ 1)
     }
 
     /// The first `b` ids of `slot`. Only once the step that wrote them has finished (its event

@@ -379,7 +379,8 @@ impl GpuBackend {
         let cfg = self.model.config.clone();
         let events = self.profile_begin()?;
         let gpu = &self.gpu;
-        let next_ids = self.act.next_ids.ptr(self.draw_slot);
+        let next_ids = self.act.next_ids.host_ptr(self.draw_slot);
+        let next_ids_copy = self.act.next_ids.device_ptr(self.draw_slot);
         let ids = if tokens_on_device {
             self.act.next_ids.input_of(self.draw_slot)
         } else {
@@ -439,6 +440,7 @@ impl GpuBackend {
             .arg(&workspace)
             .arg(&ids)
             .arg(&next_ids)
+            .arg(&next_ids_copy)
             .arg(&timeline)
             .arg(&batch)
             .arg(&pos_arg)

@@ -35,8 +35,8 @@ pub(super) enum Pass {
     /// B sequences of T tokens from the start of the cache, their ids uploaded to `act.ids`.
     Prefill,
     /// One token a sequence after the cache. `from_draw`: the ids are the previous step's
-    /// choice, read where its argmax or sampler wrote them (the slot of `act.next_ids` other
-    /// than `slot`); else uploaded to `act.ids`. A NaN row's -1 there is read as token 0 (such
+    /// choice, read where its argmax or sampler wrote them (the device copy of the slot of
+    /// `act.next_ids` other than `slot`); else uploaded to `act.ids`. A NaN row's -1 there is read as token 0 (such
     /// a step is thrown away). `slot`: where this step's own choice goes, if it chooses.
     Decode { from_draw: bool, slot: usize },
 }
@@ -403,7 +403,8 @@ impl GpuBackend {
         };
         let cfg = &self.model.config;
         let args = [
-            ArgValue::Ptr(self.act.next_ids.ptr(slot)),
+            ArgValue::Ptr(self.act.next_ids.host_ptr(slot)),
+            ArgValue::Ptr(self.act.next_ids.device_ptr(slot)),
             ArgValue::Ptr(self.act.logits.ptr(&self.gpu)),
             i32_arg(b, "B")?,
             i32_arg(cfg.vocab_size, "V")?,
@@ -434,7 +435,8 @@ impl GpuBackend {
         let cfg = &self.model.config;
         let params = &draw.params;
         let args = [
-            ArgValue::Ptr(self.act.next_ids.ptr(slot)),
+            ArgValue::Ptr(self.act.next_ids.host_ptr(slot)),
+            ArgValue::Ptr(self.act.next_ids.device_ptr(slot)),
             ArgValue::Ptr(self.act.logits.ptr(&self.gpu)),
             ArgValue::Ptr(ws),
             i32_arg(b, "B")?,

@@ -18,8 +18,9 @@
 //!
 //! The chosen ids go straight to the host: the draw's kernel writes them into page-locked host
 //! memory mapped into the GPU's address space (`buffers::DrawnIds`), so nothing but the steps'
-//! graphs and events is on the stream. Its two slots alternate: a step writes one, reads its
-//! own input tokens from the other (the step before's choice), and the host reads a step's
+//! graphs and events is on the stream, and writes them again into device memory, where the next
+//! step reads them. Two slots alternate in both places: a step writes one, reads its own input
+//! tokens from the other's device copy (the step before's choice), and the host reads a step's
 //! slot after that step's event, while the step after it (launched ahead) writes the other.
 //! The step after that, which writes this slot again, is launched only once the host has read it.
 

@@ -12,7 +12,7 @@ use crate::ops::model_dims::{context_bucket, decode_context_buckets};
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
 use crate::tune::registry::{variant_kind, Choice};
-use crate::tune::workloads::{decode_attention_shape, folds_layernorms, kernel_dtype, op_dtype};
+use crate::tune::workloads::{decode_attention_shape, folds_layernorms, kernel_dtype, next_tokens_shape, op_dtype};
 
 /// One selected, loaded kernel and where it is used.
 #[derive(Clone)]
@@ -446,7 +446,7 @@ impl GpuBackend {
         let catalog = &self.registry.catalog;
         let available = |op: &str| ops::op_by_name(op).is_some() && catalog.has_dtype(op, op_dtype(self.dtype));
         let (argmax_available, sample_available) = (available(ARGMAX_OP), available(SAMPLE_OP));
-        let rows = shape(&[("B", bi), ("V", cfg.vocab_size as i64), ("stride", vp)]);
+        let rows = next_tokens_shape(&cfg.dims(), bi);
         let argmax = if decode && argmax_available {
             Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, rows.clone(), None)?)
         } else {

@@ -376,8 +376,8 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                     }
                 }
                 if let Some(next) = ops.get(i + 1).filter(|o| o.op == "argmax") {
-                    // out, logits, B, V, stride: the argmax partials go to the workspace.
-                    if ptr_arg(&next.args, 1) != stage.out {
+                    // out, out_copy, logits, B, V, stride: the argmax partials go to the workspace.
+                    if ptr_arg(&next.args, 2) != stage.out {
                         return Err(unsupported("argmax must read the LM head's logits"));
                     }
                     stage.flags |= FLAG_ARGMAX;

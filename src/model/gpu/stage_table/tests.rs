@@ -8,7 +8,7 @@ fn plan(layers: usize, batch: usize, c: usize, n_head: usize, vp: usize) -> Vec<
     let (b, c32) = (batch as i32, c as i32);
     let p = ArgValue::Ptr;
     let i = |v: usize| ArgValue::I32(v as i32);
-    let (x, y, ln, qkv, att, fc, logits, ids, next) = (
+    let (x, y, ln, qkv, att, fc, logits, ids, next, next_copy) = (
         p(1 << 20),
         p(2 << 20),
         p(3 << 20),
@@ -18,6 +18,7 @@ fn plan(layers: usize, batch: usize, c: usize, n_head: usize, vp: usize) -> Vec<
         p(7 << 20),
         p(8 << 20),
         p(9 << 20),
+        p(10 << 20),
     );
     let w = |l: usize, k: usize| p(((100 + l) << 24) as u64 + (k << 16) as u64);
     let op = |role: &str, op: &str, epilogue: Epilogue, args: Vec<ArgValue>, layer: Option<usize>| PlanOp {
@@ -145,7 +146,7 @@ fn plan(layers: usize, batch: usize, c: usize, n_head: usize, vp: usize) -> Vec<
         "argmax",
         "argmax",
         Epilogue::None,
-        vec![next, logits, i(batch), i(vp - 47), i(vp)],
+        vec![next, next_copy, logits, i(batch), i(vp - 47), i(vp)],
         None,
     ));
     ops
