@@ -36,8 +36,9 @@ pub(super) enum Pass {
     Prefill,
     /// One token a sequence after the cache. `from_draw`: the ids are the previous step's
     /// choice, read where its argmax or sampler wrote them (the device copy of the slot of
-    /// `act.next_ids` other than `slot`); else uploaded to `act.ids`. A NaN row's -1 there is read as token 0 (such
-    /// a step is thrown away). `slot`: where this step's own choice goes, if it chooses.
+    /// `act.next_ids` other than `slot`); else uploaded to `act.ids`. A NaN row's -1 there is
+    /// read as token 0 (such a step is thrown away). `slot`: where this step's own choice goes,
+    /// if it chooses.
     Decode { from_draw: bool, slot: usize },
 }
 
