@@ -19,7 +19,7 @@ use kernelforge::model::sampling::argmax;
 use kernelforge::model::DecodeEngine;
 use kernelforge::ops::draw::{draw, kept, DrawKey, SamplingParams};
 use kernelforge::ops::sample::Sample;
-use kernelforge::ops::{Arg, Epilogue, Mask, OpContract, Shape, Storage};
+use kernelforge::ops::{arg_index, Arg, Epilogue, Mask, OpContract, Shape, Storage};
 use kernelforge::spec::{variant_with, Catalog, Dtype};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -161,13 +161,7 @@ fn draws_on_gpu(
     let logits = problem.tensor_index("logits").unwrap();
     problem.tensors[logits].data = kernelforge::ops::HostData::F32(row.repeat(rows));
     // The kernel arguments by their names in the op's signature.
-    let arg = |name: &str| {
-        Sample
-            .signature()
-            .split(", ")
-            .position(|param| param.rsplit(' ').next() == Some(name))
-            .unwrap_or_else(|| panic!("the sample op has no argument `{name}`"))
-    };
+    let arg = |name: &str| arg_index(&Sample, name).unwrap_or_else(|| panic!("the sample op has no argument `{name}`"));
     problem.args[arg("temperature")] = Arg::F32(params.temperature);
     problem.args[arg("top_p")] = Arg::F32(params.top_p);
     let mut device = DeviceProblem::upload(gpu, &problem).unwrap();

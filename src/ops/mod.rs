@@ -243,16 +243,21 @@ static ALL_OPS: [&dyn OpContract; 12] = [
     &decode_step::DecodeStep,
 ];
 
-/// Position of the tensor parameter (a pointer other than `workspace`) called `name` in `op`'s
-/// [`OpContract::signature`]; `None` when there is no such tensor.
-pub fn tensor_arg_index(op: &dyn OpContract, name: &str) -> Option<usize> {
+/// Position of the parameter called `name` in `op`'s [`OpContract::signature`] (a problem's
+/// `args` follow it); `None` when there is none.
+pub fn arg_index(op: &dyn OpContract, name: &str) -> Option<usize> {
     op.signature()
         .split(", ")
         .position(|param| param.rsplit(' ').next() == Some(name))
-        .filter(|&i| {
-            let param = op.signature().split(", ").nth(i).unwrap_or_default();
-            param.contains('*') && name != "workspace"
-        })
+}
+
+/// Position of the tensor parameter (a pointer other than `workspace`) called `name` in `op`'s
+/// [`OpContract::signature`]; `None` when there is no such tensor.
+pub fn tensor_arg_index(op: &dyn OpContract, name: &str) -> Option<usize> {
+    arg_index(op, name).filter(|&i| {
+        let param = op.signature().split(", ").nth(i).unwrap_or_default();
+        param.contains('*') && name != "workspace"
+    })
 }
 
 /// Every op contract.
@@ -387,6 +392,15 @@ mod tests {
         }
         assert!(op_by_name("conv2d").is_none());
         assert_eq!(op_by_name("matmul").unwrap().dims(), ["M", "N", "K"]);
+    }
+
+    #[test]
+    fn arguments_are_found_by_name() {
+        assert_eq!(arg_index(&argmax::Argmax, "out_copy"), Some(1));
+        assert_eq!(arg_index(&sample::Sample, "temperature"), Some(8));
+        assert_eq!(tensor_arg_index(&sample::Sample, "temperature"), None, "not a tensor");
+        assert_eq!(tensor_arg_index(&sample::Sample, "workspace"), None);
+        assert_eq!(arg_index(&argmax::Argmax, "logit"), None, "whole names only");
     }
 
     #[test]
