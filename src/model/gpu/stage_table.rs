@@ -19,7 +19,7 @@
 //! table always completes: the unfinished task with the smallest number never waits.
 
 use crate::gpu::ArgValue;
-use crate::ops::Epilogue;
+use crate::ops::{self, Epilogue};
 
 mod record;
 use record::*;
@@ -121,15 +121,25 @@ impl Lowered {
     }
 }
 
-fn ptr_arg(args: &[ArgValue], i: usize) -> u64 {
-    match args.get(i) {
+/// The argument called `name` of `node`, found where its op's signature puts it
+/// (`templates/README.md`), so that a new argument in a signature moves nothing here.
+fn arg_of<'a>(node: &'a PlanOp, name: &str) -> Option<&'a ArgValue> {
+    let index = ops::op_by_name(&node.op).and_then(|op| ops::arg_index(op, name));
+    debug_assert!(index.is_some(), "the {} op has no argument `{name}`", node.op);
+    node.args.get(index?)
+}
+
+/// The pointer argument `name` of `node` (0 where it has none).
+fn ptr_arg(node: &PlanOp, name: &str) -> u64 {
+    match arg_of(node, name) {
         Some(ArgValue::Ptr(p)) => *p,
         _ => 0,
     }
 }
 
-fn int_arg(args: &[ArgValue], i: usize) -> usize {
-    match args.get(i) {
+/// The int argument `name` of `node` (0 where it has none, or a negative one).
+fn int_arg(node: &PlanOp, name: &str) -> usize {
+    match arg_of(node, name) {
         Some(ArgValue::I32(v)) => (*v).max(0) as usize,
         _ => 0,
     }
@@ -184,17 +194,16 @@ fn fuse_mlp(
     let (Some(mlp), Some(prev)) = (mlp, prev) else {
         return Ok(None);
     };
-    let a = &proj.args;
-    let (n2, k2) = (int_arg(a, 7), int_arg(a, 8));
-    let Some(&transposed) = mlp.transposed.get(&ptr_arg(a, 2)) else {
+    let (n2, k2) = (int_arg(proj, "N"), int_arg(proj, "K"));
+    let Some(&transposed) = mlp.transposed.get(&ptr_arg(proj, "weight")) else {
         return Ok(None);
     };
     let fits = proj.op == "matmul"
         && proj.epilogue == Epilogue::BiasResidual
         && fc.epilogue == epilogue_code(Epilogue::BiasGelu)
         && fc.flags == FLAG_LAYERNORM
-        && ptr_arg(a, 1) == fc.out
-        && ptr_arg(a, 4) == fc.input
+        && ptr_arg(proj, "inp") == fc.out
+        && ptr_arg(proj, "residual") == fc.input
         && k2 == fc.n as usize
         && n2 == fc.k as usize
         && n2 % 4 == 0
@@ -217,8 +226,8 @@ fn fuse_mlp(
     fc.out = 0;
     prev.flags |= FLAG_INIT_ACC;
     prev.acc = mlp.acc;
-    prev.bias2 = ptr_arg(a, 3);
-    Ok(Some(ptr_arg(a, 0)))
+    prev.bias2 = ptr_arg(proj, "bias");
+    Ok(Some(ptr_arg(proj, "out")))
 }
 
 /// Lowers a greedy decode plan to the stage table (see the module docs); `mlp` fuses each
@@ -240,7 +249,6 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
     let mut i = 0;
     while i < ops.len() {
         let node = &ops[i];
-        let a = &node.args;
         let unsupported = |fix: &str| MegakernelError::Unsupported {
             role: node.role.clone(),
             op: node.op.clone(),
@@ -257,35 +265,33 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
         };
         match node.op.as_str() {
             "encoder" => {
-                // out, tokens, wte, wpe, B, T, C, pos_offset
-                batch = int_arg(a, 4);
-                if int_arg(a, 5) != 1 {
+                batch = int_arg(node, "B");
+                if int_arg(node, "T") != 1 {
                     return Err(shape_err("a decode step embeds one token per sequence".into()));
                 }
                 stage.kind = STAGE_EMBED;
                 stage.tasks = 1;
-                stage.n = int_arg(a, 6) as i32;
-                stage.out = ptr_arg(a, 0);
-                stage.weight = ptr_arg(a, 2);
-                stage.aux = ptr_arg(a, 3);
+                stage.n = int_arg(node, "C") as i32;
+                stage.out = ptr_arg(node, "out");
+                stage.weight = ptr_arg(node, "wte");
+                stage.aux = ptr_arg(node, "wpe");
             }
             "layernorm" => {
-                // out, inp, gamma, beta, N, C: fused into the stage that reads `out`.
+                // Fused into the stage that reads `out`.
                 if pending.is_some() {
                     return Err(unsupported("two layernorms in a row leave the first unread"));
                 }
                 pending = Some(PendingNorm {
-                    out: ptr_arg(a, 0),
-                    input: ptr_arg(a, 1),
-                    gamma: ptr_arg(a, 2),
-                    beta: ptr_arg(a, 3),
+                    out: ptr_arg(node, "out"),
+                    input: ptr_arg(node, "inp"),
+                    gamma: ptr_arg(node, "gamma"),
+                    beta: ptr_arg(node, "beta"),
                 });
                 i += 1;
                 continue;
             }
             "matmul" => {
-                // out, inp, weight, bias, residual, workspace, M, N, K, T, n_head
-                let (m, n, k) = (int_arg(a, 6), int_arg(a, 7), int_arg(a, 8));
+                let (m, n, k) = (int_arg(node, "M"), int_arg(node, "N"), int_arg(node, "K"));
                 if m != batch {
                     return Err(shape_err(format!("{m} rows for a batch of {batch}")));
                 }
@@ -306,11 +312,11 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                 stage.k = k as i32;
                 stage.cols = cut_columns(&node.role, n, k, geo)? as i32;
                 stage.tasks = n.div_ceil(stage.cols as usize) as i32;
-                stage.out = ptr_arg(a, 0);
-                stage.input = ptr_arg(a, 1);
-                stage.weight = ptr_arg(a, 2);
-                stage.bias = ptr_arg(a, 3);
-                stage.residual = ptr_arg(a, 4);
+                stage.out = ptr_arg(node, "out");
+                stage.input = ptr_arg(node, "inp");
+                stage.weight = ptr_arg(node, "weight");
+                stage.bias = ptr_arg(node, "bias");
+                stage.residual = ptr_arg(node, "residual");
                 if let Some(norm) = pending.take() {
                     if k > geo.norm_row_elems {
                         return Err(shape_err(format!(
@@ -334,12 +340,12 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                 }
                 stage.epilogue = epilogue_code(node.epilogue);
                 if node.epilogue == Epilogue::Qkv {
-                    // The attention after it appends the step's k and v to the caches (out, q, k,
-                    // v, k_cache, v_cache, ...): here the QKV stage writes them there itself.
+                    // The attention after it appends the step's k and v to the caches: here the
+                    // QKV stage writes them there itself.
                     match ops.get(i + 1) {
                         Some(next) if next.op == "attention_decode" => {
-                            stage.k_cache = ptr_arg(&next.args, 4);
-                            stage.v_cache = ptr_arg(&next.args, 5);
+                            stage.k_cache = ptr_arg(next, "k_cache");
+                            stage.v_cache = ptr_arg(next, "v_cache");
                         }
                         _ => return Err(unsupported("the QKV matmul must be followed by attention_decode")),
                     }
@@ -376,8 +382,8 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                     }
                 }
                 if let Some(next) = ops.get(i + 1).filter(|o| o.op == "argmax") {
-                    // out, out_copy, logits, B, V, stride: the argmax partials go to the workspace.
-                    if ptr_arg(&next.args, 2) != stage.out {
+                    // The argmax partials go to the workspace.
+                    if ptr_arg(next, "logits") != stage.out {
                         return Err(unsupported("argmax must read the LM head's logits"));
                     }
                     stage.flags |= FLAG_ARGMAX;
@@ -385,8 +391,12 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                 }
             }
             "attention_decode" => {
-                // out, q, k, v, k_cache, v_cache, workspace, B, NH, T, max_T, HS, scale
-                let (b, nh, max_t, hs) = (int_arg(a, 7), int_arg(a, 8), int_arg(a, 10), int_arg(a, 11));
+                let (b, nh, max_t, hs) = (
+                    int_arg(node, "B"),
+                    int_arg(node, "NH"),
+                    int_arg(node, "max_T"),
+                    int_arg(node, "HS"),
+                );
                 if hs != geo.head_dim {
                     return Err(shape_err(format!(
                         "head size {hs}, but the decode_megakernel point is compiled for head_dim {}",
@@ -399,10 +409,10 @@ pub fn lower(ops: &[PlanOp], geo: &Geometry, mlp: Option<&MlpFusion>) -> Result<
                 stage.kind = STAGE_ATTENTION;
                 stage.cols = chunks as i32;
                 stage.tasks = (b * nh * chunks) as i32;
-                stage.out = ptr_arg(a, 0);
-                stage.input = ptr_arg(a, 1);
-                stage.k_cache = ptr_arg(a, 4);
-                stage.v_cache = ptr_arg(a, 5);
+                stage.out = ptr_arg(node, "out");
+                stage.input = ptr_arg(node, "q");
+                stage.k_cache = ptr_arg(node, "k_cache");
+                stage.v_cache = ptr_arg(node, "v_cache");
                 attention_floats = attention_floats.max(b * nh * chunks * (hs + 2));
             }
             "kv_append" => {

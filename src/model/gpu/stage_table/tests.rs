@@ -229,6 +229,40 @@ fn gpt2_small_lowers_to_one_stage_per_fused_op_about_a_wave_each() {
 }
 
 #[test]
+fn every_stage_points_where_its_ops_arguments_point() {
+    // The pointers of `plan`: the buffers, and weight k of layer l.
+    let buf = |n: u64| n << 20;
+    let w = |l: u64, k: u64| ((100 + l) << 24) + (k << 16);
+    let (x, y, qkv, att, fc, logits) = (buf(1), buf(2), buf(4), buf(5), buf(6), buf(7));
+    let lowered = lower(&plan(1, 2, 768, 12, 50304), &geometry(2), None).unwrap();
+    let s = &lowered.stages;
+    let names: Vec<&str> = s.iter().map(|s| STAGE_OPS[s.op as usize]).collect();
+    assert_eq!(
+        names,
+        ["embed", "qkv", "attention", "attn_proj", "fc", "fc_proj", "lm_head"]
+    );
+    let pointers = |s: &StageRecord| {
+        [
+            s.out, s.input, s.weight, s.bias, s.residual, s.gamma, s.beta, s.k_cache, s.v_cache, s.aux,
+        ]
+    };
+    // out, input, weight, bias, residual, gamma, beta, k_cache, v_cache, aux
+    let want = [
+        [x, 0, w(0, 0), 0, 0, 0, 0, 0, 0, w(0, 1)],
+        [qkv, x, w(0, 4), w(0, 5), 0, w(0, 2), w(0, 3), w(0, 20), w(0, 21), 0],
+        [att, qkv, 0, 0, 0, 0, 0, w(0, 20), w(0, 21), 0],
+        [y, att, w(0, 6), w(0, 7), x, 0, 0, 0, 0, 0],
+        [fc, y, w(0, 10), w(0, 11), 0, w(0, 8), w(0, 9), 0, 0, 0],
+        [x, fc, w(0, 12), w(0, 13), y, 0, 0, 0, 0, 0],
+        [logits, x, w(0, 0), 0, 0, w(99, 0), w(99, 1), 0, 0, 0],
+    ];
+    for ((stage, want), name) in s.iter().zip(want).zip(names) {
+        assert_eq!(pointers(stage), want, "{name}");
+    }
+    assert_eq!((s[0].n, s[1].n, s[1].k, s[5].n, s[5].k), (768, 2304, 768, 768, 3072));
+}
+
+#[test]
 fn a_slice_counts_its_cache_chunks_for_the_whole_batch() {
     // One sequence alone cuts each head's cache into 11 chunks to fill 132 blocks; as a
     // slice of a batch of 4 it cuts 2, as the whole batch does, so its keys are summed alike.
