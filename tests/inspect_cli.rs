@@ -85,7 +85,7 @@ block_size = 128
     .unwrap();
     std::fs::write(
         other.path().join("templates/t/ok.cu.tera"),
-        "extern \"C\" __global__ void {{ kernel_name }}_main() {}\n",
+        "extern \"C\" __global__ void {{ kernel_name }}_main(float* out, const float* inp, int N) {}\n",
     )
     .unwrap();
     let gen = |extra: &[&str]| {

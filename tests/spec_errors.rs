@@ -502,3 +502,36 @@ fn conditional_kernels() {
         "{e}"
     );
 }
+
+#[test]
+fn template_whose_parameters_are_not_the_ops_is_refused_with_both_lists() {
+    let t = templates();
+    let render = |params: &str| {
+        std::fs::write(
+            t.path().join("t/ok.cu.tera"),
+            format!("extern \"C\" __global__ void __launch_bounds__(128) {{{{ kernel_name }}}}_main({params}) {{}}\n"),
+        )
+        .unwrap();
+        let family = std::sync::Arc::new(parse(GOOD, t.path()).unwrap());
+        let variant = expand(&family, Points::Default, &DeviceLimits::default())
+            .unwrap()
+            .remove(0);
+        Renderer::new(t.path())
+            .unwrap()
+            .render(&variant)
+            .map_err(|e| e.to_string())
+    };
+    render("float* out, const float* __restrict__ inp, int N").expect("the gelu op's own parameters");
+    // One missing, as a template of another version of the contract would have it.
+    let e = render("float* out, int N").unwrap_err();
+    assert!(
+        e.starts_with("specs/gelu_test.toml: templates/t/ok.cu.tera declares gelu_test_"),
+        "{e}"
+    );
+    assert!(e.contains("_main(out, N), but the gelu op passes (out, inp, N)"), "{e}");
+    assert!(e.contains("--root"), "says where such templates come from: {e}");
+    // Extra parameters past the op's are TMA descriptors only.
+    let e = render("float* out, const float* inp, int N, int extra").unwrap_err();
+    assert!(e.contains("(out, inp, N, extra)"), "{e}");
+    render("float* out, const float* inp, int N, const __grid_constant__ TensorMap inp_map").expect("a tensor map");
+}

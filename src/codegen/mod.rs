@@ -19,6 +19,18 @@ pub enum CodegenError {
         variant: String,
         message: String,
     },
+    #[error(
+        "{spec}: templates/{template} declares {kernel}{mismatch}: the template's parameters must \
+         be the op's (templates/README.md), in order, then any tensor maps; a --root folder from \
+         another version of kernelforge has templates of another contract"
+    )]
+    Parameters {
+        spec: PathBuf,
+        template: String,
+        kernel: String,
+        /// `(its parameters), but the <op> op passes (the op's)`.
+        mismatch: String,
+    },
     #[error(transparent)]
     Spec(#[from] SpecError),
     #[error("{path}: {source}")]
@@ -144,11 +156,56 @@ impl Renderer {
                 .collect::<Vec<_>>()
                 .join(" "),
         );
+        for kernel in &family.kernels {
+            let function = format!("{kernel_name}_{}", kernel.name);
+            // A kernel with a `when` may be left out of this variant's source.
+            let Some(params) = parameter_names(&body, &function) else {
+                continue;
+            };
+            let want: Vec<&str> = family.op.signature().split(", ").map(last_word).collect();
+            // The op's arguments, in order, then TMA descriptors (`[[kernels.tensor_maps]]`).
+            let maps = params.get(want.len()..).unwrap_or_default();
+            if params.get(..want.len()) != Some(&want[..]) || !maps.iter().all(|m| m.ends_with("_map")) {
+                return Err(CodegenError::Parameters {
+                    spec: family.file.clone(),
+                    template: family.template.clone(),
+                    kernel: function,
+                    mismatch: format!(
+                        "({}), but the {} op passes ({})",
+                        params.join(", "),
+                        family.op.name(),
+                        want.join(", ")
+                    ),
+                });
+            }
+        }
         Ok(Source {
             kernel_name,
             code: format!("{header}{}\n", collapse_blank_lines(body.trim())),
         })
     }
+}
+
+/// The last word of a declaration (`const float* __restrict__ inp` -> `inp`).
+fn last_word(declaration: &str) -> &str {
+    declaration
+        .trim()
+        .rsplit(|c: char| c.is_whitespace() || c == '*' || c == '&')
+        .next()
+        .unwrap_or_default()
+}
+
+/// The parameter names of the `__global__` function `function` in `code`, or `None` when the
+/// code defines no such kernel.
+fn parameter_names<'a>(code: &'a str, function: &str) -> Option<Vec<&'a str>> {
+    let at = code.match_indices(&format!("{function}(")).find(|&(at, _)| {
+        let before = &code[..at];
+        // the definition: `__global__` since the last statement, not a call
+        before.rfind("__global__").is_some_and(|g| !before[g..].contains(';'))
+    })?;
+    let list = &code[at.0 + function.len() + 1..];
+    let list = &list[..list.find(')')?];
+    Some(list.split(',').map(last_word).filter(|p| !p.is_empty()).collect())
 }
 
 /// Template control lines leave runs of empty lines behind; keep at most one.
@@ -270,6 +327,20 @@ pub fn cuda_files(dir: &Path) -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kernels_parameters_are_read_from_its_definition() {
+        let code = "__device__ void helper() { k_main(a, b); }\n\
+                    extern \"C\" __global__ void __launch_bounds__(256, 2)\n\
+                    k_main(storage_t* out, const storage_t* __restrict__ inp, int N,\n\
+                           const __grid_constant__ TensorMap inp_map) {}\n";
+        assert_eq!(
+            parameter_names(code, "k_main"),
+            Some(vec!["out", "inp", "N", "inp_map"])
+        );
+        assert_eq!(parameter_names(code, "k_other"), None, "not defined in this variant");
+        assert_eq!(parameter_names("__global__ void k_main() {}", "k_main"), Some(vec![]));
+    }
 
     #[test]
     fn blank_line_runs_collapse_to_one() {

@@ -6,10 +6,11 @@
 //! Kernel arguments: `const int* stage_table, int n_stages, unsigned* counters, float* workspace,
 //! const int* tokens, int* next_ids, int* next_ids_copy, unsigned long long* timeline, int B,
 //! int pos, int NH, int max_T, int V, float scale, float inv_temperature, int seed_lo, int seed_hi,
-//! int seq0`: the next tokens (written to `next_ids` and again to `next_ids_copy`, as the argmax
-//! op's `out_copy`) are the argmax (`inv_temperature` 0) or the Gumbel-max of a plain temperature,
-//! keyed as the `sample` op keys its draws (seed, sequence `seq0 + b`, position `pos + 1`): the
-//! same token as the sample op.
+//! int seq0, int top_k, float top_p`: the next tokens (written to `next_ids` and again to
+//! `next_ids_copy`, as the argmax op's `out_copy`) are the argmax (`inv_temperature` 0), the
+//! Gumbel-max of a plain temperature (`top_k` 0), or a top-k (then top-p) draw from the LM-head
+//! tasks' heads (`src/model/gpu/lm_head_draw.rs` says which), keyed as the `sample` op keys its
+//! draws (seed, sequence `seq0 + b`, position `pos + 1`): the same token as the sample op.
 //! Shape: `B` (sequences), `C` (embedding width), `NH` (heads), `L` (layers); optional `HS`
 //! (`C / NH`), `Vp` (padded vocabulary, default 50304), `max_T` (context, default 1024) and
 //! `elem_bytes` (bytes of the storage type, default 4) that the launch geometry reads.
@@ -36,7 +37,7 @@ impl OpContract for DecodeStep {
         "a whole GPT-2 decode step from a task table (the megakernel decode engine)"
     }
     fn signature(&self) -> &'static str {
-        "const int* stage_table, int n_stages, unsigned* counters, float* workspace, const int* tokens, int* next_ids, int* next_ids_copy, unsigned long long* timeline, int B, int pos, int NH, int max_T, int V, float scale, float inv_temperature, int seed_lo, int seed_hi, int seq0"
+        "const int* stage_table, int n_stages, unsigned* counters, float* workspace, const int* tokens, int* next_ids, int* next_ids_copy, unsigned long long* timeline, int B, int pos, int NH, int max_T, int V, float scale, float inv_temperature, int seed_lo, int seed_hi, int seq0, int top_k, float top_p"
     }
     fn dims(&self) -> &'static [&'static str] {
         &["B", "C", "NH", "L"]
