@@ -156,13 +156,13 @@ impl Renderer {
                 .collect::<Vec<_>>()
                 .join(" "),
         );
+        let want: Vec<&str> = crate::ops::arg_names(family.op).collect();
         for kernel in &family.kernels {
             let function = format!("{kernel_name}_{}", kernel.name);
             // A kernel with a `when` may be left out of this variant's source.
             let Some(params) = parameter_names(&body, &function) else {
                 continue;
             };
-            let want: Vec<&str> = family.op.signature().split(", ").map(last_word).collect();
             // The op's arguments, in order, then TMA descriptors (`[[kernels.tensor_maps]]`).
             let maps = params.get(want.len()..).unwrap_or_default();
             if params.get(..want.len()) != Some(&want[..]) || !maps.iter().all(|m| m.ends_with("_map")) {

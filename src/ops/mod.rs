@@ -243,12 +243,17 @@ static ALL_OPS: [&dyn OpContract; 12] = [
     &decode_step::DecodeStep,
 ];
 
+/// The parameter names of `op`'s [`OpContract::signature`], in order (`float* out` -> `out`).
+pub fn arg_names(op: &dyn OpContract) -> impl Iterator<Item = &'static str> {
+    op.signature()
+        .split(", ")
+        .map(|param| param.rsplit(' ').next().unwrap_or_default())
+}
+
 /// Position of the parameter called `name` in `op`'s [`OpContract::signature`] (a problem's
 /// `args` follow it); `None` when there is none.
 pub fn arg_index(op: &dyn OpContract, name: &str) -> Option<usize> {
-    op.signature()
-        .split(", ")
-        .position(|param| param.rsplit(' ').next() == Some(name))
+    arg_names(op).position(|param| param == name)
 }
 
 /// Position of the tensor parameter (a pointer other than `workspace`) called `name` in `op`'s
