@@ -119,16 +119,20 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
 }
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
 
+// 16 bytes held as loaded (4 registers) until widened where they are used.
+constexpr int PACKED_WIDTH = 16 / sizeof(storage_t);  // 4 floats or 8 halves
+__device__ __forceinline__ uint4 ldg_packed(const storage_t* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+__device__ __forceinline__ void widen(uint4 packed, float (&v)[PACKED_WIDTH]) {
+    unpack8(packed, v);
+}
+
 // Elements per 16-byte load: 4 floats or 8 halves.
 constexpr int VECTOR_WIDTH = 16 / STORAGE_BYTES;
 
-// A 16-byte vector is held as loaded (a uint4: 4 registers) until it is compared, then widened:
-// LOADS_IN_FLIGHT widened vectors of halves would take 8 registers each, and at 1,024 threads a
-// thread has 64 in all, so they would spill to local memory.
-__device__ __forceinline__ uint4 ldg_packed(const storage_t* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
-__device__ __forceinline__ void widen(uint4 packed, float (&v)[VECTOR_WIDTH]) {
-    unpack8(packed, v);
-}
+// A 16-byte vector is held as loaded (vec::storage's ldg_packed: 4 registers) until it is
+// compared, then widened: LOADS_IN_FLIGHT widened vectors of halves would take 8 registers each,
+// and at 1,024 threads a thread has 64 in all, so they would spill to local memory.
+static_assert(PACKED_WIDTH == VECTOR_WIDTH, "a packed load is one vector");
 
 // (value, index) a beats (value, index) b: larger value, or the same value at a smaller index.
 // The rule is commutative and associative, so any reduction order finds the FIRST maximum.

@@ -95,6 +95,14 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
     store4(ptr, make_float4(v[0], v[1], v[2], v[3]));
 }
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
+
+// 16 bytes held as loaded (4 registers) until widened where they are used.
+constexpr int PACKED_WIDTH = 16 / sizeof(storage_t);  // 4 floats or 8 halves
+__device__ __forceinline__ uint4 ldg_packed(const storage_t* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+__device__ __forceinline__ void widen(uint4 packed, float (&v)[PACKED_WIDTH]) {
+    v[0] = __uint_as_float(packed.x); v[1] = __uint_as_float(packed.y);
+    v[2] = __uint_as_float(packed.z); v[3] = __uint_as_float(packed.w);
+}
 // 2^x with the hardware approximation (one MUFU.EX2; relative error ~2^-22; 2^-inf = +0).
 // Online softmax wants exp(s - m) = 2^(s * log2(e) - m * log2(e)): folding log2(e) into the
 // score scale turns every exponential into this single instruction (exp2f, which also handles
@@ -125,6 +133,7 @@ constexpr int GROUPS_PER_WARP = 32 / PIECES;
 constexpr int GROUPS = THREADS / PIECES;      // rows the block reads at once, per ROWS_AT_ONCE
 constexpr int STATE = HEAD_DIM + 2;           // floats of one split's state in the workspace
 static_assert(HEAD_DIM % VEC == 0 && PIECES <= 32 && 32 % PIECES == 0, "a row's pieces fill part of one warp");
+static_assert(VEC == PACKED_WIDTH, "a lane's piece of a row is one 16-byte load");
 
 // The append: row T - 1 of head bh's caches is the step's own key and value, which the QKV
 // projection wrote to k and v. `piece` copies its 16 bytes of each row as they are (the steps
@@ -176,7 +185,16 @@ __device__ __forceinline__ void prefetch_cache_rows(const storage_t* k_cache, co
 // ROWS_AT_ONCE rows a turn. After each lane has its piece's share of the turn's scores:
 // the scores summed across the group by shuffles, then the state advanced over the turn's rows
 // that exist (row first + i * GROUPS below end).
-__device__ __forceinline__ void advance_group(float (&score)[ROWS_AT_ONCE], const float (&value)[ROWS_AT_ONCE][VEC],
+// A row's value piece as f32: loads held packed (a uint4, vec::storage's widen) or already widened.
+__device__ __forceinline__ void widen(const float (&piece)[VEC], float (&v)[VEC]) {
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = piece[j];
+}
+
+// The group's turn: ROWS_AT_ONCE scores summed across the group's lanes, the state advanced once
+// for all of them. Value is a row's value piece, packed (uint4) or widened (float[VEC]).
+template <typename Value>
+__device__ __forceinline__ void advance_group(float (&score)[ROWS_AT_ONCE], const Value (&value)[ROWS_AT_ONCE],
                                               int first, int end, float& m, float& l, float (&acc)[VEC]) {
     // the group's lanes are consecutive: xor offsets below PIECES stay inside it
     #pragma unroll
@@ -197,8 +215,10 @@ __device__ __forceinline__ void advance_group(float (&score)[ROWS_AT_ONCE], cons
         if (first + i * GROUPS >= end) continue;
         const float p = fast_exp2(score[i] - m_new);
         l += p;
+        float v[VEC];
+        widen(value[i], v);
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, value[i][j], acc[j]);
+        for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
     }
     m = m_new;
 }
@@ -295,19 +315,22 @@ attention_decode_groups_507a7d5058ca9b6b_partial(storage_t* out, const storage_t
     const int warp_first = t0 + warp * GROUPS_PER_WARP;
     for (int t = t0 + group, first = warp_first; first < t1;
          t += ROWS_AT_ONCE * GROUPS, first += ROWS_AT_ONCE * GROUPS) {
-        float score[ROWS_AT_ONCE], value[ROWS_AT_ONCE][VEC];
+        // The values stay packed (4 registers a row, not 8 floats of halves) until the state
+        // advances: more rows in flight, or more blocks on an SM, for the same registers.
+        float score[ROWS_AT_ONCE];
+        uint4 value[ROWS_AT_ONCE];
         #pragma unroll
         for (int r = 0; r < ROWS_AT_ONCE; ++r) {
             const int row = t + r * GROUPS;
-            float key[VEC];
+            uint4 key_packed = make_uint4(0u, 0u, 0u, 0u);  // all-zero bits: 0.0 in every dtype
+            value[r] = key_packed;
             if (row < t1) {
                 const bool newest = row == T - 1;
-                ldg_vector(newest ? k_step : k_head + (long long)row * HEAD_DIM, key);
-                ldg_vector(newest ? v_step : v_head + (long long)row * HEAD_DIM, value[r]);
-            } else {
-                #pragma unroll
-                for (int j = 0; j < VEC; ++j) key[j] = value[r][j] = 0.0f;
+                key_packed = ldg_packed(newest ? k_step : k_head + (long long)row * HEAD_DIM);
+                value[r] = ldg_packed(newest ? v_step : v_head + (long long)row * HEAD_DIM);
             }
+            float key[VEC];
+            widen(key_packed, key);
             score[r] = 0.0f;
             #pragma unroll
             for (int j = 0; j < VEC; ++j) score[r] = fmaf(q_piece[j], key[j], score[r]);

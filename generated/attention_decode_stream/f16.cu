@@ -123,6 +123,13 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
     store4(ptr, make_float4(v[0], v[1], v[2], v[3]));
 }
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
+
+// 16 bytes held as loaded (4 registers) until widened where they are used.
+constexpr int PACKED_WIDTH = 16 / sizeof(storage_t);  // 4 floats or 8 halves
+__device__ __forceinline__ uint4 ldg_packed(const storage_t* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+__device__ __forceinline__ void widen(uint4 packed, float (&v)[PACKED_WIDTH]) {
+    unpack8(packed, v);
+}
 // 2^x with the hardware approximation (one MUFU.EX2; relative error ~2^-22; 2^-inf = +0).
 // Online softmax wants exp(s - m) = 2^(s * log2(e) - m * log2(e)): folding log2(e) into the
 // score scale turns every exponential into this single instruction (exp2f, which also handles
@@ -327,7 +334,16 @@ static_assert(ROW_BYTES % 16 == 0 && SLOT_BYTES % 16 == 0, "bulk copies move mul
 // ROWS_AT_ONCE rows a turn. After each lane has its piece's share of the turn's scores:
 // the scores summed across the group by shuffles, then the state advanced over the turn's rows
 // that exist (row first + i * GROUPS below end).
-__device__ __forceinline__ void advance_group(float (&score)[ROWS_AT_ONCE], const float (&value)[ROWS_AT_ONCE][VEC],
+// A row's value piece as f32: loads held packed (a uint4, vec::storage's widen) or already widened.
+__device__ __forceinline__ void widen(const float (&piece)[VEC], float (&v)[VEC]) {
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) v[j] = piece[j];
+}
+
+// The group's turn: ROWS_AT_ONCE scores summed across the group's lanes, the state advanced once
+// for all of them. Value is a row's value piece, packed (uint4) or widened (float[VEC]).
+template <typename Value>
+__device__ __forceinline__ void advance_group(float (&score)[ROWS_AT_ONCE], const Value (&value)[ROWS_AT_ONCE],
                                               int first, int end, float& m, float& l, float (&acc)[VEC]) {
     // the group's lanes are consecutive: xor offsets below PIECES stay inside it
     #pragma unroll
@@ -348,8 +364,10 @@ __device__ __forceinline__ void advance_group(float (&score)[ROWS_AT_ONCE], cons
         if (first + i * GROUPS >= end) continue;
         const float p = fast_exp2(score[i] - m_new);
         l += p;
+        float v[VEC];
+        widen(value[i], v);
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, value[i][j], acc[j]);
+        for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
     }
     m = m_new;
 }

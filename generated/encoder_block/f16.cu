@@ -113,6 +113,13 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
 }
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
 
+// 16 bytes held as loaded (4 registers) until widened where they are used.
+constexpr int PACKED_WIDTH = 16 / sizeof(storage_t);  // 4 floats or 8 halves
+__device__ __forceinline__ uint4 ldg_packed(const storage_t* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+__device__ __forceinline__ void widen(uint4 packed, float (&v)[PACKED_WIDTH]) {
+    unpack8(packed, v);
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK_SIZE)
 encoder_block_a1ad60f71c5a17e4_main(storage_t* out, const int* tokens, const storage_t* wte, const storage_t* wpe,
                        int B, int T, int C, int pos_offset) {

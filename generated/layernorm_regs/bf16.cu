@@ -120,6 +120,13 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
     store4(ptr, make_float4(v[0], v[1], v[2], v[3]));
 }
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
+
+// 16 bytes held as loaded (4 registers) until widened where they are used.
+constexpr int PACKED_WIDTH = 16 / sizeof(storage_t);  // 4 floats or 8 halves
+__device__ __forceinline__ uint4 ldg_packed(const storage_t* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+__device__ __forceinline__ void widen(uint4 packed, float (&v)[PACKED_WIDTH]) {
+    unpack8(packed, v);
+}
 // Butterfly reduction across the 32 lanes of a warp with register shuffles (no shared memory).
 // After log2(32) = 5 xor-steps *every* lane holds the result, so nobody has to broadcast it.
 __device__ __forceinline__ float warp_reduce_sum(float value) {

@@ -124,6 +124,13 @@ __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[4]
 }
 __device__ __forceinline__ void store_vector(storage_t* ptr, const float (&v)[8]) { store8(ptr, v); }
 
+// 16 bytes held as loaded (4 registers) until widened where they are used.
+constexpr int PACKED_WIDTH = 16 / sizeof(storage_t);  // 4 floats or 8 halves
+__device__ __forceinline__ uint4 ldg_packed(const storage_t* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+__device__ __forceinline__ void widen(uint4 packed, float (&v)[PACKED_WIDTH]) {
+    unpack8(packed, v);
+}
+
 // Elements per 16-byte load: 4 floats or 8 halves.
 constexpr int VECTOR_WIDTH = 16 / STORAGE_BYTES;
 static_assert(CHUNK % VECTOR_WIDTH == 0 && VECTOR_WIDTH % 4 == 0, "chunks start on whole vectors of whole noise groups");
