@@ -318,6 +318,7 @@ fn synthetic_db(batches: &[i64], dtypes: &[Dtype], per_family: usize) -> serde_j
                                 local_bytes: if registers > 240 { 16 } else { 0 },
                             })
                             .collect(),
+                        step_ms: None,
                     });
                 }
             }

@@ -111,7 +111,12 @@ pub struct TuneArgs {
     /// Peaks and ceilings are measured on the first GPU of each kind.
     #[arg(long, value_name = "LIST|all", value_parser = super::model::parse_devices)]
     pub devices: Option<DeviceSelection>,
-    /// Also tune the decode step of --model for each --batch the megakernel holds (at most 16
+    /// Also tune the decode step of --model for each --batch. First, decode attention: in each
+    /// cache-length bucket, the kernel --model tuned alone and the candidates within 5% of it
+    /// are timed in greedy decode steps whose caches stay in the bucket, and the fastest in the
+    /// step, if more than 0.5% faster than the winner alone, becomes the bucket's winner
+    /// (near-ties alone can differ more in the step). Then,
+    /// for each --batch the megakernel holds (at most 16
     /// in f16/bf16, 8 in f32; larger batches decode on the graph engine, and are skipped with a
     /// note): the decode megakernel's point (threads, blocks per SM, weight slots, columns per
     /// warp, attention chunks, copy engine, tensor cores, the MLP as one stage), searched by
@@ -333,23 +338,32 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         };
         measured.push((gpu.info.clone(), peaks));
     }
-    let decode = match (&args.model, args.decode_step) {
+    let (attention, decode) = match (&args.model, args.decode_step) {
         (Some(model), true) => {
             let batches: Vec<usize> = args.batch.iter().map(|&b| b.max(1) as usize).collect();
-            // The decode steps the database holds are read back unless a kernel was just
-            // (re)tuned, which may have moved the graph engine's time they were compared with.
+            let cfg = model_config(model)?;
+            // What was timed in whole steps before is read back unless a kernel was just
+            // (re)tuned, which may have moved the times it was compared with.
             let kernels_unchanged = kinds.iter().flat_map(|k| &k.results).all(|r| r.result.from_db);
-            super::tune_decode::tune_decode_steps(
+            let reuse = !args.force && kernels_unchanged;
+            // Decode attention first: the graph engine's step, which the megakernel's points
+            // are compared with, runs the attention chosen here.
+            let attention = super::tune_decode_attention::tune_decode_attention(
+                root, &cfg, args.dtype, &batches, args.seed, reuse,
+            )?;
+            let attention_unchanged = attention.iter().all(|r| r.from_db || !r.switched());
+            let decode = super::tune_decode::tune_decode_steps(
                 root,
                 &catalog,
-                &model_config(model)?,
+                &cfg,
                 args.dtype,
                 &batches,
                 args.seed,
-                !args.force && kernels_unchanged,
-            )?
+                reuse && attention_unchanged,
+            )?;
+            (attention, decode)
         }
-        _ => Vec::new(),
+        _ => (Vec::new(), Vec::new()),
     };
     let elapsed = started.elapsed().as_secs_f64();
     let several = ordinals.len() > 1;
@@ -360,6 +374,13 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             let rows: Vec<serde_json::Value> = decode.iter().map(super::tune_decode::DecodeTuned::json).collect();
             map.insert("decode_step".into(), rows.into());
         }
+        if let (Some(map), false) = (doc.as_object_mut(), attention.is_empty()) {
+            let rows: Vec<serde_json::Value> = attention
+                .iter()
+                .map(super::tune_decode_attention::AttentionInStep::json)
+                .collect();
+            map.insert("decode_attention".into(), rows.into());
+        }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         for (kind, (_, peaks)) in kinds.iter().zip(&measured) {
@@ -368,6 +389,9 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             }
             print!("{}", results_table(&kind.results, peaks, several));
         }
+    }
+    if !attention.is_empty() && !args.json {
+        print!("{}", super::tune_decode_attention::attention_table(&attention));
     }
     if !decode.is_empty() && !args.json {
         print!("{}", super::tune_decode::decode_table(&decode));

@@ -148,6 +148,7 @@ pub(super) fn tune_decode_steps(
                 error: None,
                 rejected: t.outcome.as_ref().err().cloned(),
                 resources: Vec::new(),
+                step_ms: None,
             })
             .collect();
         if let Some((point, ms)) = &descent.best {

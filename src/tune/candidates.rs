@@ -182,6 +182,7 @@ impl<'w> WorkloadSearch<'w> {
             error: None,
             rejected: None,
             resources: eval.resources(v),
+            step_ms: None,
         };
         let mut tried = Tried {
             family: v.family.name.clone(),

@@ -27,6 +27,23 @@ impl GpuBackend {
         }
     }
 
+    /// Run decode attention in the cache-length bucket `len` (one of
+    /// `ops::model_dims::decode_context_buckets`) with `point` (a family and every parameter of
+    /// its point) from the next step on; `None`: the tuned winner or the default again.
+    pub fn set_decode_attention_point(&mut self, len: usize, point: Option<(String, Vec<(String, i64)>)>) {
+        let changed = match point {
+            Some(p) => self.decode_attention_points.insert(len, p.clone()).as_ref() != Some(&p),
+            None => self.decode_attention_points.remove(&len).is_some(),
+        };
+        if changed {
+            // The kernel sets are selected again; a step's graph follows its kernels (nodes
+            // switched in place, or the graph recorded again).
+            self.discard_ahead();
+            self.sets.clear();
+            self.prepared = None;
+        }
+    }
+
     /// Wall milliseconds per greedy decode step of `b` sequences on the current engine (the
     /// time a user waits per token, host included), averaged over `contexts` (cache positions
     /// before the timed steps): a quarter second of warm-up steps (compiles, graph recording,

@@ -376,13 +376,18 @@ impl GpuBackend {
             // One kernel per cache-length bucket, each chosen for the bucket's longest length
             // and launched with the current one (and the whole cache's capacity).
             for len in decode_context_buckets(cfg.n_ctx) {
-                let k = self.kernel(
+                let (family, point) = match self.decode_attention_points.get(&len) {
+                    Some((family, point)) => (Some(family.clone()), point.clone()),
+                    None => (None, Vec::new()),
+                };
+                let k = self.kernel_at(
                     "attention",
                     ATTENTION_DECODE_OP,
                     Epilogue::None,
                     Mask::None,
                     decode_attention_shape(bi, nh, hs, len as i64),
-                    None,
+                    family.as_deref(),
+                    &point,
                 )?;
                 decode_attention.push((len, k));
             }

@@ -253,6 +253,7 @@ fn candidates_and_ceilings_round_trip() {
                 static_smem_bytes: 16384,
                 local_bytes: 0,
             }],
+            step_ms: Some(0.41),
         },
         Candidate {
             family: "matmul_tiled".into(),
@@ -262,6 +263,7 @@ fn candidates_and_ceilings_round_trip() {
             error: None,
             rejected: Some("wrong result".into()),
             resources: Vec::new(),
+            step_ms: None,
         },
     ];
     db.insert(&key(1024), e.clone());

@@ -303,6 +303,7 @@ fn seeds_come_from_the_nearest_tuned_shapes() {
                 error: Some(0.0),
                 rejected: None,
                 resources: Vec::new(),
+                step_ms: None,
             })
             .collect(),
     };
