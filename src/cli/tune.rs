@@ -111,21 +111,20 @@ pub struct TuneArgs {
     /// Peaks and ceilings are measured on the first GPU of each kind.
     #[arg(long, value_name = "LIST|all", value_parser = super::model::parse_devices)]
     pub devices: Option<DeviceSelection>,
-    /// Also tune the decode step of --model for each --batch. First, decode attention: in each
-    /// cache-length bucket, the kernel --model tuned alone and the candidates within 5% of it
-    /// are timed in greedy decode steps whose caches stay in the bucket, and the fastest in the
-    /// step, if more than 0.5% faster than the winner alone, becomes the bucket's winner
-    /// (near-ties alone can differ more in the step). Then,
-    /// for each --batch the megakernel holds (at most 16
-    /// in f16/bf16, 8 in f32; larger batches decode on the graph engine, and are skipped with a
-    /// note): the decode megakernel's point (threads, blocks per SM, weight slots, columns per
-    /// warp, attention chunks, copy engine, tensor cores, the MLP as one stage), searched by
-    /// timing greedy decode steps on random weights of the model's shape (the mean after a short
-    /// prompt and after one of three quarters of the context, where attention's chunking
-    /// shows), against the graph engine timed the same way beside it. Saved into GPU 0's
-    /// default database, where `generate` and `bench` pick the faster engine by default. About
-    /// a minute per batch; read back from the database in seconds when this run tuned no kernel
-    /// anew (the graph engine's time depends on the kernels) and --force is not given.
+    /// Also tune the decode step of --model for each --batch, by timing greedy decode steps on
+    /// random weights of the model's shape. First decode attention: in each cache-length
+    /// bucket, the kernel --model tuned alone and the candidates within 5% of it run in steps
+    /// whose caches stay in the bucket, and the fastest in the step, if more than 0.5% faster
+    /// than the winner alone, becomes the bucket's winner (near-ties alone can differ more in
+    /// the step; about 40 s per batch for GPT-2 small). Then, for each --batch the megakernel
+    /// holds (at most 16 in f16/bf16, 8 in f32; larger batches decode on the graph engine, and
+    /// are skipped with a note): the decode megakernel's point (threads, blocks per SM, weight
+    /// slots, columns per warp, attention chunks, copy engine, tensor cores, the MLP as one
+    /// stage), searched by timing steps after a short prompt and after one of three quarters of
+    /// the context (where attention's chunking shows), against the graph engine timed the same
+    /// way beside it (about a minute per batch). Saved into GPU 0's default database, where
+    /// `generate` and `bench` find them. Read back from the database in seconds when this run
+    /// tuned no kernel anew (the steps' times depend on the kernels) and --force is not given.
     #[arg(long, requires = "model", conflicts_with_all = ["db", "devices"])]
     pub decode_step: bool,
     /// Re-tune shapes the database already has.

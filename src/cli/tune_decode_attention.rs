@@ -137,9 +137,9 @@ pub(super) fn with_step_times(mut entry: Entry, timed: &[(Point, f64)], chosen: 
 }
 
 /// Times the near-ties of every (batch, bucket) of `cfg` in `dtype` on GPU 0 in greedy decode
-/// steps on the graph engine, and stores each bucket's fastest as its winner in the GPU's
-/// default tuning database (which `tune --model` filled). With `reuse`, a bucket whose
-/// candidates were timed in the step before is read back.
+/// steps on the graph engine, and stores each bucket's choice ([`step_choice`]) as its winner
+/// in the GPU's default tuning database (which `tune --model` filled). With `reuse`, a bucket
+/// whose candidates were timed in the step before is read back.
 pub(super) fn tune_decode_attention(
     root: &Path,
     cfg: &GPT2Config,
@@ -213,33 +213,7 @@ pub(super) fn tune_decode_attention(
                     backend.insert(gpu)
                 }
             };
-            let bar = ProgressBar::new((ties.len() * ROUNDS) as u64).with_style(
-                ProgressStyle::with_template("{bar:20} {pos}/{len} decode attention, {prefix}: {msg} ({elapsed})")
-                    .expect("a valid progress template"),
-            );
-            bar.set_prefix(format!("batch {b}, cache up to {len}"));
-            // Rounds of every point in turn, so that a drift of the clocks or the host weighs
-            // on all of them alike; each point's time is its median over the rounds.
-            let mut runs: Vec<Vec<f64>> = vec![Vec::new(); ties.len()];
-            for _ in 0..ROUNDS {
-                for (point, times) in ties.iter().zip(&mut runs) {
-                    bar.set_message(format!("{} {}", point.0, point_text(&point.1)));
-                    let params: Vec<(String, i64)> = point.1.iter().map(|(k, v)| (k.clone(), *v)).collect();
-                    gpu.set_decode_attention_point(len, Some((point.0.clone(), params)));
-                    let ms = gpu.time_greedy_decode(b, &[prompt], steps, 1).with_context(|| {
-                        format!(
-                            "batch {b}: decode steps after {prompt} tokens with {} {}",
-                            point.0,
-                            point_text(&point.1)
-                        )
-                    })?;
-                    times.push(ms);
-                    bar.inc(1);
-                }
-            }
-            gpu.set_decode_attention_point(len, None);
-            let timed: Vec<(Point, f64)> = ties.iter().cloned().zip(runs.into_iter().map(median)).collect();
-            bar.finish_and_clear();
+            let timed = time_in_steps(gpu, b, len, (prompt, steps), &ties)?;
             let (chosen, chosen_ms) = step_choice(&timed);
             let mut db = TuningDb::open(&db_path, header.clone())?;
             db.insert(&key, with_step_times(entry, &timed, &chosen));
@@ -258,6 +232,42 @@ pub(super) fn tune_decode_attention(
         }
     }
     Ok(out)
+}
+
+/// Each of `ties` as bucket `len`'s attention, timed in greedy steps of `b` sequences
+/// (`prompt`, `steps`): [`ROUNDS`] rounds of every point in turn, so that a drift of the clocks
+/// or the host weighs on all of them alike, and each point's median over the rounds.
+fn time_in_steps(
+    gpu: &mut GpuBackend,
+    b: usize,
+    len: usize,
+    (prompt, steps): (usize, usize),
+    ties: &[Point],
+) -> Result<Vec<(Point, f64)>> {
+    let bar = ProgressBar::new((ties.len() * ROUNDS) as u64).with_style(
+        ProgressStyle::with_template("{bar:20} {pos}/{len} decode attention, {prefix}: {msg} ({elapsed})")
+            .expect("a valid progress template"),
+    );
+    bar.set_prefix(format!("batch {b}, cache up to {len}"));
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); ties.len()];
+    for _ in 0..ROUNDS {
+        for ((family, params), times) in ties.iter().zip(&mut runs) {
+            bar.set_message(format!("{family} {}", point_text(params)));
+            let point: Vec<(String, i64)> = params.iter().map(|(k, v)| (k.clone(), *v)).collect();
+            gpu.set_decode_attention_point(len, Some((family.clone(), point)));
+            let ms = gpu.time_greedy_decode(b, &[prompt], steps, 1).with_context(|| {
+                format!(
+                    "batch {b}: decode steps after {prompt} tokens with {family} {}",
+                    point_text(params)
+                )
+            })?;
+            times.push(ms);
+            bar.inc(1);
+        }
+    }
+    gpu.set_decode_attention_point(len, None);
+    bar.finish_and_clear();
+    Ok(ties.iter().cloned().zip(runs.into_iter().map(median)).collect())
 }
 
 impl AttentionInStep {
