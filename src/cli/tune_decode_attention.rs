@@ -117,16 +117,12 @@ fn median(mut times: Vec<f64>) -> f64 {
 /// point's wall ms per step recorded on its candidate.
 pub(super) fn with_step_times(mut entry: Entry, timed: &[(Point, f64)], chosen: &Point) -> Entry {
     for c in &mut entry.candidates {
-        if let Some((_, ms)) = timed.iter().find(|(p, _)| p.0 == c.family && p.1 == c.params) {
+        if let Some((_, ms)) = timed.iter().find(|(p, _)| c.is_point(&p.0, &p.1)) {
             c.step_ms = Some(*ms);
         }
     }
     if (&entry.family, &entry.params) != (&chosen.0, &chosen.1) {
-        if let Some(c) = entry
-            .candidates
-            .iter()
-            .find(|c| c.family == chosen.0 && c.params == chosen.1)
-        {
+        if let Some(c) = entry.candidates.iter().find(|c| c.is_point(&chosen.0, &chosen.1)) {
             entry.median_ms = c.median_ms.unwrap_or(entry.median_ms);
             entry.spread_ms = c.spread_ms.unwrap_or(0.0);
         }
@@ -154,6 +150,7 @@ pub(super) fn tune_decode_attention(
     let compiler = Compiler::new(&device.info.arch()).context("setting up NVRTC")?;
     let header = DbHeader::for_device(&device, &compiler);
     let db_path = default_path(&header);
+    let mut db = TuningDb::open(&db_path, header)?;
     let mut backend: Option<GpuBackend> = None;
     let buckets = decode_context_buckets(cfg.n_ctx);
     let mut out = Vec::new();
@@ -165,7 +162,6 @@ pub(super) fn tune_decode_attention(
                 continue;
             };
             let key = workload.key();
-            let db = TuningDb::open(&db_path, header.clone())?;
             let Some(entry) = db.get(&key).cloned() else {
                 eprintln!(
                     "decode attention, batch {b}, cache up to {len}: not in {} (tune --model first); left to the default",
@@ -176,19 +172,17 @@ pub(super) fn tune_decode_attention(
             let ties = near_ties(&entry);
             let alone = ties[0].clone();
             if reuse && entry.candidates.iter().any(|c| c.step_ms.is_some()) {
-                let step_of = |p: &Point| {
-                    entry
-                        .candidates
-                        .iter()
-                        .find(|c| c.family == p.0 && c.params == p.1)
-                        .and_then(|c| c.step_ms)
-                };
+                let step_ms = entry
+                    .candidates
+                    .iter()
+                    .find(|c| c.is_point(&alone.0, &alone.1))
+                    .and_then(|c| c.step_ms);
                 out.push(AttentionInStep {
                     batch: b,
                     bucket: len,
                     prompt,
                     steps,
-                    chosen: (alone.clone(), step_of(&alone).unwrap_or(f64::NAN)),
+                    chosen: (alone.clone(), step_ms.unwrap_or(f64::NAN)),
                     alone: (alone, None),
                     timed: entry.candidates.iter().filter(|c| c.step_ms.is_some()).count(),
                     from_db: true,
@@ -215,7 +209,6 @@ pub(super) fn tune_decode_attention(
             };
             let timed = time_in_steps(gpu, b, len, (prompt, steps), &ties)?;
             let (chosen, chosen_ms) = step_choice(&timed);
-            let mut db = TuningDb::open(&db_path, header.clone())?;
             db.insert(&key, with_step_times(entry, &timed, &chosen));
             db.save()
                 .with_context(|| format!("saving decode attention of batch {b} to {}", db_path.display()))?;
@@ -224,7 +217,7 @@ pub(super) fn tune_decode_attention(
                 bucket: len,
                 prompt,
                 steps,
-                alone: (alone.clone(), timed.iter().find(|(p, _)| *p == alone).map(|t| t.1)),
+                alone: (alone, Some(timed[0].1)), // timed in the order of `ties`
                 chosen: (chosen, chosen_ms),
                 timed: timed.len(),
                 from_db: false,

@@ -287,7 +287,7 @@ impl<'a> Shared<'a> {
 
     /// Whether `c` is the candidate that won `w`.
     pub fn is_winner(w: &Workload, c: &Candidate) -> bool {
-        c.family == w.entry.family && c.params == w.entry.params
+        c.is_point(&w.entry.family, &w.entry.params)
     }
 }
 

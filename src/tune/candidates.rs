@@ -204,8 +204,7 @@ impl<'w> WorkloadSearch<'w> {
             }
         }
         // A pruned candidate measured after all replaces its earlier record.
-        self.kept
-            .retain(|c| !(c.family == kept.family && c.params == kept.params));
+        self.kept.retain(|c| !c.is_point(&kept.family, &kept.params));
         self.tried
             .retain(|t| !(t.family == tried.family && t.variant == tried.variant));
         self.kept.push(kept);

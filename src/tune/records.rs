@@ -32,6 +32,13 @@ pub struct Candidate {
     pub step_ms: Option<f64>,
 }
 
+impl Candidate {
+    /// Whether this is the point `params` of `family`.
+    pub fn is_point(&self, family: &str, params: &IndexMap<String, i64>) -> bool {
+        self.family == family && &self.params == params
+    }
+}
+
 /// Registers, static shared memory and local (spill) bytes of one kernel of a variant.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resources {
