@@ -206,7 +206,7 @@ attention_decode_fbe93b66d2ae0f49_partial(storage_t* out, const storage_t* q, co
                       storage_t* k_cache, storage_t* v_cache, float* workspace,
                       int B, int NH, int T, int max_T, int HS, float scale) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Read-only data nothing upstream writes: ask L2 for it while the kernel before runs.
+    // Data no kernel upstream writes, fetched while the kernel before runs.
     prefetch_cache_rows(k_cache, v_cache, NH, T, max_T, (T + SPLITS - 1) / SPLITS);
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.

@@ -303,7 +303,7 @@ attention_decode_groups_c4f4fe319202d156_partial(storage_t* out, const storage_t
                       storage_t* k_cache, storage_t* v_cache, float* workspace,
                       int B, int NH, int T, int max_T, int HS, float scale) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Read-only data nothing upstream writes: ask L2 for it while the kernel before runs.
+    // Data no kernel upstream writes, fetched while the kernel before runs.
     prefetch_cache_rows(k_cache, v_cache, NH, T, max_T, KEYS_PER_SPLIT);
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.

@@ -463,7 +463,7 @@ attention_decode_stream_5fdfa2a5bdfec8c6_partial(storage_t* out, const storage_t
                       storage_t* k_cache, storage_t* v_cache, float* workspace,
                       int B, int NH, int T, int max_T, int HS, float scale) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Read-only data nothing upstream writes: ask L2 for it while the kernel before runs.
+    // Data no kernel upstream writes, fetched while the kernel before runs.
     prefetch_first_items(k_cache, v_cache, B, NH, T, max_T);
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.

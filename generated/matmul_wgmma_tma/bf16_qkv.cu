@@ -85,6 +85,11 @@
 //    (the model folds them in once, at load).
 //    With STATS_PASS [0] = 1 a kernel of its own (row_stats) takes each row's mean and rstd
 //    first instead, and the K loop stays the plain GEMM's (load_row_statistics).
+// 9. Weights before the wait. In a decode step's CUDA graph this kernel's CTAs are resident while
+//    the kernel before still runs, stopped at the wait for it (common/launch.cu.tera). The
+//    weights are no kernel's output: before waiting, thread 0 loads the B half of its first
+//    unit's first STAGES K tiles into the ring (prefetch_weight_stages), so that after the wait
+//    only A, the activations the kernel before wrote, is still to come.
 //
 // Tile: BLOCK_M x BLOCK_N [128 x 192]; each consumer holds WG_M x MMA_N [64 x 192] = M_TILES
 // [1] m64n192 accumulators of 96 floats per thread (SPLIT_N [0] = 1: the consumers
@@ -705,33 +710,138 @@ __device__ __forceinline__ void unit_origin(int unit, int units_m, int tiles_n, 
     n0 = unit % tiles_n * BLOCK_N;
 }
 
+// What this CTA computes: the units first_unit, first_unit + unit_step, ... below `units`, in
+// each its tile `rank` of the unit, and of that tile the K tiles [k_begin, k_end) (its slice
+// `split` when a cluster splits K; all of them otherwise).
+struct Schedule {
+    int tiles_n, units_m, units, first_unit, unit_step, rank, split, k_begin, k_end;
+};
+
+__device__ __forceinline__ Schedule schedule_of(int M, int N, int K) {
+    Schedule s;
+    s.tiles_n = (N + BLOCK_N - 1) / BLOCK_N;
+    s.units_m = ((M + BLOCK_M - 1) / BLOCK_M + CLUSTER_M - 1) / CLUSTER_M;
+    s.units = s.units_m * s.tiles_n;
+    s.first_unit = blockIdx.x / CLUSTER_SIZE;
+    s.unit_step = gridDim.x / CLUSTER_SIZE;
+    s.rank = 0;
+    s.split = 0;
+    // At least one K tile each (spec: K >= SPLIT_K tiles).
+    const int k_tiles = (K + BLOCK_K - 1) / BLOCK_K;
+    s.k_begin = s.split * k_tiles / SPLIT_K;
+    s.k_end = (s.split + 1) * k_tiles / SPLIT_K;
+    return s;
+}
+
 // Programmatic launch makes this CTA resident while the kernel before it still runs (common/
 // launch.cu.tera). The weights are no kernel's output, so before waiting, thread 0 asks L2 for
-// every box of B its first unit will load (this CTA's slice when a cluster shares B, its K
-// range when K is split): the producer's first copies then come from L2, not DRAM. Only the
-// CTAs whose first unit is in the top row of units do, so that each box is asked for once: the
-// others want the same boxes, and a prefetch queues ahead of the CTA's own copies in the TMA
-// unit. (H200, GPT-2 small, a decode step: 3-8% off at batch 1-64, as fast at 128, 2% slower
-// at 256, not from the prefetch itself: benches/RESULTS.md; with every CTA prefetching, 3% and
-// 7% slower at 128 and 256.)
-__device__ __forceinline__ void prefetch_weight_tiles(const TensorMap& weight_map, int M, int N, int K) {
-    if (threadIdx.x != 0) return;
-    const int tiles_n = (N + BLOCK_N - 1) / BLOCK_N;
-    const int units_m = ((M + BLOCK_M - 1) / BLOCK_M + CLUSTER_M - 1) / CLUSTER_M;
-    const int unit = blockIdx.x / CLUSTER_SIZE;
-    if (unit >= units_m * tiles_n) return;
-    const int rank = 0;
-    const int split = 0;
+// the boxes of B its first unit will load from K tile `from_kt` on (this CTA's slice when a
+// cluster shares B, its K range when K is split; the tiles before `from_kt` go straight into
+// shared memory: prefetch_weight_stages): the producer's later copies then come from L2, not
+// DRAM. Only the CTAs whose first unit is in the top row of units do, so that each box is asked
+// for once: the others want the same boxes, and a prefetch queues ahead of the CTA's own copies
+// in the TMA unit. (H200, GPT-2 small, a decode step: 3-8% off at batch 1-64, as fast at 128,
+// 2% slower at 256, not from the prefetch itself: benches/RESULTS.md; with every CTA
+// prefetching, 3% and 7% slower at 128 and 256.)
+__device__ __forceinline__ void prefetch_weight_tiles(const TensorMap& weight_map, const Schedule& s, int from_kt) {
+    if (threadIdx.x != 0 || s.first_unit >= s.units) return;
     int m0, n0;
-    unit_origin(unit, units_m, tiles_n, rank, m0, n0);
+    unit_origin(s.first_unit, s.units_m, s.tiles_n, s.rank, m0, n0);
     if (m0 >= BLOCK_M * CLUSTER_M) return;   // not the top row of units
-    const int k_tiles = (K + BLOCK_K - 1) / BLOCK_K;
-    for (int kt = split * k_tiles / SPLIT_K; kt < (split + 1) * k_tiles / SPLIT_K; ++kt) {
+    for (int kt = from_kt; kt < s.k_end; ++kt) {
 #pragma unroll
         for (int p = 0; p < PANELS; ++p) {
-            tma_prefetch_box_to_l2(weight_map, kt * BLOCK_K + p * PANEL_ELEMS, n0 + rank * B_SLICE_ROWS);
+            tma_prefetch_box_to_l2(weight_map, kt * BLOCK_K + p * PANEL_ELEMS, n0 + s.rank * B_SLICE_ROWS);
         }
     }
+}
+
+// Where the ring and the rest lie in dynamic shared memory. Every CTA of a cluster computes the
+// same offsets: multicast copies and remote arrivals address the peers' stages and barriers by
+// the local ones.
+struct Ring {
+    unsigned stages;                        // [STAGES] of STAGE_BYTES: a K tile's A, then B panels
+    unsigned low_ring;                      // 3xTF32: the low parts
+    unsigned staging;                       // the staged epilogue's buffers
+    unsigned bias;                          // the staged epilogue's bias: [consumer][MMA_N]
+    unsigned wsum;                          // ln_: the weight rows' sums, [consumer][MMA_N]
+    unsigned full_bar, empty_bar;           // [STAGES] each
+    unsigned turn_bar;                      // ping-pong: turn[c], c = 0, 1
+    unsigned residual_bar;                  // the staging buffers': [consumer][2]
+    unsigned low_full_bar, low_empty_bar;   // 3xTF32: [LOW_STAGES] each
+};
+
+__device__ __forceinline__ Ring ring_layout() {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    Ring r;
+    // The 128-byte swizzle is a function of address bits [4:9]: stages must start on 1024-byte
+    // boundaries (dynamic shared memory is only 16-byte aligned: round up into the slack).
+    r.stages = (smem_address(smem_raw) + 1023u) & ~1023u;
+    r.low_ring = r.stages + STAGES * STAGE_BYTES;
+    r.staging = r.low_ring + LOW_STAGES * STAGE_BYTES;
+    r.bias = r.staging + STAGING_BYTES;
+    r.wsum = r.bias + BIAS_BYTES;
+    r.full_bar = r.wsum + WSUM_BYTES;
+    r.empty_bar = r.full_bar + STAGES * 8;
+    r.turn_bar = r.empty_bar + STAGES * 8;
+    r.residual_bar = r.turn_bar + 16;
+    r.low_full_bar = r.residual_bar + CONSUMERS * 16;
+    r.low_empty_bar = r.low_full_bar + 8 * LOW_STAGES;
+    return r;
+}
+
+// Panel p of B for K offset k and the unit's columns n0, into ring stage s: this CTA's copy,
+// or with a cluster sharing B (point 4), this CTA's slice multicast into every CTA of it.
+__device__ __forceinline__ void load_weight_panel(const Ring& ring, const TensorMap& weight_map, int s, int p, int k,
+                                                  int n0, int rank) {
+    const unsigned b = ring.stages + s * STAGE_BYTES + PANELS * A_PANEL_BYTES + p * B_PANEL_BYTES;
+    tma_load_2d(b, weight_map, k, n0, ring.full_bar + 8 * s);
+}
+
+// How many of the first unit's K tiles have their B half loaded before the wait: as many as the
+// ring holds (none when this CTA has no unit).
+__device__ __forceinline__ int weight_stages_before_wait(const Schedule& s) {
+    return s.first_unit < s.units ? min(STAGES, s.k_end - s.k_begin) : 0;
+}
+
+// Point 9: what a CTA does before it waits for the kernel before it (common/launch.cu.tera),
+// touching only its own shared memory and the weights, which no kernel of a step writes. Thread
+// 0 sets up the ring's barriers; once every thread (and every CTA of the cluster) can see them,
+// it loads the B half of the first unit's first STAGES K tiles into the ring, each stage's full
+// barrier told to expect the whole stage, and asks L2 for the unit's later weight boxes. After
+// the wait only the A halves, the kernel before's output, are still to come.
+// (This family compiles for sm_90a only, where the wait macro always emits this call.)
+__device__ __forceinline__ void prefetch_weight_stages(const TensorMap& inp_map, const TensorMap& weight_map, int M,
+                                                       int N, int K) {
+    const Ring ring = ring_layout();
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(ring.full_bar + 8 * s, 1);               // the producer's arrive.expect_tx
+            mbar_init(ring.empty_bar + 8 * s, STAGE_RELEASES);
+        }
+        mbar_init(ring.turn_bar, 128);
+        mbar_init(ring.turn_bar + 8, 128);
+        // Make the initialised barriers visible to the other threads, to the async proxy (the
+        // TMA unit signals them) and to the cluster's other CTAs.
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();   // the only block barrier: after it the roles never meet again
+    if (threadIdx.x != 0) return;
+    tma_prefetch(inp_map);
+    tma_prefetch(weight_map);
+    const Schedule s = schedule_of(M, N, K);
+    const int loaded = weight_stages_before_wait(s);
+    if (loaded > 0) {
+        int m0, n0;
+        unit_origin(s.first_unit, s.units_m, s.tiles_n, s.rank, m0, n0);
+        for (int i = 0; i < loaded; ++i) {
+            mbar_arrive_expect_tx(ring.full_bar + 8 * ring_stage(i), STAGE_BYTES);
+#pragma unroll
+            for (int p = 0; p < PANELS; ++p)
+                load_weight_panel(ring, weight_map, ring_stage(i), p, (s.k_begin + i) * BLOCK_K + p * PANEL_ELEMS, n0, s.rank);
+        }
+    }
+    prefetch_weight_tiles(weight_map, s, s.k_begin + loaded);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -741,57 +851,25 @@ matmul_wgmma_tma_qkv_7a693c61e74180ba_main(storage_t* out, const storage_t* __re
                        const __grid_constant__ TensorMap inp_map, const __grid_constant__ TensorMap weight_map,
                        const __grid_constant__ TensorMap out_map) {
     #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Read-only data nothing upstream writes: ask L2 for it while the kernel before runs.
-    prefetch_weight_tiles(weight_map, M, N, K);
+    // Data no kernel upstream writes, fetched while the kernel before runs.
+    prefetch_weight_stages(inp_map, weight_map, M, N, K);
     // Wait until the kernel before this one has finished (in a CUDA graph this one may launch
     // while it still runs), then let the next kernel launch. See common/launch.cu.tera.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    // The 128-byte swizzle is a function of address bits [4:9]: stages must start on 1024-byte
-    // boundaries (dynamic shared memory is only 16-byte aligned: round up into the slack).
-    // Every CTA of a cluster computes the same offsets: multicast copies and remote arrivals
-    // address the peers' stages and barriers by the local offsets.
-    const unsigned smem_base = (smem_address(smem_raw) + 1023u) & ~1023u;
-    const unsigned low_ring = smem_base + STAGES * STAGE_BYTES;      // 3xTF32: the low parts
-    const unsigned staging = low_ring + LOW_STAGES * STAGE_BYTES;   // the staged epilogue's buffers
-    const unsigned bias_smem = staging + STAGING_BYTES;   // the staged epilogue's bias: [consumer][MMA_N]
-    const unsigned wsum_smem = bias_smem + BIAS_BYTES;    // ln_: the weight rows' sums, [consumer][MMA_N]
-    const unsigned full_bar = wsum_smem + WSUM_BYTES;
-    const unsigned empty_bar = full_bar + STAGES * 8;
-    const unsigned turn_bar = empty_bar + STAGES * 8;   // ping-pong: turn[c], c = 0, 1
-    const unsigned residual_bar = turn_bar + 16;        // the staging buffers': [consumer][2]
-    const unsigned low_full_bar = residual_bar + CONSUMERS * 16;   // 3xTF32: [LOW_STAGES] each
-    const unsigned low_empty_bar = low_full_bar + 8 * LOW_STAGES;
+    const Ring ring = ring_layout();
+    const unsigned smem_base = ring.stages, low_ring = ring.low_ring, staging = ring.staging, bias_smem = ring.bias,
+                   wsum_smem = ring.wsum, full_bar = ring.full_bar, empty_bar = ring.empty_bar, turn_bar = ring.turn_bar,
+                   residual_bar = ring.residual_bar, low_full_bar = ring.low_full_bar, low_empty_bar = ring.low_empty_bar;
     auto a_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES; };
     auto b_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
 
-    const int tiles_n = (N + BLOCK_N - 1) / BLOCK_N;
-    const int tiles_m = (M + BLOCK_M - 1) / BLOCK_M;
-    const int units_m = (tiles_m + CLUSTER_M - 1) / CLUSTER_M;
-    const int units = units_m * tiles_n;
+    const Schedule sched = schedule_of(M, N, K);
+    const int tiles_n = sched.tiles_n, units_m = sched.units_m, units = sched.units, rank = sched.rank,
+              split = sched.split, k_begin = sched.k_begin, k_end = sched.k_end, first_unit = sched.first_unit,
+              unit_step = sched.unit_step;
     const int warpgroup = threadIdx.x / 128;
-    const int rank = 0;
-    const int split = 0;
-    // This CTA's K tiles of every output tile: [k_begin, k_end), at least one (spec: K >= SPLIT_K tiles).
-    const int k_tiles = (K + BLOCK_K - 1) / BLOCK_K;
-    const int k_begin = split * k_tiles / SPLIT_K, k_end = (split + 1) * k_tiles / SPLIT_K;
-    const int first_unit = blockIdx.x / CLUSTER_SIZE;
-    const int unit_step = gridDim.x / CLUSTER_SIZE;
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full_bar + 8 * s, 1);               // the producer's arrive.expect_tx
-            mbar_init(empty_bar + 8 * s, STAGE_RELEASES);
-        }
-        mbar_init(turn_bar, 128);
-        mbar_init(turn_bar + 8, 128);
-        // Make the initialised barriers visible to the other threads, to the async proxy (the
-        // TMA unit signals them) and to the cluster's other CTAs.
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();   // the only block barrier: after it the roles never meet again
 
     if (warpgroup == 0) {
         // ---- producer ----
@@ -800,8 +878,8 @@ matmul_wgmma_tma_qkv_7a693c61e74180ba_main(storage_t* out, const storage_t* __re
         // (Asking the consumers' setmaxnreg.inc for more than the producer frees would hang them.)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x == 0) {
-            tma_prefetch(inp_map);
-            tma_prefetch(weight_map);
+            // The first unit's first K tiles: B issued before the wait (prefetch_weight_stages).
+            const int weights_loaded = weight_stages_before_wait(sched);
             int i = 0;   // K tiles issued so far by this block
             int local = 0;
             for (int unit = first_unit; unit < units; unit += unit_step, ++local) {
@@ -816,13 +894,14 @@ matmul_wgmma_tma_qkv_7a693c61e74180ba_main(storage_t* out, const storage_t* __re
                     // a fresh barrier reports as complete).
                     mbar_wait(empty_bar + 8 * s, ring_parity(i) ^ 1);
                     // The whole stage arrives here: A from this CTA's copies, B from every
-                    // CTA's multicast slice.
-                    mbar_arrive_expect_tx(full_bar + 8 * s, STAGE_BYTES);
+                    // CTA's multicast slice (told before the wait for the stages loaded then).
+                    const bool weights_here = i >= weights_loaded;
+                    if (weights_here) mbar_arrive_expect_tx(full_bar + 8 * s, STAGE_BYTES);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p) {
                         const int k = kt * BLOCK_K + p * PANEL_ELEMS;
                         tma_load_2d(a_tile(s) + p * A_PANEL_BYTES, inp_map, k, m0, full_bar + 8 * s);
-                        tma_load_2d(b_tile(s) + p * B_PANEL_BYTES, weight_map, k, n0, full_bar + 8 * s);
+                        if (weights_here) load_weight_panel(ring, weight_map, s, p, k, n0, rank);
                     }
                 }
             }
