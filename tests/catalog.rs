@@ -180,8 +180,8 @@ fn every_variant_renders_and_defines_its_kernels() {
 
 /// The first `__global__` function of `code` whose body does not begin with the wait for the
 /// previous kernel (`templates/common/launch.cu.tera`), by its signature's first line. Before
-/// the wait a kernel may call one `prefetch_*` function (reads of what no kernel writes), and
-/// nothing else.
+/// the wait a kernel may call one `prefetch_*` function (fetches of what no kernel writes, into
+/// L2 or the CTA's own shared memory), and nothing else.
 fn kernel_not_waiting_first(code: &str) -> Option<String> {
     let mut rest = code;
     while let Some(at) = rest.find("__global__") {
