@@ -351,7 +351,8 @@ fn run_json(cache: &std::path::Path, args: &[&str]) -> serde_json::Value {
     })
 }
 
-/// `tune --decode-step` chooses decode attention among its near ties by whole steps, times the
+/// `tune --decode-step` chooses decode attention and the step's matmuls among their near ties by
+/// whole steps, times the
 /// graph engine and megakernel points on the model's shape, stores the fastest point with the
 /// graph's time beside it, and `bench` then runs the faster engine by default (and the one
 /// asked for when asked).
@@ -378,8 +379,9 @@ fn tune_decode_step_stores_the_winner_and_bench_runs_the_faster_engine_by_defaul
         "--decode-step",
         "--json",
     ];
-    // The kernels first, then a near tie planted in decode attention's entry: a second verified
-    // point within 1% of the winner alone, so that `--decode-step` must time both in the step.
+    // The kernels first, then a near tie planted in decode attention's entry and in the fc
+    // projection's (a second verified point within 1% of the winner alone), so that
+    // `--decode-step` must time both of each in the step.
     let kernels_only: Vec<&str> = tune_args.iter().copied().filter(|a| *a != "--decode-step").collect();
     run_json(cache.path(), &kernels_only);
     let db_file = std::fs::read_dir(cache.path().join("tuning"))
@@ -389,66 +391,82 @@ fn tune_decode_step_stores_the_winner_and_bench_runs_the_faster_engine_by_defaul
         .expect("the tuning database");
     let read_db =
         || -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(&db_file).unwrap()).unwrap() };
-    let attention_key = |db: &serde_json::Value| {
+    let key_of = |db: &serde_json::Value, prefix: &str| {
         db["entries"]
             .as_object()
             .unwrap()
             .keys()
-            .find(|k| k.starts_with("attention_decode|f32|none|B=1 "))
-            .expect("decode attention's entry")
+            .find(|k| k.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no entry {prefix}..."))
             .clone()
     };
+    let attention_prefix = "attention_decode|f32|none|B=1 ";
+    // the fc projection of a decode step of one sequence: 512 -> 128, one row
+    let matmul_prefix = "matmul|f32|bias_residual|K=512 M=1 N=128 T=1 ";
     let mut db = read_db();
-    let key = attention_key(&db);
-    let entry = &mut db["entries"][&key];
-    let alone = (entry["family"].clone(), entry["params"].clone());
-    let winner_ms = entry["median_ms"].as_f64().unwrap();
-    let tie = entry["candidates"]
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|c| {
-            c["rejected"].is_null() && c["median_ms"].is_f64() && (c["family"].clone(), c["params"].clone()) != alone
-        })
-        .expect("a second verified candidate");
-    tie["median_ms"] = serde_json::json!(winner_ms * 1.01);
+    let mut planted = Vec::new();
+    for prefix in [attention_prefix, matmul_prefix] {
+        let key = key_of(&db, prefix);
+        let entry = &mut db["entries"][&key];
+        let alone = (entry["family"].clone(), entry["params"].clone());
+        let winner_ms = entry["median_ms"].as_f64().unwrap();
+        let tie = entry["candidates"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .find(|c| {
+                c["rejected"].is_null()
+                    && c["median_ms"].is_f64()
+                    && (c["family"].clone(), c["params"].clone()) != alone
+            })
+            .unwrap_or_else(|| panic!("a second verified candidate in {key}"));
+        tie["median_ms"] = serde_json::json!(winner_ms * 1.01);
+        planted.push((key, alone, winner_ms));
+    }
     std::fs::write(&db_file, serde_json::to_string_pretty(&db).unwrap()).unwrap();
 
     let tuned = run_json(cache.path(), &tune_args);
-    let row = &tuned["decode_attention"][0];
-    assert_eq!(row["from_db"], false, "{row}");
-    assert!(row["points_timed"].as_u64().unwrap() >= 2, "{row}");
     let db = read_db();
-    let entry = &db["entries"][&attention_key(&db)];
-    let timed: Vec<&serde_json::Value> = entry["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| c["step_ms"].is_f64())
-        .collect();
-    assert_eq!(timed.len() as u64, row["points_timed"].as_u64().unwrap(), "{entry}");
-    let step_ms = |c: &serde_json::Value| c["step_ms"].as_f64().unwrap();
-    let fastest = timed.iter().min_by(|a, b| step_ms(a).total_cmp(&step_ms(b))).unwrap();
-    let winner_alone = timed
-        .iter()
-        .find(|c| (&c["family"], &c["params"]) == (&alone.0, &alone.1))
-        .expect("the winner alone was timed in the step");
-    // The fastest replaces the winner alone only when more than 0.5% faster in the step, and
-    // then brings its own time alone; a kept winner keeps its entry's time.
-    let switched = step_ms(fastest) < step_ms(winner_alone) * 0.995;
-    let chosen = if switched { fastest } else { winner_alone };
-    assert_eq!(
-        (&entry["family"], &entry["params"]),
-        (&chosen["family"], &chosen["params"]),
-        "the bucket's winner is the step's choice"
-    );
-    assert_eq!(row["chosen"]["ms_per_step"], chosen["step_ms"]);
-    let median_alone = if switched {
-        chosen["median_ms"].as_f64().unwrap()
-    } else {
-        winner_ms
-    };
-    assert_eq!(entry["median_ms"].as_f64().unwrap(), median_alone, "{entry}");
+    for ((key, alone, winner_ms), rows) in planted.iter().zip(["decode_attention", "decode_matmul"]) {
+        let row = tuned[rows]
+            .as_array()
+            .unwrap_or_else(|| panic!("no {rows} rows: {tuned}"))
+            .iter()
+            .find(|r| r["key"] == key.as_str())
+            .unwrap_or_else(|| panic!("no {rows} row of {key}: {tuned}"));
+        assert_eq!(row["from_db"], false, "{row}");
+        assert!(row["points_timed"].as_u64().unwrap() >= 2, "{row}");
+        let entry = &db["entries"][key];
+        let timed: Vec<&serde_json::Value> = entry["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["step_ms"].is_f64())
+            .collect();
+        assert_eq!(timed.len() as u64, row["points_timed"].as_u64().unwrap(), "{entry}");
+        let step_ms = |c: &serde_json::Value| c["step_ms"].as_f64().unwrap();
+        let fastest = timed.iter().min_by(|a, b| step_ms(a).total_cmp(&step_ms(b))).unwrap();
+        let winner_alone = timed
+            .iter()
+            .find(|c| (&c["family"], &c["params"]) == (&alone.0, &alone.1))
+            .expect("the winner alone was timed in the step");
+        // The fastest replaces the winner alone only when more than 0.5% faster in the step,
+        // and then brings its own time alone; a kept winner keeps its entry's time.
+        let switched = step_ms(fastest) < step_ms(winner_alone) * 0.995;
+        let chosen = if switched { fastest } else { winner_alone };
+        assert_eq!(
+            (&entry["family"], &entry["params"]),
+            (&chosen["family"], &chosen["params"]),
+            "{key}: the entry's winner is the step's choice"
+        );
+        assert_eq!(row["chosen"]["ms_per_step"], chosen["step_ms"]);
+        let median_alone = if switched {
+            chosen["median_ms"].as_f64().unwrap()
+        } else {
+            *winner_ms
+        };
+        assert_eq!(entry["median_ms"].as_f64().unwrap(), median_alone, "{entry}");
+    }
 
     let row = &tuned["decode_step"][0];
     let graph = row["graph_ms_per_step"].as_f64().unwrap();
@@ -480,6 +498,8 @@ fn tune_decode_step_stores_the_winner_and_bench_runs_the_faster_engine_by_defaul
         started.elapsed().as_secs_f64()
     );
     assert_eq!(again["decode_attention"][0]["from_db"], true, "{again}");
+    let matmuls = again["decode_matmul"].as_array().expect("matmul rows read back");
+    assert!(matmuls.iter().all(|r| r["from_db"] == true), "{again}");
     let row = &again["decode_step"][0];
     assert_eq!(row["from_db"], true, "{row}");
     assert_eq!(row["megakernel_ms_per_step"].as_f64().unwrap(), mega);

@@ -6,7 +6,7 @@ mod report;
 mod tune;
 mod tune_bars;
 mod tune_decode;
-mod tune_decode_attention;
+mod tune_decode_points;
 mod tune_table;
 
 use std::path::PathBuf;

@@ -112,11 +112,14 @@ pub struct TuneArgs {
     #[arg(long, value_name = "LIST|all", value_parser = super::model::parse_devices)]
     pub devices: Option<DeviceSelection>,
     /// Also tune the decode step of --model for each --batch, by timing greedy decode steps on
-    /// random weights of the model's shape. First decode attention: in each cache-length
-    /// bucket, the kernel --model tuned alone and the candidates within 5% of it run in steps
-    /// whose caches stay in the bucket, and the fastest in the step, if more than 0.5% faster
-    /// than the winner alone, becomes the bucket's winner (near-ties alone can differ more in
-    /// the step; about 40 s per batch for GPT-2 small). Then, for each --batch the megakernel
+    /// random weights of the model's shape. First the graph engine's kernels: decode attention
+    /// in each cache-length bucket (its steps' caches stay in the bucket), then each matmul the
+    /// step runs (qkv, attention output, fc, fc projection, LM head): the kernel --model tuned
+    /// alone and the candidates within 5% of it run in steps, and the fastest in the step, if
+    /// more than 0.5% faster than the winner alone, becomes the key's winner (near-ties alone
+    /// can differ more in the step, where a kernel follows another and loads its weights while
+    /// that one still runs; about 40 s per batch for attention and 40 s for the matmuls, GPT-2
+    /// small). Then, for each --batch the megakernel
     /// holds (at most 16 in f16/bf16, 8 in f32; larger batches decode on the graph engine, and
     /// are skipped with a note): the decode megakernel's point (threads, blocks per SM, weight
     /// slots, columns per warp, attention chunks, copy engine, tensor cores, the MLP as one
@@ -337,7 +340,7 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
         };
         measured.push((gpu.info.clone(), peaks));
     }
-    let (attention, decode) = match (&args.model, args.decode_step) {
+    let (points, decode) = match (&args.model, args.decode_step) {
         (Some(model), true) => {
             let batches: Vec<usize> = args.batch.iter().map(|&b| b.max(1) as usize).collect();
             let cfg = model_config(model)?;
@@ -345,12 +348,11 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             // (re)tuned, which may have moved the times it was compared with.
             let kernels_unchanged = kinds.iter().flat_map(|k| &k.results).all(|r| r.result.from_db);
             let reuse = !args.force && kernels_unchanged;
-            // Decode attention first: the graph engine's step, which the megakernel's points
-            // are compared with, runs the attention chosen here.
-            let attention = super::tune_decode_attention::tune_decode_attention(
-                root, &cfg, args.dtype, &batches, args.seed, reuse,
-            )?;
-            let attention_unchanged = attention.iter().all(|r| r.from_db || !r.switched());
+            // The graph engine's kernels first: its step, which the megakernel's points are
+            // compared with, runs the attention and matmuls chosen here.
+            let points =
+                super::tune_decode_points::tune_decode_points(root, &cfg, args.dtype, &batches, args.seed, reuse)?;
+            let points_unchanged = points.iter().all(|r| r.from_db || !r.switched());
             let decode = super::tune_decode::tune_decode_steps(
                 root,
                 &catalog,
@@ -358,9 +360,9 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
                 args.dtype,
                 &batches,
                 args.seed,
-                reuse && attention_unchanged,
+                reuse && points_unchanged,
             )?;
-            (attention, decode)
+            (points, decode)
         }
         _ => (Vec::new(), Vec::new()),
     };
@@ -373,12 +375,14 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             let rows: Vec<serde_json::Value> = decode.iter().map(super::tune_decode::DecodeTuned::json).collect();
             map.insert("decode_step".into(), rows.into());
         }
-        if let (Some(map), false) = (doc.as_object_mut(), attention.is_empty()) {
-            let rows: Vec<serde_json::Value> = attention
-                .iter()
-                .map(super::tune_decode_attention::AttentionInStep::json)
-                .collect();
-            map.insert("decode_attention".into(), rows.into());
+        if let Some(map) = doc.as_object_mut() {
+            let (attention, matmuls): (Vec<_>, Vec<_>) = points.iter().partition(|r| r.bucket.is_some());
+            for (name, rows) in [("decode_attention", attention), ("decode_matmul", matmuls)] {
+                if !rows.is_empty() {
+                    let rows: Vec<serde_json::Value> = rows.into_iter().map(|r| r.json()).collect();
+                    map.insert(name.into(), rows.into());
+                }
+            }
         }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
@@ -389,8 +393,8 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
             print!("{}", results_table(&kind.results, peaks, several));
         }
     }
-    if !attention.is_empty() && !args.json {
-        print!("{}", super::tune_decode_attention::attention_table(&attention));
+    if !points.is_empty() && !args.json {
+        print!("{}", super::tune_decode_points::points_table(&points));
     }
     if !decode.is_empty() && !args.json {
         print!("{}", super::tune_decode::decode_table(&decode));

@@ -1,13 +1,14 @@
 //! What tuning the decode step (`kernelforge tune --decode-step`) needs from the backend
 //! besides the megakernel's own (`megakernel.rs`: its database key, setting a point): the
-//! engine the tuning database prefers for a batch, and the wall time of greedy decode steps on
-//! the current engine.
+//! engine the tuning database prefers for a batch, the matmuls a step runs and a point to run
+//! for any kernel's key, and the wall time of greedy decode steps on the current engine.
 
 use anyhow::{Context, Result as AnyResult};
 
 use super::GpuBackend;
 use crate::model::engine::DecodeEngine;
 use crate::model::generate::timed_greedy_decode;
+use crate::tune::db::TuneKey;
 
 impl GpuBackend {
     /// The header of this GPU's tuning database (the default file, which this backend reads,
@@ -27,13 +28,13 @@ impl GpuBackend {
         }
     }
 
-    /// Run decode attention in the cache-length bucket `len` (one of
-    /// `ops::model_dims::decode_context_buckets`) with `point` (a family and every parameter of
-    /// its point) from the next step on; `None`: the tuned winner or the default again.
-    pub fn set_decode_attention_point(&mut self, len: usize, point: Option<(String, Vec<(String, i64)>)>) {
+    /// Run the kernel of the tuning-database key `key` (a decode step's attention bucket, one of
+    /// its matmuls) at `point` (a family and every parameter of its point) from the next step
+    /// on; `None`: the tuned winner or the default again.
+    pub fn set_step_point(&mut self, key: &TuneKey, point: Option<(String, Vec<(String, i64)>)>) {
         let changed = match point {
-            Some(p) => self.decode_attention_points.insert(len, p.clone()).as_ref() != Some(&p),
-            None => self.decode_attention_points.remove(&len).is_some(),
+            Some(p) => self.step_points.insert(key.text(), p.clone()).as_ref() != Some(&p),
+            None => self.step_points.remove(&key.text()).is_some(),
         };
         if changed {
             // The kernel sets are selected again; a step's graph follows its kernels (nodes
@@ -42,6 +43,17 @@ impl GpuBackend {
             self.sets.clear();
             self.prepared = None;
         }
+    }
+
+    /// The matmuls a greedy decode step of `b` sequences runs, as (role, tuning-database key):
+    /// qkv, attention output, fc, fc projection and the LM head, each with the layernorm before
+    /// it folded in where the database says that pays.
+    pub fn decode_step_matmuls(&mut self, b: usize) -> AnyResult<Vec<(&'static str, TuneKey)>> {
+        let ks = self.kernels(b, 1, true, false)?;
+        Ok([&ks.qkv, &ks.attn_proj, &ks.fc, &ks.fc_proj, &ks.lm_head]
+            .into_iter()
+            .map(|k| (k.role, TuneKey::clone(&k.key)))
+            .collect())
     }
 
     /// Wall milliseconds per greedy decode step of `b` sequences on the current engine (the

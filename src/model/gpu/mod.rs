@@ -174,9 +174,9 @@ pub struct GpuBackend {
     megakernel: Option<megakernel::MegakernelState>,
     /// A point of the megakernel family to run instead of the selected one (tuning).
     megakernel_point: Vec<(String, i64)>,
-    /// Decode attention kernels to run instead of the selected ones, by cache-length bucket:
-    /// (family, every parameter of the point) (tuning by whole steps, `decode_tune.rs`).
-    decode_attention_points: HashMap<usize, (String, Vec<(String, i64)>)>,
+    /// Kernels to run instead of the tuned winners, by tuning-database key: (family, every
+    /// parameter of the point) (choosing a decode step's kernels by whole steps, `decode_tune.rs`).
+    step_points: HashMap<String, (String, Vec<(String, i64)>)>,
     /// Each layer's fc projection weight transposed, for the megakernel's fused MLP stages
     /// (uploaded when a stage table first fuses them).
     mlp_weights: Vec<CudaSlice<u8>>,

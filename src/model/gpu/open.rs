@@ -230,7 +230,7 @@ impl GpuBackend {
             timeline: None,
             megakernel: None,
             megakernel_point: Vec::new(),
-            decode_attention_points: HashMap::new(),
+            step_points: HashMap::new(),
             mlp_weights: Vec::new(),
             ln_folding,
             folded: Default::default(),

@@ -11,6 +11,7 @@ use crate::gpu::{GpuError, LoadedVariant};
 use crate::ops::model_dims::{context_bucket, decode_context_buckets};
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
+use crate::tune::db::TuneKey;
 use crate::tune::registry::{variant_kind, Choice};
 use crate::tune::workloads::{decode_attention_shape, folds_layernorms, kernel_dtype, next_tokens_shape, op_dtype};
 
@@ -27,6 +28,8 @@ pub(super) struct Kernel {
     pub shape: Shape,
     /// Launch geometry for `shape`, planned once.
     pub launches: Arc<Vec<Launch>>,
+    /// The tuning database's key it was selected for.
+    pub key: Arc<TuneKey>,
 }
 
 /// The kernels of one forward shape (a prefill of B×T or a decode step of B).
@@ -97,7 +100,8 @@ impl GpuBackend {
     }
 
     /// [`GpuBackend::kernel`], at the point of `force_family` given by `point` (the default
-    /// with these params changed) when `point` is not empty.
+    /// with these params changed) when `point` is not empty. With no family forced, a point set
+    /// for the database key by [`GpuBackend::set_step_point`] comes before the tuned winner.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn kernel_at(
         &mut self,
@@ -109,6 +113,7 @@ impl GpuBackend {
         force_family: Option<&str>,
         point: &[(String, i64)],
     ) -> AnyResult<Kernel> {
+        let asked = shape.clone();
         let Selection {
             shape,
             select_shape,
@@ -117,6 +122,17 @@ impl GpuBackend {
         } = self
             .selection_of(op, epilogue, mask, shape)
             .with_context(|| role.to_string())?;
+        let db_key = TuneKey {
+            op: op.to_string(),
+            dtype: dtype.to_string(),
+            variant_kind: variant_kind(epilogue, mask).to_string(),
+            shape: select_shape.clone(),
+        };
+        if force_family.is_none() {
+            if let Some((family, point)) = self.step_points.get(&db_key.text()).cloned() {
+                return self.kernel_at(role, op, epilogue, mask, asked, Some(&family), &point);
+            }
+        }
         let key = format!(
             "{role}|{op}|{dtype}|{}|{}|{}|{:?}|{}|{}",
             epilogue.as_str(),
@@ -208,6 +224,7 @@ impl GpuBackend {
             choice,
             shape,
             launches,
+            key: Arc::new(db_key),
         };
         self.selected.insert(key, k.clone());
         Ok(k)
@@ -376,18 +393,13 @@ impl GpuBackend {
             // One kernel per cache-length bucket, each chosen for the bucket's longest length
             // and launched with the current one (and the whole cache's capacity).
             for len in decode_context_buckets(cfg.n_ctx) {
-                let (family, point) = match self.decode_attention_points.get(&len) {
-                    Some((family, point)) => (Some(family.clone()), point.clone()),
-                    None => (None, Vec::new()),
-                };
-                let k = self.kernel_at(
+                let k = self.kernel(
                     "attention",
                     ATTENTION_DECODE_OP,
                     Epilogue::None,
                     Mask::None,
                     decode_attention_shape(bi, nh, hs, len as i64),
-                    family.as_deref(),
-                    &point,
+                    None,
                 )?;
                 decode_attention.push((len, k));
             }

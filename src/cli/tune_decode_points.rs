@@ -1,15 +1,23 @@
-//! `kernelforge tune --model M --decode-step`, first part: the decode attention kernel of each
-//! cache-length bucket, chosen by whole decode steps among the near-ties `tune --model` timed
-//! alone.
+//! `kernelforge tune --model M --decode-step`, first part: the kernels of a greedy decode step
+//! on the graph engine chosen by whole steps among the near-ties `tune --model` timed alone:
+//! decode attention in each cache-length bucket, then the step's matmuls.
 //!
-//! `tune --model` times decode attention alone, at the longest cache of each bucket. Points
-//! within a few percent of each other there can differ more than that in the step, where the
-//! kernel follows the QKV projection's GEMM and the cache is shorter (batch 256 of GPT-2 small,
-//! H200: one warp a block won alone by 0.3% and cost the step 2.4%). So for each batch and
-//! bucket, the winner and the candidates within [`NEAR`] of it are timed in greedy decode steps
-//! whose caches stay inside the bucket, in rounds, and the fastest, when it beats the winner alone
-//! by more than [`MARGIN`], becomes the bucket's winner in the database; every timed candidate keeps its
-//! `step_ms`, so a reader sees why the bucket runs what it runs.
+//! `tune --model` times every kernel alone. Points within a few percent of each other there
+//! can differ more than that in the step:
+//! - decode attention follows the QKV projection's GEMM and reads a shorter cache than the
+//!   bucket's longest (batch 256 of GPT-2 small, H200: one warp a block won alone by 0.3% and
+//!   cost the step 2.4%);
+//! - a GEMM's blocks become resident while the kernel before it still runs and load their first
+//!   weight stages then (`templates/matmul/tma_ring.cu.tera`), which a GEMM timed alone, with
+//!   nothing before it, cannot show (batch 256: an fc projection point 3% slower alone made the
+//!   step 1.7% faster).
+//!
+//! So for each batch, every attention bucket and every matmul the step runs, the winner and the
+//! candidates within [`NEAR`] of it are timed in greedy decode steps (an attention bucket's
+//! caches stay inside the bucket; the matmuls run after the first bucket's prompt), in rounds,
+//! and the fastest, when it beats the winner alone by more than [`MARGIN`], becomes the key's
+//! winner in the database; every timed candidate keeps its `step_ms`, so a reader sees why the
+//! step runs what it runs.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -23,7 +31,7 @@ use crate::model::gpu::{point_text, GpuBackend};
 use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
 use crate::ops::model_dims::decode_context_buckets;
 use crate::spec::Dtype;
-use crate::tune::db::{default_path, DbHeader, Entry, TuningDb};
+use crate::tune::db::{default_path, DbHeader, Entry, TuneKey, TuningDb};
 use crate::tune::workloads::decode_attention_workloads;
 
 /// How much slower alone than the winner a candidate may be and still be timed in the step.
@@ -44,12 +52,17 @@ const ROUNDS: usize = 5;
 /// A candidate as the step runs it: family and every parameter of its point.
 type Point = (String, IndexMap<String, i64>);
 
-/// One (batch, bucket)'s outcome.
-pub(super) struct AttentionInStep {
+/// One chosen kernel of a batch's step.
+pub(super) struct InStep {
     pub batch: usize,
-    /// The bucket's longest cache.
-    pub bucket: usize,
-    /// The prompt before the timed steps, and how many steps (their caches stay in the bucket).
+    /// Which kernel: `attention`, or the matmul's role (`qkv`, `attn_proj`, `fc`, `fc_proj`,
+    /// `lm_head`); `matmul` for one read back from the database.
+    pub role: &'static str,
+    /// The key the choice is stored under (`TuneKey::text`).
+    pub key: String,
+    /// Attention: the bucket's longest cache.
+    pub bucket: Option<usize>,
+    /// The prompt before the timed steps, and how many steps.
     pub prompt: usize,
     pub steps: usize,
     /// The winner alone (before this run) and the candidate the step chose, each with its
@@ -132,33 +145,48 @@ pub(super) fn with_step_times(mut entry: Entry, timed: &[(Point, f64)], chosen: 
     entry
 }
 
-/// Times the near-ties of every (batch, bucket) of `cfg` in `dtype` on GPU 0 in greedy decode
-/// steps on the graph engine, and stores each bucket's choice ([`step_choice`]) as its winner
-/// in the GPU's default tuning database (which `tune --model` filled). With `reuse`, a bucket
-/// whose candidates were timed in the step before is read back.
-pub(super) fn tune_decode_attention(
+/// Times the near-ties of every attention bucket and every matmul of a greedy decode step of
+/// each batch of `cfg` in `dtype` on GPU 0 on the graph engine, and stores each key's choice
+/// ([`step_choice`]) as its winner in the GPU's default tuning database (which `tune --model`
+/// filled). With `reuse`, what was timed in the step before is read back.
+pub(super) fn tune_decode_points(
     root: &Path,
     cfg: &GPT2Config,
     dtype: Dtype,
     batches: &[usize],
     seed: u64,
     reuse: bool,
-) -> Result<Vec<AttentionInStep>> {
-    // The database is found from the GPU and NVRTC; a backend is built only when a bucket is
-    // timed (a run on a database that holds every bucket's step times answers in a second).
+) -> Result<Vec<InStep>> {
+    // The database is found from the GPU and NVRTC; a backend is built only when something is
+    // timed (a run on a database that holds the step times answers in a second).
     let device = Gpu::new(0).context("opening GPU 0")?;
     let compiler = Compiler::new(&device.info.arch()).context("setting up NVRTC")?;
     let header = DbHeader::for_device(&device, &compiler);
     let db_path = default_path(&header);
     let mut db = TuningDb::open(&db_path, header)?;
     let mut backend: Option<GpuBackend> = None;
+    let max_batch = batches.iter().copied().max().unwrap_or(1);
+    let open_backend = |backend: &mut Option<GpuBackend>| -> Result<()> {
+        if backend.is_none() {
+            let model = Arc::new(GPT2Model {
+                config: cfg.clone(),
+                weights: GPT2Weights::random(cfg, seed),
+                source: "random weights (decode kernels by whole steps)".into(),
+            });
+            let mut gpu = GpuBackend::with_root(root, model, max_batch, false, dtype).context("opening GPU 0")?;
+            gpu.set_decode_engine(DecodeEngine::Graph)?;
+            *backend = Some(gpu);
+        }
+        Ok(())
+    };
     let buckets = decode_context_buckets(cfg.n_ctx);
     let mut out = Vec::new();
     for &b in batches {
+        // Decode attention, bucket by bucket.
         let workloads = decode_attention_workloads(&cfg.dims(), b as i64, dtype);
         for (i, (workload, &len)) in workloads.iter().zip(&buckets).enumerate() {
             let below = if i == 0 { 0 } else { buckets[i - 1] };
-            let Some((prompt, steps)) = bucket_run(below, len) else {
+            let Some(run) = bucket_run(below, len) else {
                 continue;
             };
             let key = workload.key();
@@ -169,88 +197,151 @@ pub(super) fn tune_decode_attention(
                 );
                 continue;
             };
-            let ties = near_ties(&entry);
-            let alone = ties[0].clone();
+            let row = |alone, chosen, timed, from_db| InStep {
+                batch: b,
+                role: "attention",
+                key: key.text(),
+                bucket: Some(len),
+                prompt: run.0,
+                steps: run.1,
+                alone,
+                chosen,
+                timed,
+                from_db,
+            };
             if reuse && entry.candidates.iter().any(|c| c.step_ms.is_some()) {
-                let step_ms = entry
-                    .candidates
-                    .iter()
-                    .find(|c| c.is_point(&alone.0, &alone.1))
-                    .and_then(|c| c.step_ms);
-                out.push(AttentionInStep {
-                    batch: b,
-                    bucket: len,
-                    prompt,
-                    steps,
-                    chosen: (alone.clone(), step_ms.unwrap_or(f64::NAN)),
-                    alone: (alone, None),
-                    timed: entry.candidates.iter().filter(|c| c.step_ms.is_some()).count(),
-                    from_db: true,
-                });
+                let (alone, chosen, timed) = read_back(&entry);
+                out.push(row(alone, chosen, timed, true));
                 continue;
             }
+            let ties = near_ties(&entry);
             if ties.len() < 2 {
                 continue;
             }
-            let gpu = match &mut backend {
-                Some(gpu) => gpu,
-                None => {
-                    let model = Arc::new(GPT2Model {
-                        config: cfg.clone(),
-                        weights: GPT2Weights::random(cfg, seed),
-                        source: "random weights (decode attention by whole steps)".into(),
-                    });
-                    let max_batch = batches.iter().copied().max().unwrap_or(1);
-                    let mut gpu =
-                        GpuBackend::with_root(root, model, max_batch, false, dtype).context("opening GPU 0")?;
-                    gpu.set_decode_engine(DecodeEngine::Graph)?;
-                    backend.insert(gpu)
-                }
-            };
-            let timed = time_in_steps(gpu, b, len, (prompt, steps), &ties)?;
+            open_backend(&mut backend)?;
+            let gpu = backend.as_mut().expect("opened");
+            let what = format!("decode attention, batch {b}, cache up to {len}");
+            let timed = time_in_steps(gpu, b, &key, run, &ties, &what)?;
             let (chosen, chosen_ms) = step_choice(&timed);
             db.insert(&key, with_step_times(entry, &timed, &chosen));
             db.save()
-                .with_context(|| format!("saving decode attention of batch {b} to {}", db_path.display()))?;
-            out.push(AttentionInStep {
-                batch: b,
-                bucket: len,
-                prompt,
-                steps,
-                alone: (alone, Some(timed[0].1)), // timed in the order of `ties`
-                chosen: (chosen, chosen_ms),
-                timed: timed.len(),
-                from_db: false,
-            });
+                .with_context(|| format!("saving {what} to {}", db_path.display()))?;
+            // timed in the order of `ties`: the winner alone first
+            out.push(row(
+                (ties[0].clone(), Some(timed[0].1)),
+                (chosen, chosen_ms),
+                timed.len(),
+                false,
+            ));
+        }
+
+        // The step's matmuls, after the first bucket's prompt.
+        let Some(run) = buckets.first().and_then(|&len| bucket_run(0, len)) else {
+            continue;
+        };
+        let row = |role, key: &str, alone, chosen, timed, from_db| InStep {
+            batch: b,
+            role,
+            key: key.to_string(),
+            bucket: None,
+            prompt: run.0,
+            steps: run.1,
+            alone,
+            chosen,
+            timed,
+            from_db,
+        };
+        if reuse {
+            // Chosen before: the batch's decode matmuls that hold step times.
+            let settled: Vec<(&String, &Entry)> = db
+                .entries()
+                .filter(|(k, e)| k.starts_with("matmul|") && is_decode_matmul_of(e, b))
+                .filter(|(_, e)| e.candidates.iter().any(|c| c.step_ms.is_some()))
+                .collect();
+            if !settled.is_empty() {
+                for (key, entry) in settled {
+                    let (alone, chosen, timed) = read_back(entry);
+                    out.push(row("matmul", key, alone, chosen, timed, true));
+                }
+                continue;
+            }
+        }
+        open_backend(&mut backend)?;
+        let gpu = backend.as_mut().expect("opened");
+        let matmuls = gpu
+            .decode_step_matmuls(b)
+            .with_context(|| format!("the matmuls of a decode step of {b}"))?;
+        for (role, key) in matmuls {
+            let Some(entry) = db.get(&key).cloned() else {
+                continue; // not tuned: the family default runs
+            };
+            let ties = near_ties(&entry);
+            if ties.len() < 2 {
+                continue;
+            }
+            let what = format!("decode {role}, batch {b}");
+            let timed = time_in_steps(gpu, b, &key, run, &ties, &what)?;
+            let (chosen, chosen_ms) = step_choice(&timed);
+            db.insert(&key, with_step_times(entry, &timed, &chosen));
+            db.save()
+                .with_context(|| format!("saving {what} to {}", db_path.display()))?;
+            out.push(row(
+                role,
+                &key.text(),
+                (ties[0].clone(), Some(timed[0].1)),
+                (chosen, chosen_ms),
+                timed.len(),
+                false,
+            ));
         }
     }
     Ok(out)
 }
 
-/// Each of `ties` as bucket `len`'s attention, timed in greedy steps of `b` sequences
-/// (`prompt`, `steps`): [`ROUNDS`] rounds of every point in turn, so that a drift of the clocks
-/// or the host weighs on all of them alike, and each point's median over the rounds.
+/// Whether `entry` is a matmul of a decode step of `b` sequences (one row a sequence).
+fn is_decode_matmul_of(entry: &Entry, b: usize) -> bool {
+    entry.shape.get("M") == Some(&(b as i64)) && entry.shape.get("T") == Some(&1)
+}
+
+/// What an entry chosen in the step before says: its winner (with its step time), which is the
+/// point timed as the winner alone unless another replaced it, and how many were timed.
+fn read_back(entry: &Entry) -> ((Point, Option<f64>), (Point, f64), usize) {
+    let chosen: Point = (entry.family.clone(), entry.params.clone());
+    let step_ms = entry
+        .candidates
+        .iter()
+        .find(|c| c.is_point(&chosen.0, &chosen.1))
+        .and_then(|c| c.step_ms)
+        .unwrap_or(f64::NAN);
+    let timed = entry.candidates.iter().filter(|c| c.step_ms.is_some()).count();
+    ((chosen.clone(), None), (chosen, step_ms), timed)
+}
+
+/// Each of `ties` as the kernel of `key`, timed in greedy steps of `b` sequences (`prompt`,
+/// `steps`): [`ROUNDS`] rounds of every point in turn, so that a drift of the clocks or the host
+/// weighs on all of them alike, and each point's median over the rounds.
 fn time_in_steps(
     gpu: &mut GpuBackend,
     b: usize,
-    len: usize,
+    key: &TuneKey,
     (prompt, steps): (usize, usize),
     ties: &[Point],
+    what: &str,
 ) -> Result<Vec<(Point, f64)>> {
     let bar = ProgressBar::new((ties.len() * ROUNDS) as u64).with_style(
-        ProgressStyle::with_template("{bar:20} {pos}/{len} decode attention, {prefix}: {msg} ({elapsed})")
+        ProgressStyle::with_template("{bar:20} {pos}/{len} {prefix}: {msg} ({elapsed})")
             .expect("a valid progress template"),
     );
-    bar.set_prefix(format!("batch {b}, cache up to {len}"));
+    bar.set_prefix(what.to_string());
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); ties.len()];
     for _ in 0..ROUNDS {
         for ((family, params), times) in ties.iter().zip(&mut runs) {
             bar.set_message(format!("{family} {}", point_text(params)));
             let point: Vec<(String, i64)> = params.iter().map(|(k, v)| (k.clone(), *v)).collect();
-            gpu.set_decode_attention_point(len, Some((family.clone(), point)));
+            gpu.set_step_point(key, Some((family.clone(), point)));
             let ms = gpu.time_greedy_decode(b, &[prompt], steps, 1).with_context(|| {
                 format!(
-                    "batch {b}: decode steps after {prompt} tokens with {family} {}",
+                    "{what}: decode steps after {prompt} tokens with {family} {}",
                     point_text(params)
                 )
             })?;
@@ -258,21 +349,46 @@ fn time_in_steps(
             bar.inc(1);
         }
     }
-    gpu.set_decode_attention_point(len, None);
+    gpu.set_step_point(key, None);
     bar.finish_and_clear();
     Ok(ties.iter().cloned().zip(runs.into_iter().map(median)).collect())
 }
 
-impl AttentionInStep {
+impl InStep {
     /// Whether the step chose another point than the one that won alone.
     pub fn switched(&self) -> bool {
         self.chosen.0 != self.alone.0
     }
 
-    /// The `decode_attention` rows of `tune --json`.
+    /// Which kernel, for a person: `attention <=128`, `qkv: ln_qkv 2304x768` (the matmul's
+    /// epilogue and N x K, from its key).
+    pub fn what(&self) -> String {
+        if let Some(len) = self.bucket {
+            return format!("attention <={len}");
+        }
+        let mut fields = self.key.split('|');
+        let kind = fields.nth(2).unwrap_or("?");
+        let dim = |name: &str| {
+            self.key
+                .split(['|', ' '])
+                .find_map(|f| f.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+                .unwrap_or("?")
+                .to_string()
+        };
+        let matmul = format!("{kind} {}x{}", dim("N"), dim("K"));
+        if self.role == "matmul" {
+            matmul
+        } else {
+            format!("{}: {matmul}", self.role)
+        }
+    }
+
+    /// The `decode_attention` and `decode_matmul` rows of `tune --json`.
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({
             "batch": self.batch,
+            "role": self.role,
+            "key": self.key,
             "cache_up_to": self.bucket,
             "prompt": self.prompt,
             "steps": self.steps,
@@ -284,11 +400,11 @@ impl AttentionInStep {
     }
 }
 
-/// The table `tune --decode-step` prints for decode attention.
-pub(super) fn attention_table(rows: &[AttentionInStep]) -> String {
+/// The table `tune --decode-step` prints for the kernels chosen by whole steps.
+pub(super) fn points_table(rows: &[InStep]) -> String {
     let mut s = format!(
-        "decode attention by whole steps (greedy, wall ms per step; the winner alone and the candidates within {:.0}% of it)\n\
-         batch  cache    steps    alone ms  chosen ms  kernel the step runs\n",
+        "decode kernels by whole steps (greedy, wall ms per step; the winner alone and the candidates within {:.0}% of it)\n\
+         batch  kernel                          steps    alone ms  chosen ms  point the step runs\n",
         (NEAR - 1.0) * 100.0
     );
     for r in rows {
@@ -301,9 +417,9 @@ pub(super) fn attention_table(rows: &[AttentionInStep]) -> String {
             format!("{} points; the winner alone kept", r.timed)
         };
         s.push_str(&format!(
-            "{:>5}  <={:<5} {:>4}+{:<3} {:>8} {:>10}  {} {} ({verdict})\n",
+            "{:>5}  {:<31} {:>4}+{:<3} {:>8} {:>10}  {} {} ({verdict})\n",
             r.batch,
-            r.bucket,
+            r.what(),
             r.prompt,
             r.steps,
             alone,
@@ -422,9 +538,11 @@ mod tests {
     fn the_table_says_which_point_the_step_chose_and_what_won_alone() {
         let point = |w, r| ("attention_decode_groups".to_string(), params(w, r));
         let rows = [
-            AttentionInStep {
+            InStep {
                 batch: 256,
-                bucket: 128,
+                role: "attention",
+                key: "attention_decode|bf16|none|B=256 HS=64 NH=12 T=128 max_T=128".into(),
+                bucket: Some(128),
                 prompt: 16,
                 steps: 64,
                 alone: (point(1, 4), Some(0.684)),
@@ -432,9 +550,11 @@ mod tests {
                 timed: 4,
                 from_db: false,
             },
-            AttentionInStep {
+            InStep {
                 batch: 64,
-                bucket: 256,
+                role: "attention",
+                key: "attention_decode|bf16|none|B=64 HS=64 NH=12 T=256 max_T=256".into(),
+                bucket: Some(256),
                 prompt: 129,
                 steps: 64,
                 alone: (point(4, 4), None),
@@ -443,7 +563,7 @@ mod tests {
                 from_db: true,
             },
         ];
-        let t = attention_table(&rows);
+        let t = points_table(&rows);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[2].contains("0.684") && lines[2].contains("0.668"), "{t}");
         assert!(
@@ -456,5 +576,48 @@ mod tests {
         );
         assert_eq!(rows[0].json()["chosen"]["params"]["warps"], 4);
         assert!(rows[0].switched() && !rows[1].switched());
+    }
+
+    #[test]
+    fn a_matmul_row_names_its_role_epilogue_and_size() {
+        let point = |w, r| ("matmul_wgmma_tma".to_string(), params(w, r));
+        let mut row = InStep {
+            batch: 256,
+            role: "qkv",
+            key: "matmul|bf16|ln_qkv|K=768 M=256 N=2304 T=1 n_head=12".into(),
+            bucket: None,
+            prompt: 16,
+            steps: 64,
+            alone: (point(1, 4), Some(0.669)),
+            chosen: (point(4, 2), 0.655),
+            timed: 4,
+            from_db: false,
+        };
+        assert_eq!(row.what(), "qkv: ln_qkv 2304x768");
+        let json = row.json();
+        assert_eq!(
+            (json["role"].as_str(), json["cache_up_to"].is_null()),
+            (Some("qkv"), true)
+        );
+        assert!(points_table(std::slice::from_ref(&row)).contains("qkv: ln_qkv 2304x768"));
+        row.role = "matmul"; // read back from the database, where the role is not kept
+        assert_eq!(row.what(), "ln_qkv 2304x768");
+    }
+
+    #[test]
+    fn a_decode_matmul_of_a_batch_has_one_row_a_sequence() {
+        let shape = |m: i64, t: i64| -> crate::ops::Shape {
+            [("M", m), ("N", 2304), ("K", 768), ("T", t), ("n_head", 12)]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect()
+        };
+        let entry = |m, t| Entry::timed("matmul_wgmma_tma", params(1, 1), shape(m, t), 0.01);
+        assert!(is_decode_matmul_of(&entry(256, 1), 256));
+        assert!(!is_decode_matmul_of(&entry(256, 1), 64));
+        assert!(
+            !is_decode_matmul_of(&entry(256, 16), 256),
+            "a prefill of 16 sequences of 16 tokens"
+        );
     }
 }
