@@ -52,6 +52,10 @@ const ROUNDS: usize = 5;
 /// A candidate as the step runs it: family and every parameter of its point.
 type Point = (String, IndexMap<String, i64>);
 
+/// What a key's choice came to: the winner alone (with its wall ms per step, when it was timed
+/// in this run), the point the step runs with its own, and how many points were timed.
+type Outcome = ((Point, Option<f64>), (Point, f64), usize);
+
 /// One chosen kernel of a batch's step.
 pub(super) struct InStep {
     pub batch: usize,
@@ -221,18 +225,8 @@ pub(super) fn tune_decode_points(
             open_backend(&mut backend)?;
             let gpu = backend.as_mut().expect("opened");
             let what = format!("decode attention, batch {b}, cache up to {len}");
-            let timed = time_in_steps(gpu, b, &key, run, &ties, &what)?;
-            let (chosen, chosen_ms) = step_choice(&timed);
-            db.insert(&key, with_step_times(entry, &timed, &chosen));
-            db.save()
-                .with_context(|| format!("saving {what} to {}", db_path.display()))?;
-            // timed in the order of `ties`: the winner alone first
-            out.push(row(
-                (ties[0].clone(), Some(timed[0].1)),
-                (chosen, chosen_ms),
-                timed.len(),
-                false,
-            ));
+            let (alone, chosen, timed) = choose_in_steps(gpu, &mut db, &db_path, b, &key, entry, &ties, run, &what)?;
+            out.push(row(alone, chosen, timed, false));
         }
 
         // The step's matmuls, after the first bucket's prompt.
@@ -280,22 +274,36 @@ pub(super) fn tune_decode_points(
                 continue;
             }
             let what = format!("decode {role}, batch {b}");
-            let timed = time_in_steps(gpu, b, &key, run, &ties, &what)?;
-            let (chosen, chosen_ms) = step_choice(&timed);
-            db.insert(&key, with_step_times(entry, &timed, &chosen));
-            db.save()
-                .with_context(|| format!("saving {what} to {}", db_path.display()))?;
-            out.push(row(
-                role,
-                &key.text(),
-                (ties[0].clone(), Some(timed[0].1)),
-                (chosen, chosen_ms),
-                timed.len(),
-                false,
-            ));
+            let (alone, chosen, timed) = choose_in_steps(gpu, &mut db, &db_path, b, &key, entry, &ties, run, &what)?;
+            out.push(row(role, &key.text(), alone, chosen, timed, false));
         }
     }
     Ok(out)
+}
+
+/// Times `ties`, `entry`'s near-ties ([`near_ties`]), as the kernel of `key` in greedy steps of `b` sequences
+/// ([`time_in_steps`]), stores the step's choice ([`step_choice`]) as the key's winner with every
+/// timed point's step time, and saves the database: the winner alone with its step time, the
+/// choice with its own, and how many points were timed.
+#[allow(clippy::too_many_arguments)]
+fn choose_in_steps(
+    gpu: &mut GpuBackend,
+    db: &mut TuningDb,
+    db_path: &Path,
+    b: usize,
+    key: &TuneKey,
+    entry: Entry,
+    ties: &[Point],
+    run: (usize, usize),
+    what: &str,
+) -> Result<Outcome> {
+    let timed = time_in_steps(gpu, b, key, run, ties, what)?;
+    let (chosen, chosen_ms) = step_choice(&timed);
+    db.insert(key, with_step_times(entry, &timed, &chosen));
+    db.save()
+        .with_context(|| format!("saving {what} to {}", db_path.display()))?;
+    // timed in the order of `ties`: the winner alone first
+    Ok(((ties[0].clone(), Some(timed[0].1)), (chosen, chosen_ms), timed.len()))
 }
 
 /// Whether `entry` is a matmul of a decode step of `b` sequences (one row a sequence).
@@ -305,7 +313,7 @@ fn is_decode_matmul_of(entry: &Entry, b: usize) -> bool {
 
 /// What an entry chosen in the step before says: its winner (with its step time), which is the
 /// point timed as the winner alone unless another replaced it, and how many were timed.
-fn read_back(entry: &Entry) -> ((Point, Option<f64>), (Point, f64), usize) {
+fn read_back(entry: &Entry) -> Outcome {
     let chosen: Point = (entry.family.clone(), entry.params.clone());
     let step_ms = entry
         .candidates
