@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
 
-use crate::ops::Shape;
+use crate::ops::{Epilogue, Mask, Shape};
+use crate::spec::Dtype;
 
 pub use super::records::{Candidate, Ceilings, Resources};
 
@@ -90,6 +91,17 @@ pub struct TuneKey {
 }
 
 impl TuneKey {
+    /// The key of `op` in `dtype` with this epilogue and mask at `shape`, as the registry looks
+    /// kernels up and the tuner stores them.
+    pub fn of(op: &str, dtype: Dtype, epilogue: Epilogue, mask: Mask, shape: Shape) -> TuneKey {
+        TuneKey {
+            op: op.to_string(),
+            dtype: dtype.to_string(),
+            variant_kind: super::registry::variant_kind(epilogue, mask).to_string(),
+            shape,
+        }
+    }
+
     /// `matmul|f32|bias_gelu|K=768 M=8192 N=3072 T=1024 n_head=12`.
     pub fn text(&self) -> String {
         format!(

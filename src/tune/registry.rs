@@ -85,12 +85,7 @@ impl Registry {
             why: "unknown op".into(),
         })?;
         if let Some(db) = &self.db {
-            let key = TuneKey {
-                op: op.to_string(),
-                dtype: dtype.to_string(),
-                variant_kind: variant_kind(epilogue, mask).to_string(),
-                shape: shape.clone(),
-            };
+            let key = TuneKey::of(op, dtype, epilogue, mask, shape.clone());
             if let Some(entry) = db.nearest(&key, contract.row_dims()) {
                 let choice = if entry.shape == *shape {
                     Choice::Tuned

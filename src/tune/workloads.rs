@@ -24,12 +24,7 @@ pub struct Workload {
 impl Workload {
     /// Its key in the tuning database: op, dtype, epilogue or mask, shape.
     pub fn key(&self) -> super::db::TuneKey {
-        super::db::TuneKey {
-            op: self.op.to_string(),
-            dtype: self.dtype.to_string(),
-            variant_kind: super::registry::variant_kind(self.epilogue, self.mask).to_string(),
-            shape: self.shape.clone(),
-        }
+        super::db::TuneKey::of(self.op, self.dtype, self.epilogue, self.mask, self.shape.clone())
     }
 }
 

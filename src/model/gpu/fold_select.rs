@@ -18,7 +18,7 @@ use super::GpuBackend;
 use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::Dtype;
 use crate::tune::db::{TuneKey, TuningDb};
-use crate::tune::registry::{variant_kind, Choice};
+use crate::tune::registry::Choice;
 use crate::tune::workloads::kernel_dtype;
 
 /// The environment variable that sets the backend's [`LayernormFolding`] when it opens.
@@ -76,12 +76,7 @@ fn time_at_rows(ms: f64, measured_rows: i64, rows: i64) -> f64 {
 /// Its time (ms) and the shape it was measured on.
 fn tuned_entry(db: &TuningDb, op: &str, dtype: Dtype, epilogue: Epilogue, shape: &Shape) -> Option<(f64, Shape)> {
     let contract = ops::op_by_name(op)?;
-    let key = TuneKey {
-        op: op.to_string(),
-        dtype: dtype.to_string(),
-        variant_kind: variant_kind(epilogue, Mask::None).to_string(),
-        shape: shape.clone(),
-    };
+    let key = TuneKey::of(op, dtype, epilogue, Mask::None, shape.clone());
     db.nearest(&key, contract.row_dims())
         .map(|e| (e.median_ms, e.shape.clone()))
 }

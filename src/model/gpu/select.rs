@@ -122,12 +122,7 @@ impl GpuBackend {
         } = self
             .selection_of(op, epilogue, mask, shape)
             .with_context(|| role.to_string())?;
-        let db_key = TuneKey {
-            op: op.to_string(),
-            dtype: dtype.to_string(),
-            variant_kind: variant_kind(epilogue, mask).to_string(),
-            shape: select_shape.clone(),
-        };
+        let db_key = TuneKey::of(op, dtype, epilogue, mask, select_shape.clone());
         if force_family.is_none() {
             if let Some((family, point)) = self.step_points.get(&db_key.text()).cloned() {
                 return self.kernel_at(role, op, epilogue, mask, asked, Some(&family), &point);
