@@ -32,7 +32,7 @@ use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
 use crate::ops::model_dims::decode_context_buckets;
 use crate::spec::Dtype;
 use crate::tune::db::{default_path, DbHeader, Entry, TuneKey, TuningDb};
-use crate::tune::workloads::decode_attention_workloads;
+use crate::tune::workloads::{decode_attention_workloads, kernel_dtype};
 
 /// How much slower alone than the winner a candidate may be and still be timed in the step.
 const NEAR: f64 = 1.05;
@@ -249,7 +249,7 @@ pub(super) fn tune_decode_points(
             // Chosen before: the batch's decode matmuls that hold step times.
             let settled: Vec<(&String, &Entry)> = db
                 .entries()
-                .filter(|(k, e)| k.starts_with("matmul|") && is_decode_matmul_of(e, b))
+                .filter(|(k, e)| is_decode_matmul_of(k, e, dtype, b))
                 .filter(|(_, e)| e.candidates.iter().any(|c| c.step_ms.is_some()))
                 .collect();
             if !settled.is_empty() {
@@ -306,9 +306,13 @@ fn choose_in_steps(
     Ok(((ties[0].clone(), Some(timed[0].1)), (chosen, chosen_ms), timed.len()))
 }
 
-/// Whether `entry` is a matmul of a decode step of `b` sequences (one row a sequence).
-fn is_decode_matmul_of(entry: &Entry, b: usize) -> bool {
-    entry.shape.get("M") == Some(&(b as i64)) && entry.shape.get("T") == Some(&1)
+/// Whether the entry `key` is a matmul of a decode step of `b` sequences (one row a sequence)
+/// in `dtype`, the model's: in the dtype its matmuls run in at that row count.
+fn is_decode_matmul_of(key: &str, entry: &Entry, dtype: Dtype, b: usize) -> bool {
+    let rows = b as i64;
+    key.starts_with(&format!("matmul|{}|", kernel_dtype("matmul", Some(rows), dtype)))
+        && entry.shape.get("M") == Some(&rows)
+        && entry.shape.get("T") == Some(&1)
 }
 
 /// What an entry chosen in the step before says: its winner (with its step time), which is the
@@ -621,11 +625,22 @@ mod tests {
                 .collect()
         };
         let entry = |m, t| Entry::timed("matmul_wgmma_tma", params(1, 1), shape(m, t), 0.01);
-        assert!(is_decode_matmul_of(&entry(256, 1), 256));
-        assert!(!is_decode_matmul_of(&entry(256, 1), 64));
+        let bf16 = "matmul|bf16|ln_qkv|K=768 M=256 N=2304 T=1 n_head=12";
+        assert!(is_decode_matmul_of(bf16, &entry(256, 1), Dtype::Bf16, 256));
+        assert!(!is_decode_matmul_of(bf16, &entry(256, 1), Dtype::Bf16, 64));
         assert!(
-            !is_decode_matmul_of(&entry(256, 16), 256),
+            !is_decode_matmul_of(bf16, &entry(256, 16), Dtype::Bf16, 256),
             "a prefill of 16 sequences of 16 tokens"
         );
+        assert!(
+            !is_decode_matmul_of(bf16, &entry(256, 1), Dtype::F16, 256),
+            "another dtype's step choices say nothing of this one's"
+        );
+        assert!(!is_decode_matmul_of(
+            "attention_decode|bf16|none|B=256 HS=64 NH=12 T=128 max_T=128",
+            &entry(256, 1),
+            Dtype::Bf16,
+            256
+        ));
     }
 }
