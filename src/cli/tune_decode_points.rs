@@ -201,21 +201,16 @@ pub(super) fn tune_decode_points(
                 );
                 continue;
             };
-            let row = |alone, chosen, timed, from_db| InStep {
-                batch: b,
-                role: "attention",
-                key: key.text(),
-                bucket: Some(len),
-                prompt: run.0,
-                steps: run.1,
-                alone,
-                chosen,
-                timed,
-                from_db,
-            };
             if reuse && entry.candidates.iter().any(|c| c.step_ms.is_some()) {
-                let (alone, chosen, timed) = read_back(&entry);
-                out.push(row(alone, chosen, timed, true));
+                out.push(InStep::new(
+                    b,
+                    "attention",
+                    key.text(),
+                    Some(len),
+                    run,
+                    read_back(&entry),
+                    true,
+                ));
                 continue;
             }
             let ties = near_ties(&entry);
@@ -225,25 +220,13 @@ pub(super) fn tune_decode_points(
             open_backend(&mut backend)?;
             let gpu = backend.as_mut().expect("opened");
             let what = format!("decode attention, batch {b}, cache up to {len}");
-            let (alone, chosen, timed) = choose_in_steps(gpu, &mut db, &db_path, b, &key, entry, &ties, run, &what)?;
-            out.push(row(alone, chosen, timed, false));
+            let outcome = choose_in_steps(gpu, &mut db, &db_path, b, &key, entry, &ties, run, &what)?;
+            out.push(InStep::new(b, "attention", key.text(), Some(len), run, outcome, false));
         }
 
         // The step's matmuls, after the first bucket's prompt.
         let Some(run) = buckets.first().and_then(|&len| bucket_run(0, len)) else {
             continue;
-        };
-        let row = |role, key: &str, alone, chosen, timed, from_db| InStep {
-            batch: b,
-            role,
-            key: key.to_string(),
-            bucket: None,
-            prompt: run.0,
-            steps: run.1,
-            alone,
-            chosen,
-            timed,
-            from_db,
         };
         if reuse {
             // Chosen before: the batch's decode matmuls that hold step times.
@@ -254,8 +237,7 @@ pub(super) fn tune_decode_points(
                 .collect();
             if !settled.is_empty() {
                 for (key, entry) in settled {
-                    let (alone, chosen, timed) = read_back(entry);
-                    out.push(row("matmul", key, alone, chosen, timed, true));
+                    out.push(InStep::new(b, "matmul", key.clone(), None, run, read_back(entry), true));
                 }
                 continue;
             }
@@ -274,8 +256,8 @@ pub(super) fn tune_decode_points(
                 continue;
             }
             let what = format!("decode {role}, batch {b}");
-            let (alone, chosen, timed) = choose_in_steps(gpu, &mut db, &db_path, b, &key, entry, &ties, run, &what)?;
-            out.push(row(role, &key.text(), alone, chosen, timed, false));
+            let outcome = choose_in_steps(gpu, &mut db, &db_path, b, &key, entry, &ties, run, &what)?;
+            out.push(InStep::new(b, role, key.text(), None, run, outcome, false));
         }
     }
     Ok(out)
@@ -367,6 +349,31 @@ fn time_in_steps(
 }
 
 impl InStep {
+    /// The row of `batch`'s step for the kernel `role` stored under `key` (`bucket`: an
+    /// attention bucket's longest cache), timed in `run` (prompt, steps).
+    fn new(
+        batch: usize,
+        role: &'static str,
+        key: String,
+        bucket: Option<usize>,
+        (prompt, steps): (usize, usize),
+        (alone, chosen, timed): Outcome,
+        from_db: bool,
+    ) -> InStep {
+        InStep {
+            batch,
+            role,
+            key,
+            bucket,
+            prompt,
+            steps,
+            alone,
+            chosen,
+            timed,
+            from_db,
+        }
+    }
+
     /// Whether the step chose another point than the one that won alone.
     pub fn switched(&self) -> bool {
         self.chosen.0 != self.alone.0
