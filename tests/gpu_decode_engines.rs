@@ -352,10 +352,9 @@ fn run_json(cache: &std::path::Path, args: &[&str]) -> serde_json::Value {
 }
 
 /// `tune --decode-step` chooses decode attention and the step's matmuls among their near ties by
-/// whole steps, times the
-/// graph engine and megakernel points on the model's shape, stores the fastest point with the
-/// graph's time beside it, and `bench` then runs the faster engine by default (and the one
-/// asked for when asked).
+/// whole steps, times the graph engine and megakernel points on the model's shape, stores the
+/// fastest point with the graph's time beside it, and `bench` then runs the faster engine by
+/// default (and the one asked for when asked).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tune_decode_step_stores_the_winner_and_bench_runs_the_faster_engine_by_default() {

@@ -371,11 +371,11 @@ pub fn run(root: &Path, args: TuneArgs) -> Result<()> {
 
     if args.json {
         let mut doc = json_doc(&kinds, &measured, elapsed)?;
-        if let (Some(map), false) = (doc.as_object_mut(), decode.is_empty()) {
-            let rows: Vec<serde_json::Value> = decode.iter().map(super::tune_decode::DecodeTuned::json).collect();
-            map.insert("decode_step".into(), rows.into());
-        }
         if let Some(map) = doc.as_object_mut() {
+            if !decode.is_empty() {
+                let rows: Vec<serde_json::Value> = decode.iter().map(super::tune_decode::DecodeTuned::json).collect();
+                map.insert("decode_step".into(), rows.into());
+            }
             let (attention, matmuls): (Vec<_>, Vec<_>) = points.iter().partition(|r| r.bucket.is_some());
             for (name, rows) in [("decode_attention", attention), ("decode_matmul", matmuls)] {
                 if !rows.is_empty() {
