@@ -113,7 +113,8 @@ pub(super) fn tune_decode_steps(
         gpu.set_decode_engine(DecodeEngine::Graph)?;
         let graph_ms = gpu
             .time_greedy_decode(b, &contexts, STEPS, REPEATS)
-            .with_context(|| format!("batch {b}: timing the graph engine"))?;
+            .with_context(|| format!("batch {b}: timing the graph engine"))?
+            .wall_ms;
 
         gpu.set_decode_engine(DecodeEngine::Megakernel)?;
         let mut start: Point = family.default.clone();
@@ -126,7 +127,8 @@ pub(super) fn tune_decode_steps(
             gpu.set_megakernel_point(point.iter().map(|(k, v)| (k.clone(), *v)).collect());
             let ms = gpu
                 .time_greedy_decode(b, &contexts, STEPS, REPEATS)
-                .map_err(|e| format!("{e:#}"))?;
+                .map_err(|e| format!("{e:#}"))?
+                .wall_ms;
             timed += 1;
             best_so_far = best_so_far.min(ms);
             bar.set_message(format!(

@@ -46,13 +46,13 @@ const SHORT_PROMPT: usize = 16;
 const STEPS: usize = 64;
 /// Fewer steps than this inside a bucket are not worth timing (a bucket of a tiny context).
 const FEWEST_STEPS: usize = 8;
-/// Rounds of timing (every point once a round).
-const ROUNDS: usize = 5;
+/// Rounds of timing (every point once a round, in turn, the order reversed every other round).
+const ROUNDS: usize = 7;
 
 /// A candidate as the step runs it: family and every parameter of its point.
 type Point = (String, IndexMap<String, i64>);
 
-/// What a key's choice came to: the winner alone (with its wall ms per step, when it was timed
+/// What a key's choice came to: the winner alone (with its GPU ms a step, when it was timed
 /// in this run), the point the step runs with its own, and how many points were timed.
 type Outcome = ((Point, Option<f64>), (Point, f64), usize);
 
@@ -70,7 +70,7 @@ pub(super) struct InStep {
     pub prompt: usize,
     pub steps: usize,
     /// The winner alone (before this run) and the candidate the step chose, each with its
-    /// wall ms per step (`None` for a winner alone that was not timed in the step).
+    /// GPU ms a step (`None` for a winner alone that was not timed in the step).
     pub alone: (Point, Option<f64>),
     pub chosen: (Point, f64),
     pub timed: usize,
@@ -109,20 +109,30 @@ pub(super) fn near_ties(entry: &Entry) -> Vec<Point> {
     out
 }
 
-/// The point a bucket runs after its candidates were timed in the step (the first of `timed` is
-/// the winner alone): the fastest, if it beats the winner alone by more than [`MARGIN`].
-pub(super) fn step_choice(timed: &[(Point, f64)]) -> (Point, f64) {
-    let alone = timed[0].clone();
-    let fastest = timed
+/// The point a bucket runs after its candidates were timed in the step, each with its GPU ms a
+/// step in every round (the first of `timed` is the winner alone): the one whose time over the
+/// winner alone's in the same round has the lowest median over the rounds, if that median is
+/// under 1 - [`MARGIN`]. Paired by round, a drift of the clocks between rounds (at batch 256
+/// the same kernels measured 0.56-0.61 ms a step across a run) cancels out of the comparison.
+/// Returned with its median time.
+pub(super) fn step_choice(timed: &[(Point, Vec<f64>)]) -> (Point, f64) {
+    let alone = &timed[0].1;
+    let ratio = |times: &[f64]| median(times.iter().zip(alone).map(|(t, a)| t / a).collect());
+    let (point, times) = timed
         .iter()
+        .map(|timed| (timed, ratio(&timed.1)))
+        .filter(|(_, r)| *r < 1.0 - MARGIN)
         .min_by(|a, b| a.1.total_cmp(&b.1))
-        .cloned()
-        .unwrap_or_else(|| alone.clone());
-    if fastest.1 < alone.1 * (1.0 - MARGIN) {
-        fastest
-    } else {
-        alone
-    }
+        .map_or(&timed[0], |(timed, _)| timed);
+    (point.clone(), median(times.clone()))
+}
+
+/// Each timed point with its median over the rounds.
+pub(super) fn medians(timed: &[(Point, Vec<f64>)]) -> Vec<(Point, f64)> {
+    timed
+        .iter()
+        .map(|(p, times)| (p.clone(), median(times.clone())))
+        .collect()
 }
 
 fn median(mut times: Vec<f64>) -> f64 {
@@ -131,7 +141,7 @@ fn median(mut times: Vec<f64>) -> f64 {
 }
 
 /// `entry` with `chosen` as its winner (its time alone from the candidates) and each timed
-/// point's wall ms per step recorded on its candidate.
+/// point's GPU ms a step (its median over the rounds) recorded on its candidate.
 pub(super) fn with_step_times(mut entry: Entry, timed: &[(Point, f64)], chosen: &Point) -> Entry {
     for c in &mut entry.candidates {
         if let Some((_, ms)) = timed.iter().find(|(p, _)| c.is_point(&p.0, &p.1)) {
@@ -279,8 +289,9 @@ fn choose_in_steps(
     run: (usize, usize),
     what: &str,
 ) -> Result<Outcome> {
-    let timed = time_in_steps(gpu, b, key, run, ties, what)?;
-    let (chosen, chosen_ms) = step_choice(&timed);
+    let rounds = time_in_steps(gpu, b, key, run, ties, what)?;
+    let (chosen, chosen_ms) = step_choice(&rounds);
+    let timed = medians(&rounds);
     db.insert(key, with_step_times(entry, &timed, &chosen));
     db.save()
         .with_context(|| format!("saving {what} to {}", db_path.display()))?;
@@ -312,8 +323,10 @@ fn read_back(entry: &Entry) -> Outcome {
 }
 
 /// Each of `ties` as the kernel of `key`, timed in greedy steps of `b` sequences (`prompt`,
-/// `steps`): [`ROUNDS`] rounds of every point in turn, so that a drift of the clocks or the host
-/// weighs on all of them alike, and each point's median over the rounds.
+/// `steps`): [`ROUNDS`] rounds of every point in turn (forwards, then backwards, so that a drift
+/// within a round weighs on the first and the last alike), each point's GPU ms a step in every
+/// round. The GPU time, not the wall time: the points share the engine's host path, and the
+/// host's jitter would only blur them.
 fn time_in_steps(
     gpu: &mut GpuBackend,
     b: usize,
@@ -321,15 +334,20 @@ fn time_in_steps(
     (prompt, steps): (usize, usize),
     ties: &[Point],
     what: &str,
-) -> Result<Vec<(Point, f64)>> {
+) -> Result<Vec<(Point, Vec<f64>)>> {
     let bar = ProgressBar::new((ties.len() * ROUNDS) as u64).with_style(
         ProgressStyle::with_template("{bar:20} {pos}/{len} {prefix}: {msg} ({elapsed})")
             .expect("a valid progress template"),
     );
     bar.set_prefix(what.to_string());
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); ties.len()];
-    for _ in 0..ROUNDS {
-        for ((family, params), times) in ties.iter().zip(&mut runs) {
+    for round in 0..ROUNDS {
+        let mut order: Vec<usize> = (0..ties.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            let ((family, params), times) = (&ties[i], &mut runs[i]);
             bar.set_message(format!("{family} {}", point_text(params)));
             let point: Vec<(String, i64)> = params.iter().map(|(k, v)| (k.clone(), *v)).collect();
             gpu.set_step_point(key, Some((family.clone(), point)));
@@ -339,13 +357,13 @@ fn time_in_steps(
                     point_text(params)
                 )
             })?;
-            times.push(ms);
+            times.push(ms.gpu_ms);
             bar.inc(1);
         }
     }
     gpu.set_step_point(key, None);
     bar.finish_and_clear();
-    Ok(ties.iter().cloned().zip(runs.into_iter().map(median)).collect())
+    Ok(ties.iter().cloned().zip(runs).collect())
 }
 
 impl InStep {
@@ -422,7 +440,7 @@ impl InStep {
 /// The table `tune --decode-step` prints for the kernels chosen by whole steps.
 pub(super) fn points_table(rows: &[InStep]) -> String {
     let mut s = format!(
-        "decode kernels by whole steps (greedy, wall ms per step; the winner alone and the candidates within {:.0}% of it)\n\
+        "decode kernels by whole steps (greedy, GPU ms a step, the median of the rounds; the winner alone and the candidates within {:.0}% of it)\n\
          batch  kernel                          steps    alone ms  chosen ms  point the step runs\n",
         (NEAR - 1.0) * 100.0
     );

@@ -75,14 +75,49 @@ fn the_step_winner_becomes_the_entry_with_its_own_time_alone_and_every_step_time
 #[test]
 fn another_point_replaces_the_winner_alone_only_when_clearly_faster_in_the_step() {
     let point = |w, r| ("attention_decode_groups".to_string(), params(w, r));
-    let timed = [(point(1, 4), 0.607), (point(4, 2), 0.600), (point(2, 2), 0.603)];
+    // one time a round, the same in every round
+    let steady = |p, ms: f64| (p, vec![ms; 5]);
+    let timed = [
+        steady(point(1, 4), 0.607),
+        steady(point(4, 2), 0.600),
+        steady(point(2, 2), 0.603),
+    ];
     assert_eq!(step_choice(&timed), (point(4, 2), 0.600), "1.2% faster: switched");
-    let close = [(point(4, 2), 0.431), (point(2, 4), 0.430)];
+    let close = [steady(point(4, 2), 0.431), steady(point(2, 4), 0.430)];
     assert_eq!(step_choice(&close), (point(4, 2), 0.431), "0.2% faster: kept");
-    let clear = [(point(4, 2), 0.431), (point(2, 4), 0.428)];
+    let clear = [steady(point(4, 2), 0.431), steady(point(2, 4), 0.428)];
     assert_eq!(step_choice(&clear).0, point(2, 4), "0.7% faster: switched");
-    let slower = [(point(4, 2), 0.431), (point(2, 4), 0.450)];
+    let slower = [steady(point(4, 2), 0.431), steady(point(2, 4), 0.450)];
     assert_eq!(step_choice(&slower).0, point(4, 2));
+}
+
+#[test]
+fn the_step_compares_points_round_by_round_so_a_drift_between_rounds_cancels() {
+    let point = |w, r| ("attention_decode_groups".to_string(), params(w, r));
+    // The clocks drift between rounds (0.56-0.61 ms, as at batch 256); the candidate is 1%
+    // faster than the winner alone in every round but one, where it ran after a drift upwards.
+    let alone = vec![0.610, 0.560, 0.600, 0.575, 0.590];
+    let faster = vec![0.6039, 0.5544, 0.6060, 0.5693, 0.5841];
+    // By the medians of the rounds' times, a point slower in every round but one, where it ran
+    // at the fastest clocks, would look 1.9% faster (0.579 against 0.590): paired, it loses.
+    let noisy = vec![0.6150, 0.5650, 0.6050, 0.5790, 0.5300];
+    let timed = [
+        (point(1, 4), alone.clone()),
+        (point(2, 2), noisy.clone()),
+        (point(4, 2), faster.clone()),
+    ];
+    let (chosen, ms) = step_choice(&timed);
+    assert_eq!(chosen, point(4, 2));
+    assert_eq!(ms, 0.5841, "its median over the rounds");
+    assert_eq!(
+        step_choice(&timed[..2]).0,
+        point(1, 4),
+        "slower in four rounds of five: kept"
+    );
+    assert_eq!(
+        medians(&timed).iter().map(|(_, ms)| *ms).collect::<Vec<_>>(),
+        vec![0.590, 0.5790, 0.5841]
+    );
 }
 
 #[test]

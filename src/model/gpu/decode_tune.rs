@@ -1,7 +1,7 @@
 //! What tuning the decode step (`kernelforge tune --decode-step`) needs from the backend
 //! besides the megakernel's own (`megakernel.rs`: its database key, setting a point): the
 //! engine the tuning database prefers for a batch, the matmuls a step runs and a point to run
-//! for any kernel's key, and the wall time of greedy decode steps on the current engine.
+//! for any kernel's key, and the time of greedy decode steps on the current engine (wall and GPU).
 
 use anyhow::{Context, Result as AnyResult};
 
@@ -9,6 +9,23 @@ use super::GpuBackend;
 use crate::model::engine::DecodeEngine;
 use crate::model::generate::timed_greedy_decode;
 use crate::tune::db::TuneKey;
+
+/// A decode step's time in milliseconds, two ways.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTime {
+    /// The wall time a user waits per token, host included: what chooses between engines,
+    /// whose host paths differ.
+    pub wall_ms: f64,
+    /// From the step's first kernel to its last (CUDA events; the wall time where the engine
+    /// records none): what chooses between kernels of one engine, whose host path is the same,
+    /// without the host's jitter.
+    pub gpu_ms: f64,
+}
+
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
 
 impl GpuBackend {
     /// The header of this GPU's tuning database (the default file, which this backend reads,
@@ -56,13 +73,19 @@ impl GpuBackend {
             .collect())
     }
 
-    /// Wall milliseconds per greedy decode step of `b` sequences on the current engine (the
-    /// time a user waits per token, host included), averaged over `contexts` (cache positions
-    /// before the timed steps): a quarter second of warm-up steps (compiles, graph recording,
-    /// and the GPU raising its clocks, which it does only under sustained load), then for each
-    /// context the median over `repeats` runs of a prefill of that many tokens and `steps` timed
-    /// steps (fewer when the context is shorter). One warm-up serves every context.
-    pub fn time_greedy_decode(&mut self, b: usize, contexts: &[usize], steps: usize, repeats: usize) -> AnyResult<f64> {
+    /// Milliseconds per greedy decode step of `b` sequences on the current engine, averaged
+    /// over `contexts` (cache positions before the timed steps): a quarter second of warm-up
+    /// steps (compiles, graph recording, and the GPU raising its clocks, which it does only under
+    /// sustained load), then for each context the median over `repeats` runs of a prefill of
+    /// that many tokens and `steps` timed steps (fewer when the context is shorter). One warm-up
+    /// serves every context.
+    pub fn time_greedy_decode(
+        &mut self,
+        b: usize,
+        contexts: &[usize],
+        steps: usize,
+        repeats: usize,
+    ) -> AnyResult<StepTime> {
         let cfg = self.model.config.clone();
         let vocab = cfg.vocab_size as u32;
         // (prompt length, prompts, steps) of each context
@@ -81,11 +104,16 @@ impl GpuBackend {
                 (prompt, prompts, steps)
             })
             .collect();
-        let run = |this: &mut GpuBackend, (prompt, prompts, steps): &(usize, Vec<Vec<u32>>, usize)| -> AnyResult<f64> {
-            let (ms, _) = timed_greedy_decode(this, prompts, *steps)
-                .with_context(|| format!("{steps} decode steps after a {prompt}-token prompt"))?;
-            Ok(ms / *steps as f64)
-        };
+        let run =
+            |this: &mut GpuBackend, (prompt, prompts, steps): &(usize, Vec<Vec<u32>>, usize)| -> AnyResult<StepTime> {
+                this.take_decode_gpu_time(); // the prefill's and earlier steps' left out
+                let (ms, _) = timed_greedy_decode(this, prompts, *steps)
+                    .with_context(|| format!("{steps} decode steps after a {prompt}-token prompt"))?;
+                let wall_ms = ms / *steps as f64;
+                let (gpu_ms, timed) = this.take_decode_gpu_time();
+                let gpu_ms = if timed > 0 { gpu_ms / timed as f64 } else { wall_ms };
+                Ok(StepTime { wall_ms, gpu_ms })
+            };
         let Some(first) = runs.first() else {
             anyhow::bail!("no context to time decode steps at");
         };
@@ -93,15 +121,18 @@ impl GpuBackend {
         while warm.elapsed().as_secs_f64() < 0.25 {
             run(self, first)?;
         }
-        let mut sum = 0.0;
+        let (mut wall_ms, mut gpu_ms) = (0.0, 0.0);
         for context in &runs {
-            let mut times = (0..repeats.max(1))
+            let times = (0..repeats.max(1))
                 .map(|_| run(self, context))
-                .collect::<AnyResult<Vec<f64>>>()?;
-            times.sort_by(f64::total_cmp);
-            sum += times[times.len() / 2];
+                .collect::<AnyResult<Vec<StepTime>>>()?;
+            wall_ms += median(times.iter().map(|t| t.wall_ms).collect());
+            gpu_ms += median(times.iter().map(|t| t.gpu_ms).collect());
         }
-        self.take_decode_gpu_time();
-        Ok(sum / runs.len() as f64)
+        let n = runs.len() as f64;
+        Ok(StepTime {
+            wall_ms: wall_ms / n,
+            gpu_ms: gpu_ms / n,
+        })
     }
 }

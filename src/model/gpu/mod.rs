@@ -78,6 +78,7 @@ mod step;
 
 pub use buffers::ReplicaMemory;
 use buffers::{Activations, DeviceTensor};
+pub use decode_tune::StepTime;
 use exec::LaunchMode;
 pub use fold_select::{LayernormFolding, FOLD_LAYERNORMS_ENV};
 pub use lm_head_draw::{drawn_in_lm_head, LmHeadTasks, LM_HEAD_TOP_K};
