@@ -259,21 +259,27 @@ fn gpu_attention_decode() {
     check_op("attention_decode");
 }
 
-/// Every point of `attention_decode_groups` (split length x warps x rows a trip), in every
-/// dtype, on every test shape: where a split ends inside a trip, a warp has no rows, or the
-/// cache fits one split (no combine) differs from point to point.
+/// Every point of `attention_decode_groups` (split length x warps x rows a trip) with a trip's
+/// loads at its top, and with them issued in the trip before (after or before its weighing) at
+/// one warp and four, in every dtype, on every test shape: where a split ends inside a trip, a
+/// warp has no rows, the step's own row falls in the first trip or the last, or the cache fits
+/// one split (no combine) differs from point to point.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_attention_decode_groups_every_point() {
     let mut points = Vec::new();
-    for keys_per_split in [32, 64, 128, 256, 512, 1024] {
-        for warps in [1, 2, 4, 8] {
-            for rows_at_once in [1, 2, 4, 8] {
-                points.push(vec![
-                    ("keys_per_split", keys_per_split),
-                    ("warps", warps),
-                    ("rows_at_once", rows_at_once),
-                ]);
+    for next_trip in [0, 1, 2] {
+        let warps: &[i64] = if next_trip == 0 { &[1, 2, 4, 8] } else { &[1, 4] };
+        for keys_per_split in [32, 64, 128, 256, 512, 1024] {
+            for &warps in warps {
+                for rows_at_once in [1, 2, 4, 8] {
+                    points.push(vec![
+                        ("keys_per_split", keys_per_split),
+                        ("warps", warps),
+                        ("rows_at_once", rows_at_once),
+                        ("next_trip", next_trip),
+                    ]);
+                }
             }
         }
     }
