@@ -346,7 +346,7 @@ attention_decode_groups_22369e1391a7f0b3_partial(storage_t* out, const storage_t
     // row, not 8 floats of halves) until the state advances: more rows in flight, or more blocks
     // on an SM, for the same registers.
     //
-    // Where a trip's loads are issued (NEXT_TRIP = 0): 0, in the trip itself, each
+    // Where a trip's loads are issued (next_trip = 0): 0, in the trip itself, each
     // row's key scored as it comes; 1, at the end of the trip before, once its rows are weighed
     // (the compiler may move them up among the weighing's last instructions); 2, at the start of
     // the trip before, ahead of its weighing, so that memory stays busy through the shuffles and
