@@ -32,6 +32,7 @@ use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
 use crate::ops::model_dims::decode_context_buckets;
 use crate::spec::Dtype;
 use crate::tune::db::{default_path, DbHeader, Entry, TuneKey, TuningDb};
+use crate::tune::time::median;
 use crate::tune::workloads::{decode_attention_workloads, kernel_dtype};
 
 /// How much slower alone than the winner a candidate may be and still be timed in the step.
@@ -133,11 +134,6 @@ pub(super) fn medians(timed: &[(Point, Vec<f64>)]) -> Vec<(Point, f64)> {
         .iter()
         .map(|(p, times)| (p.clone(), median(times.clone())))
         .collect()
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 /// `entry` with `chosen` as its winner (its time alone from the candidates) and each timed

@@ -9,6 +9,7 @@ use super::GpuBackend;
 use crate::model::engine::DecodeEngine;
 use crate::model::generate::timed_greedy_decode;
 use crate::tune::db::TuneKey;
+use crate::tune::time::median;
 
 /// A decode step's time in milliseconds, two ways.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -20,11 +21,6 @@ pub struct StepTime {
     /// records none): what chooses between kernels of one engine, whose host path is the same,
     /// without the host's jitter.
     pub gpu_ms: f64,
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 impl GpuBackend {
