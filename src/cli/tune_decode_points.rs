@@ -110,34 +110,47 @@ pub(super) fn near_ties(entry: &Entry) -> Vec<Point> {
     out
 }
 
-/// The point a bucket runs after its candidates were timed in the step, each with its GPU ms a
-/// step in every round (the first of `timed` is the winner alone): the one whose time over the
-/// winner alone's in the same round has the lowest median over the rounds, if that median is
-/// under 1 - [`MARGIN`]. Paired by round, a drift of the clocks between rounds (at batch 256
-/// the same kernels measured 0.56-0.61 ms a step across a run) cancels out of the comparison.
-/// Returned with its median time.
-pub(super) fn step_choice(timed: &[(Point, Vec<f64>)]) -> (Point, f64) {
-    let alone = &timed[0].1;
-    let ratio = |times: &[f64]| median(times.iter().zip(alone).map(|(t, a)| t / a).collect());
-    let (point, times) = timed
+/// Each point's GPU ms a step, paired by round (the first of `rounds` is the winner alone, every
+/// point with its time in each round): the winner alone's median over the rounds times the
+/// median over the rounds of the point's time over the winner alone's in the same round (the
+/// winner alone: its median). Paired so, a drift of the clocks between rounds (at batch 256 the
+/// same kernels measured 0.56-0.61 ms a step across a run) cancels out of the comparison, and
+/// the times recorded are the ones [`step_choice`] compares.
+pub(super) fn paired_step_times(rounds: &[(Point, Vec<f64>)]) -> Vec<(Point, f64)> {
+    let alone = &rounds[0].1;
+    let alone_ms = median(alone.clone());
+    rounds
         .iter()
-        .map(|timed| (timed, ratio(&timed.1)))
-        .filter(|(_, r)| *r < 1.0 - MARGIN)
-        .min_by(|a, b| a.1.total_cmp(&b.1))
-        .map_or(&timed[0], |(timed, _)| timed);
-    (point.clone(), median(times.clone()))
-}
-
-/// Each timed point with its median over the rounds.
-pub(super) fn medians(timed: &[(Point, Vec<f64>)]) -> Vec<(Point, f64)> {
-    timed
-        .iter()
-        .map(|(p, times)| (p.clone(), median(times.clone())))
+        .enumerate()
+        .map(|(i, (point, times))| {
+            let ratio = if i == 0 {
+                1.0
+            } else {
+                median(times.iter().zip(alone).map(|(t, a)| t / a).collect())
+            };
+            (point.clone(), alone_ms * ratio)
+        })
         .collect()
 }
 
+/// The point a bucket runs after its candidates were timed in the step (the first of `timed` is
+/// the winner alone): the fastest, if it beats the winner alone by more than [`MARGIN`].
+pub(super) fn step_choice(timed: &[(Point, f64)]) -> (Point, f64) {
+    let alone = timed[0].clone();
+    let fastest = timed
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .cloned()
+        .unwrap_or_else(|| alone.clone());
+    if fastest.1 < alone.1 * (1.0 - MARGIN) {
+        fastest
+    } else {
+        alone
+    }
+}
+
 /// `entry` with `chosen` as its winner (its time alone from the candidates) and each timed
-/// point's GPU ms a step (its median over the rounds) recorded on its candidate.
+/// point's GPU ms a step ([`paired_step_times`]) recorded on its candidate.
 pub(super) fn with_step_times(mut entry: Entry, timed: &[(Point, f64)], chosen: &Point) -> Entry {
     for c in &mut entry.candidates {
         if let Some((_, ms)) = timed.iter().find(|(p, _)| c.is_point(&p.0, &p.1)) {
@@ -285,9 +298,8 @@ fn choose_in_steps(
     run: (usize, usize),
     what: &str,
 ) -> Result<Outcome> {
-    let rounds = time_in_steps(gpu, b, key, run, ties, what)?;
-    let (chosen, chosen_ms) = step_choice(&rounds);
-    let timed = medians(&rounds);
+    let timed = paired_step_times(&time_in_steps(gpu, b, key, run, ties, what)?);
+    let (chosen, chosen_ms) = step_choice(&timed);
     db.insert(key, with_step_times(entry, &timed, &chosen));
     db.save()
         .with_context(|| format!("saving {what} to {}", db_path.display()))?;
@@ -436,7 +448,7 @@ impl InStep {
 /// The table `tune --decode-step` prints for the kernels chosen by whole steps.
 pub(super) fn points_table(rows: &[InStep]) -> String {
     let mut s = format!(
-        "decode kernels by whole steps (greedy, GPU ms a step, the median of the rounds; the winner alone and the candidates within {:.0}% of it)\n\
+        "decode kernels by whole steps (greedy, GPU ms a step, paired by round with the winner alone; the winner alone and the candidates within {:.0}% of it)\n\
          batch  kernel                          steps    alone ms  chosen ms  point the step runs\n",
         (NEAR - 1.0) * 100.0
     );

@@ -26,9 +26,10 @@ pub struct Candidate {
     /// Per-kernel resources as the driver reports them (empty when unknown).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resources: Vec<Resources>,
-    /// Milliseconds of a decode step that ran this candidate (its GPU time, the median over the
-    /// rounds; the wall time in databases of earlier versions), when `tune --decode-step` chose
-    /// the key's winner among its near-ties by whole steps (`None`: not timed so).
+    /// Milliseconds of a decode step that ran this candidate (its GPU time, paired by round with
+    /// the winner alone's, the times the choice compared; the wall time in databases of earlier
+    /// versions), when `tune --decode-step` chose the key's winner among its near-ties by whole
+    /// steps (`None`: not timed so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_ms: Option<f64>,
 }

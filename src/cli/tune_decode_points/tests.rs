@@ -75,19 +75,13 @@ fn the_step_winner_becomes_the_entry_with_its_own_time_alone_and_every_step_time
 #[test]
 fn another_point_replaces_the_winner_alone_only_when_clearly_faster_in_the_step() {
     let point = |w, r| ("attention_decode_groups".to_string(), params(w, r));
-    // one time a round, the same in every round
-    let steady = |p, ms: f64| (p, vec![ms; 5]);
-    let timed = [
-        steady(point(1, 4), 0.607),
-        steady(point(4, 2), 0.600),
-        steady(point(2, 2), 0.603),
-    ];
+    let timed = [(point(1, 4), 0.607), (point(4, 2), 0.600), (point(2, 2), 0.603)];
     assert_eq!(step_choice(&timed), (point(4, 2), 0.600), "1.2% faster: switched");
-    let close = [steady(point(4, 2), 0.431), steady(point(2, 4), 0.430)];
+    let close = [(point(4, 2), 0.431), (point(2, 4), 0.430)];
     assert_eq!(step_choice(&close), (point(4, 2), 0.431), "0.2% faster: kept");
-    let clear = [steady(point(4, 2), 0.431), steady(point(2, 4), 0.428)];
+    let clear = [(point(4, 2), 0.431), (point(2, 4), 0.428)];
     assert_eq!(step_choice(&clear).0, point(2, 4), "0.7% faster: switched");
-    let slower = [steady(point(4, 2), 0.431), steady(point(2, 4), 0.450)];
+    let slower = [(point(4, 2), 0.431), (point(2, 4), 0.450)];
     assert_eq!(step_choice(&slower).0, point(4, 2));
 }
 
@@ -101,22 +95,28 @@ fn the_step_compares_points_round_by_round_so_a_drift_between_rounds_cancels() {
     // By the medians of the rounds' times, a point slower in every round but one, where it ran
     // at the fastest clocks, would look 1.9% faster (0.579 against 0.590): paired, it loses.
     let noisy = vec![0.6150, 0.5650, 0.6050, 0.5790, 0.5300];
-    let timed = [
+    let rounds = [
         (point(1, 4), alone.clone()),
         (point(2, 2), noisy.clone()),
         (point(4, 2), faster.clone()),
     ];
-    let (chosen, ms) = step_choice(&timed);
-    assert_eq!(chosen, point(4, 2));
-    assert_eq!(ms, 0.5841, "its median over the rounds");
+    let timed = paired_step_times(&rounds);
+    // the winner alone at its median; the others at it times their median ratio to it
+    let ms: Vec<f64> = timed.iter().map(|(_, ms)| *ms).collect();
+    let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    assert_eq!(ms[0], 0.590);
+    assert!(near(ms[1], 0.590 * 0.6150 / 0.610), "{ms:?}");
+    assert!(near(ms[2], 0.590 * 0.99), "{ms:?}");
+    let (chosen, chosen_ms) = step_choice(&timed);
     assert_eq!(
-        step_choice(&timed[..2]).0,
-        point(1, 4),
-        "slower in four rounds of five: kept"
+        (chosen, chosen_ms),
+        (point(4, 2), ms[2]),
+        "1% faster round by round: switched"
     );
     assert_eq!(
-        medians(&timed).iter().map(|(_, ms)| *ms).collect::<Vec<_>>(),
-        vec![0.590, 0.5790, 0.5841]
+        step_choice(&paired_step_times(&rounds[..2])).0,
+        point(1, 4),
+        "slower in four rounds of five: kept"
     );
 }
 
