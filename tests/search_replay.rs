@@ -1,8 +1,9 @@
-//! The tuner's search replayed on screen times that an H100 recorded with `--exhaustive`
-//! (tests/fixtures/search_replay/): the same rounds `tune --op` runs (first round, climb,
-//! stall), each measurement a lookup, so CI checks without a GPU that the search still ends
-//! near the exhaustive winner on these shapes. A change to the search or to a family's start
-//! points can be judged here before it goes to the GPU.
+//! The tuner's search replayed on screen times recorded with `--exhaustive`
+//! (tests/fixtures/search_replay/: GEMMs on an H100, decode attention on an H200): the same
+//! rounds `tune --op` runs (first round, climb, stall), or `tune --model` for several workloads
+//! searched together, each measurement a lookup, so CI checks without a GPU that the search
+//! still ends near the exhaustive winner on these shapes. A change to the search or to a
+//! family's start points can be judged here before it goes to the GPU.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -54,11 +55,12 @@ fn recorded(name: &str, catalog: &Catalog) -> (Recorded, String) {
     (times, best.expect("a fixture with times").0)
 }
 
-/// The project's catalog, or a copy of it whose `matmul_wgmma_tma` spec leaves out the
-/// `[[start]]` written as `start` (in a temporary folder, kept alive by the returned guard).
-fn catalog(without_start: Option<&str>) -> (Catalog, Option<tempfile::TempDir>) {
+/// The project's catalog, or a copy of it whose spec `family` leaves out the `[[start]]`
+/// written as `start` (`without_start`: (family, start); in a temporary folder, kept alive by
+/// the returned guard).
+fn catalog(without_start: Option<(&str, &str)>) -> (Catalog, Option<tempfile::TempDir>) {
     let templates = root().join("templates");
-    let Some(start) = without_start else {
+    let Some((family, start)) = without_start else {
         return (Catalog::load(&root().join("specs"), &templates).unwrap(), None);
     };
     let dir = tempfile::tempdir().unwrap();
@@ -67,7 +69,7 @@ fn catalog(without_start: Option<&str>) -> (Catalog, Option<tempfile::TempDir>) 
     for entry in std::fs::read_dir(root().join("specs")).unwrap() {
         let path = entry.unwrap().path();
         let mut text = std::fs::read_to_string(&path).unwrap();
-        if path.file_name().unwrap() == "matmul_wgmma_tma.toml" {
+        if path.file_name().unwrap().to_str() == Some(&format!("{family}.toml")) {
             assert!(text.contains(start), "the start point as the spec writes it:\n{start}");
             text = text.replace(start, "");
         }
@@ -76,47 +78,87 @@ fn catalog(without_start: Option<&str>) -> (Catalog, Option<tempfile::TempDir>) 
     (Catalog::load(&specs, &templates).unwrap(), Some(dir))
 }
 
-/// Replays `tune --op matmul` in bf16 on (M, N, K) with `epilogue` over `catalog`'s variants,
-/// against the fixture `name`; returns the outcome and the fixture's fastest time.
-fn replay(catalog: &Catalog, name: &str, mnk: [i64; 3], epilogue: Epilogue) -> (ReplayOutcome, f64) {
-    let limits = DeviceLimits::default(); // an H100's, as recorded
-    let contract = ops::op_by_name("matmul").unwrap();
-    let mut shape: Shape = [("M", mnk[0]), ("N", mnk[1]), ("K", mnk[2])]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+/// The bf16 workload of `tune --op OP --shape ...` with `epilogue` (shape completed as the op's
+/// contract completes it).
+fn workload(op: &str, sizes: &[(&str, i64)], epilogue: Epilogue) -> Workload {
+    let contract = ops::op_by_name(op).unwrap();
+    let mut shape: Shape = sizes.iter().map(|(k, v)| (k.to_string(), *v)).collect();
     contract.complete_shape(&mut shape, epilogue, Mask::None).unwrap();
-    let workload = Workload {
-        role: "matmul (--op)".to_string(),
+    Workload {
+        role: format!("{op} (--op)"),
         op: contract.name(),
         dtype: Dtype::Bf16,
         epilogue,
         mask: Mask::None,
-        shape: shape.clone(),
+        shape,
         calls: 1,
-    };
-    let pool = Pools::new(catalog, &[&workload], &limits)
-        .unwrap()
-        .pool(&workload, &limits);
-    let (times, best_key) = recorded(name, catalog);
-    // The fixture must still name points of today's specs: its winner is in the pool.
-    assert!(
-        pool.iter().any(|v| record_key(&v.family.name, &v.params) == best_key),
-        "{name}: its fastest point `{best_key}` is no longer a variant of the specs (a parameter added or \
-         removed?): record the fixture again (benches/search_vs_exhaustive.sh)"
-    );
-    let lookup = |v: &Variant| times.get(&record_key(&v.family.name, &v.params)).copied();
-    let outcome = Replay::new(contract.name(), shape, pool, &lookup).run(0, &limits);
-    let (winner, ms) = outcome.best.as_ref().expect("the search timed something");
-    eprintln!(
-        "{name}: the search ends on {} {} at {ms:.4} ms after {} candidates in {} rounds; the exhaustive winner {:.4} ms",
-        winner.family.name,
-        winner.key(),
-        outcome.measured,
-        outcome.rounds,
-        times[&best_key]
-    );
-    (outcome, times[&best_key])
+    }
+}
+
+/// A fixture read for one workload: its pool on the recording GPU, the recorded times and the
+/// exhaustive winner's time.
+struct Fixture {
+    name: String,
+    workload: Workload,
+    pool: Vec<Variant>,
+    times: Recorded,
+    best_ms: f64,
+}
+
+impl Fixture {
+    fn load(catalog: &Catalog, name: &str, workload: Workload, limits: &DeviceLimits) -> Fixture {
+        let pool = Pools::new(catalog, &[&workload], limits)
+            .unwrap()
+            .pool(&workload, limits);
+        let (times, best_key) = recorded(name, catalog);
+        // The fixture must still name points of today's specs: its winner is in the pool.
+        assert!(
+            pool.iter().any(|v| record_key(&v.family.name, &v.params) == best_key),
+            "{name}: its fastest point `{best_key}` is no longer a variant of the specs (a parameter added or \
+             removed?): record the fixture again (benches/search_vs_exhaustive.sh)"
+        );
+        let best_ms = times[&best_key];
+        Fixture {
+            name: name.to_string(),
+            workload,
+            pool,
+            times,
+            best_ms,
+        }
+    }
+
+    fn lookup(&self) -> impl Fn(&Variant) -> Option<f64> + '_ {
+        |v: &Variant| self.times.get(&record_key(&v.family.name, &v.params)).copied()
+    }
+
+    /// Prints where the search ended against the exhaustive winner; returns how far behind it
+    /// ended (0.02: 2%).
+    fn report(&self, outcome: &ReplayOutcome) -> f64 {
+        let (winner, ms) = outcome.best.as_ref().expect("the search timed something");
+        eprintln!(
+            "{}: the search ends on {} {} at {ms:.4} ms after {} candidates in {} rounds; the exhaustive winner {:.4} ms",
+            self.name,
+            winner.family.name,
+            winner.key(),
+            outcome.measured,
+            outcome.rounds,
+            self.best_ms
+        );
+        ms / self.best_ms - 1.0
+    }
+}
+
+/// Replays `tune --op matmul` in bf16 on (M, N, K) with `epilogue` over `catalog`'s variants
+/// (an H100's limits, as recorded), against the fixture `name`; returns the outcome and the
+/// fixture's fastest time.
+fn replay(catalog: &Catalog, name: &str, mnk: [i64; 3], epilogue: Epilogue) -> (ReplayOutcome, f64) {
+    let limits = DeviceLimits::default();
+    let sizes = [("M", mnk[0]), ("N", mnk[1]), ("K", mnk[2])];
+    let f = Fixture::load(catalog, name, workload("matmul", &sizes, epilogue), &limits);
+    let lookup = f.lookup();
+    let outcome = Replay::new(f.workload.op, f.workload.shape.clone(), f.pool.clone(), &lookup).run(0, &limits);
+    f.report(&outcome);
+    (outcome, f.best_ms)
 }
 
 /// How far behind the exhaustive winner the replayed search ended (0.02: 2%).
@@ -169,7 +211,7 @@ fn the_search_ends_near_the_exhaustive_winner_an_h100_recorded() {
 #[test]
 fn without_their_start_points_the_replayed_search_misses_both_winners() {
     for ((name, mnk, epilogue), start) in [(FC, FC_START), (ATTENTION_OUTPUT, ATTENTION_OUTPUT_START)] {
-        let (catalog, _dir) = catalog(Some(start));
+        let (catalog, _dir) = catalog(Some(("matmul_wgmma_tma", start)));
         let (outcome, best) = replay(&catalog, name, mnk, epilogue);
         let behind = behind(&outcome, best);
         assert!(
@@ -178,4 +220,96 @@ fn without_their_start_points_the_replayed_search_misses_both_winners() {
             100.0 * behind
         );
     }
+}
+
+/// The decode-attention fixtures: bf16 at batch 32-256 after 128-1024 cached tokens (GPT-2's
+/// 12 heads of 64), recorded on an H200 with `--exhaustive` over every attention_decode family.
+/// An H200 has the H100's SMs and shared memory: the default limits.
+fn attention_fixtures(catalog: &Catalog) -> Vec<Fixture> {
+    let mut out = Vec::new();
+    for b in [32, 64, 128, 256] {
+        for t in [128, 256, 512, 1024] {
+            let name = format!("h200_bf16_attention_decode_{b}x{t}.txt");
+            let sizes = [("B", b), ("HS", 64), ("NH", 12), ("T", t), ("max_T", t)];
+            let w = workload("attention_decode", &sizes, Epilogue::None);
+            out.push(Fixture::load(catalog, &name, w, &DeviceLimits::default()));
+        }
+    }
+    out
+}
+
+/// Where a replayed search ended: how far behind its fixture's exhaustive winner (0.02: 2%),
+/// after how many candidates.
+struct Ended {
+    fixture: String,
+    behind: f64,
+    measured: usize,
+}
+
+/// How far behind the exhaustive winners the searches of the attention fixtures end, searched
+/// `alone` (`tune --op attention_decode`, a cell at a time) and `together` (`tune --model gpt2
+/// --batch 32,64,128,256`, where the sixteen cells are searched at once and try each other's
+/// best points): for each way, where each cell's search ended.
+fn attention_searches(catalog: &Catalog) -> [(&'static str, Vec<Ended>); 2] {
+    let limits = DeviceLimits::default();
+    let fixtures = attention_fixtures(catalog);
+    let lookups: Vec<_> = fixtures.iter().map(Fixture::lookup).collect();
+    let replay = |i: usize| {
+        let f = &fixtures[i];
+        Replay::new(f.workload.op, f.workload.shape.clone(), f.pool.clone(), &lookups[i])
+    };
+    let alone: Vec<ReplayOutcome> = (0..fixtures.len()).map(|i| replay(i).run(0, &limits)).collect();
+    let together: [ReplayOutcome; 16] = Replay::run_together(std::array::from_fn(replay), 0, &limits);
+    let cells = |how: &str, outcomes: &[ReplayOutcome]| {
+        eprintln!("-- each cell searched {how}");
+        let fixtures = fixtures.iter().zip(outcomes);
+        let ended = |(f, o): (&Fixture, &ReplayOutcome)| Ended {
+            fixture: f.name.clone(),
+            behind: f.report(o),
+            measured: o.measured,
+        };
+        fixtures.map(ended).collect()
+    };
+    [
+        ("alone", cells("alone", &alone)),
+        ("together", cells("together", &together)),
+    ]
+}
+
+/// Searched alone or together, every cell ends within 3% of its exhaustive winner, in at most
+/// 120 candidates.
+#[test]
+fn decode_attention_searches_end_near_the_exhaustive_winner_an_h200_recorded() {
+    let (catalog, _) = catalog(None);
+    for (how, cells) in attention_searches(&catalog) {
+        for Ended {
+            fixture,
+            behind,
+            measured,
+        } in cells
+        {
+            assert!(
+                behind <= 0.03,
+                "{fixture} ({how}): the search ends {:.1}% behind",
+                100.0 * behind
+            );
+            assert!(measured <= 120, "{fixture} ({how}): {measured} candidates");
+        }
+    }
+}
+
+/// The attention fixtures tell a search that finds the winners from one that does not: without
+/// attention_decode_groups' start point the sixteen cells searched together end 14-21% behind at
+/// batch 32 after 512 and 1,024 tokens.
+#[test]
+fn without_its_start_point_the_decode_attention_search_misses_at_batch_32() {
+    let start = "[[start]]\nkeys_per_split = 1024\nwarps = 8\nrows_at_once = 2\nnext_trip = 2\n";
+    let (catalog, _dir) = catalog(Some(("attention_decode_groups", start)));
+    let [_, (_, together)] = attention_searches(&catalog);
+    let worst = together.iter().map(|e| e.behind).fold(0.0, f64::max);
+    assert!(
+        worst > 0.10,
+        "without the start point the search still ends within {:.1}%",
+        100.0 * worst
+    );
 }

@@ -228,27 +228,39 @@ impl<'t> Replay<'t> {
     /// Runs the search as `tune --op` does for one workload with an empty database: the first
     /// round from `seed`, then the climb, with no time budget.
     pub fn run(self, seed: u64, limits: &DeviceLimits) -> ReplayOutcome {
-        let first = vec![search::first_round(&self.pool, &[], seed)];
+        let [outcome] = Self::run_together([self], seed, limits);
+        outcome
+    }
+
+    /// Runs the searches of several workloads together, as `tune --model` does for the
+    /// workloads it derives (with an empty database, no time budget): each climbs from its own
+    /// best points and tries its siblings' (the workloads of the same op).
+    pub fn run_together<const N: usize>(
+        mut replays: [Self; N],
+        seed: u64,
+        limits: &DeviceLimits,
+    ) -> [ReplayOutcome; N] {
+        let first = replays
+            .iter()
+            .map(|r| search::first_round(&r.pool, &[], seed))
+            .collect();
         let mut rounds = 0;
-        let mut states = [self];
-        let Ok(()) = run_rounds(&mut states, first, limits, |states, _, lists| {
+        let Ok(()) = run_rounds(&mut replays, first, limits, |states, _, lists| {
             rounds += 1;
             for (state, list) in states.iter_mut().zip(lists) {
                 state.measure(list);
             }
             Ok::<bool, std::convert::Infallible>(true)
         });
-        let [replay] = states;
-        let best = replay
-            .timed
-            .iter()
-            .min_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(v, ms)| (v.clone(), *ms));
-        ReplayOutcome {
-            best,
+        replays.map(|replay| ReplayOutcome {
+            best: replay
+                .timed
+                .iter()
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+                .map(|(v, ms)| (v.clone(), *ms)),
             measured: replay.seen.len(),
             rounds,
-        }
+        })
     }
 }
 
