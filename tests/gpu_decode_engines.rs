@@ -499,6 +499,9 @@ fn tune_decode_step_stores_the_winner_and_bench_runs_the_faster_engine_by_defaul
     assert_eq!(again["decode_attention"][0]["from_db"], true, "{again}");
     let matmuls = again["decode_matmul"].as_array().expect("matmul rows read back");
     assert!(matmuls.iter().all(|r| r["from_db"] == true), "{again}");
+    // Read back, each row still says which matmul of the step it is (from its shape).
+    assert!(matmuls.iter().any(|r| r["role"] == "fc_proj"), "{again}");
+    assert!(matmuls.iter().all(|r| r["role"] != "matmul"), "{again}");
     let row = &again["decode_step"][0];
     assert_eq!(row["from_db"], true, "{row}");
     assert_eq!(row["megakernel_ms_per_step"].as_f64().unwrap(), mega);

@@ -255,8 +255,20 @@ pub(super) fn tune_decode_points(
                 .filter(|(_, e)| e.candidates.iter().any(|c| c.step_ms.is_some()))
                 .collect();
             if !settled.is_empty() {
-                for (key, entry) in settled {
-                    out.push(InStep::new(b, "matmul", key.clone(), None, run, read_back(entry), true));
+                // Each one's role from its shape (the database keeps a description, not the
+                // name), the rows in the step's order.
+                const STEP_ORDER: [&str; 5] = ["qkv", "attn_proj", "fc", "fc_proj", "lm_head"];
+                let dims = cfg.dims();
+                let mut rows: Vec<(&'static str, &String, &Entry)> = settled
+                    .into_iter()
+                    .map(|(key, entry)| {
+                        let dim = |name| entry.shape.get(name).map_or(0, |&v| v as usize);
+                        (dims.matmul_role(dim("N"), dim("K")).unwrap_or("matmul"), key, entry)
+                    })
+                    .collect();
+                rows.sort_by_key(|(role, _, _)| STEP_ORDER.iter().position(|r| r == role).unwrap_or(STEP_ORDER.len()));
+                for (role, key, entry) in rows {
+                    out.push(InStep::new(b, role, key.clone(), None, run, read_back(entry), true));
                 }
                 continue;
             }

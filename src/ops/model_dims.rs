@@ -25,6 +25,21 @@ impl ModelDims {
         self.n_embd / self.n_head
     }
 
+    /// The role (as the model's kernel selection names it) of a matmul of `n` outputs over `k`
+    /// inputs a row: `qkv`, `attn_proj`, `fc`, `fc_proj` or `lm_head`; `None` for a shape this
+    /// model does not multiply.
+    pub fn matmul_role(&self, n: usize, k: usize) -> Option<&'static str> {
+        let c = self.n_embd;
+        match (n, k) {
+            (n, k) if k == c && n == 3 * c => Some("qkv"),
+            (n, k) if k == c && n == c => Some("attn_proj"),
+            (n, k) if k == c && n == 4 * c => Some("fc"),
+            (n, k) if k == 4 * c && n == c => Some("fc_proj"),
+            (n, k) if k == c && n == self.padded_vocab_size => Some("lm_head"),
+            _ => None,
+        }
+    }
+
     /// A released GPT-2's dimensions (1,024 positions, the 50,257-token vocabulary padded to
     /// 50,304), for the tests of the layers below the model; `model::config` checks that its
     /// presets agree.
@@ -83,5 +98,32 @@ mod tests {
         assert_eq!(context_bucket(1024, 1024), 1024);
         assert_eq!(context_bucket(1000, 600), 1000);
         assert_eq!(context_bucket(64, 64), 64);
+    }
+
+    #[test]
+    fn a_matmul_is_named_by_its_outputs_and_inputs() {
+        let gpt2 = ModelDims::released_gpt2(12, 12, 768);
+        let roles: Vec<_> = [
+            (2304, 768),
+            (768, 768),
+            (3072, 768),
+            (768, 3072),
+            (50304, 768),
+            (768, 50304),
+        ]
+        .into_iter()
+        .map(|(n, k)| gpt2.matmul_role(n, k))
+        .collect();
+        assert_eq!(
+            roles,
+            [
+                Some("qkv"),
+                Some("attn_proj"),
+                Some("fc"),
+                Some("fc_proj"),
+                Some("lm_head"),
+                None
+            ]
+        );
     }
 }

@@ -203,7 +203,7 @@ fn a_matmul_row_names_its_role_epilogue_and_size() {
         (Some("qkv"), true)
     );
     assert!(points_table(std::slice::from_ref(&row)).contains("qkv: ln_qkv 2304x768"));
-    row.role = "matmul"; // read back from the database, where the role is not kept
+    row.role = "matmul"; // a shape the model does not multiply
     assert_eq!(row.what(), "ln_qkv 2304x768");
 }
 
