@@ -11,8 +11,12 @@
 # than a device call for most GPT-2 shapes: fc at M = 8192 in bf16 is 7,346 variants, 305 s on
 # an H100, 173 s of it verification.
 #
-#   [WORKLOADS="dtype:shape:epilogue ..."] [SEARCHES=1] [FAMILY=matmul_wgmma_tma|all] \
+#   [OP=matmul] [WORKLOADS="dtype:shape:epilogue ..."] [SEARCHES=1] [FAMILY=matmul_wgmma_tma|all] \
 #     [LIMIT=300] benches/search_vs_exhaustive.sh
+#
+# OP=attention_decode (or any op without epilogues) takes workloads as "dtype:shape:" and
+# FAMILY=all; the decode-attention fixtures (batch 32-256 after 128-1,024 tokens, H200) came from
+#   OP=attention_decode FAMILY=all WORKLOADS="bf16:B=32,HS=64,NH=12,T=512,max_T=512: ..."
 #
 # The default workloads are GPT-2 small's bf16 GEMMs at M = 8192, the LM head left out: its
 # family's exhaustive run does not fit LIMIT, since at 1 ms a call every variant is also
@@ -24,6 +28,7 @@ set -uo pipefail
 out=${OUT:-/tmp}/r
 mkdir -p "$out"
 kf=${KF:-.device/kernelforge}
+op=${OP:-matmul}
 family=${FAMILY:-matmul_wgmma_tma}
 limit=${LIMIT:-300}
 workloads=${WORKLOADS:-bf16:8192,3072,768:bias_gelu bf16:M=8192,N=2304,K=768,T=1024,n_head=12:qkv bf16:8192,768,768:bias_residual bf16:8192,768,3072:bias_residual}
@@ -51,8 +56,8 @@ PY
 # One cold run of the current workload ($dtype, $shape, $epilogue, $tag): run NAME [FLAGS...].
 run() {
   local log="$out/$1-$tag"
-  KERNELFORGE_CACHE="/tmp/kf-sve-$1-$tag" timeout "$limit" "$kf" tune --op matmul --shape "$shape" \
-    --epilogue "$epilogue" --dtype "$dtype" --force --json "${@:2}" > "$log.json" 2> "$log.err"
+  KERNELFORGE_CACHE="/tmp/kf-sve-$1-$tag" timeout "$limit" "$kf" tune --op "$op" --shape "$shape" \
+    ${epilogue:+--epilogue "$epilogue"} --dtype "$dtype" --force --json "${@:2}" > "$log.json" 2> "$log.err"
   summary "$log.json"
 }
 # The exhaustive run's JSON as a replay fixture: `family I NAME PARAMS...`, then `I VALUES MS`.
