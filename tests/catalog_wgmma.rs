@@ -263,7 +263,7 @@ fn tma_3xtf32_family_splits_every_operand() {
     assert!(at[0] < at[1] && at[1] < at[2], "the small terms first");
     assert!(code.contains("m64n128k8.f32.tf32.tf32"), "TF32 instructions");
     assert!(
-        code.contains("split_stages(smem_base, low_ring"),
+        code.contains("split_stages(ring.stages, ring.low_ring"),
         "the producer's warps split"
     );
     assert!(code.contains("0xFFFFE000u"), "low(x) = x - trunc(x)");

@@ -665,17 +665,6 @@ __device__ __forceinline__ void store_accumulators_staged(const float (&acc)[M_T
             ++chunks;
         }
 }
-// Tiles are handed out in units of CLUSTER_M vertically adjacent tiles (one per CTA of a
-// cluster). RASTER_M [0] = 0 walks the units columns fastest, 1 rows fastest. It decides what
-// the ~132 tiles in flight at once share in L2: columns fastest, they read one strip of A and
-// many different B tiles, rows fastest, one B tile and a strip of A. When B is larger than
-// L2 (the LM head's 50304 x 768 weight is 77 MB against 50 MB), columns fastest streams all of
-// B from DRAM again for every strip of A; rows fastest reads it once.
-__device__ __forceinline__ void unit_origin(int unit, int units_m, int tiles_n, int rank, int& m0, int& n0) {
-    m0 = ((unit / tiles_n) * CLUSTER_M + rank) * BLOCK_M;
-    n0 = unit % tiles_n * BLOCK_N;
-}
-
 // What this CTA computes: the units first_unit, first_unit + unit_step, ... below `units`, in
 // each its tile `rank` of the unit, and of that tile the K tiles [k_begin, k_end) (its slice
 // `split` when a cluster splits K; all of them otherwise).
@@ -699,6 +688,18 @@ __device__ __forceinline__ Schedule schedule_of(int M, int N, int K) {
     return s;
 }
 
+// The origin (m0, n0) of this CTA's tile of unit `unit` (the unit's tile s.rank). Tiles are
+// handed out in units of CLUSTER_M vertically adjacent tiles (one per CTA of a cluster).
+// RASTER_M [0] = 0 walks the units columns fastest, 1 rows fastest. It decides what
+// the ~132 tiles in flight at once share in L2: columns fastest, they read one strip of A and
+// many different B tiles, rows fastest, one B tile and a strip of A. When B is larger than
+// L2 (the LM head's 50304 x 768 weight is 77 MB against 50 MB), columns fastest streams all of
+// B from DRAM again for every strip of A; rows fastest reads it once.
+__device__ __forceinline__ void unit_origin(const Schedule& s, int unit, int& m0, int& n0) {
+    m0 = ((unit / s.tiles_n) * CLUSTER_M + s.rank) * BLOCK_M;
+    n0 = unit % s.tiles_n * BLOCK_N;
+}
+
 // Programmatic launch makes this CTA resident while the kernel before it still runs (common/
 // launch.cu.tera). The weights are no kernel's output, so before waiting, thread 0 asks L2 for
 // the boxes of B its first unit will load from K tile `from_kt` on (this CTA's slice when a
@@ -712,7 +713,7 @@ __device__ __forceinline__ Schedule schedule_of(int M, int N, int K) {
 __device__ __forceinline__ void prefetch_weight_tiles(const TensorMap& weight_map, const Schedule& s, int from_kt) {
     if (threadIdx.x != 0 || s.first_unit >= s.units) return;
     int m0, n0;
-    unit_origin(s.first_unit, s.units_m, s.tiles_n, s.rank, m0, n0);
+    unit_origin(s, s.first_unit, m0, n0);
     if (m0 >= BLOCK_M * CLUSTER_M) return;   // not the top row of units
     for (int kt = from_kt; kt < s.k_end; ++kt) {
 #pragma unroll
@@ -799,7 +800,7 @@ __device__ __forceinline__ void prefetch_weight_stages(const TensorMap& inp_map,
     const int loaded = weight_stages_before_wait(s);
     if (loaded > 0) {
         int m0, n0;
-        unit_origin(s.first_unit, s.units_m, s.tiles_n, s.rank, m0, n0);
+        unit_origin(s, s.first_unit, m0, n0);
         for (int i = 0; i < loaded; ++i) {
             mbar_arrive_expect_tx(ring.full_bar + 8 * ring_stage(i), STAGE_BYTES);
 #pragma unroll
@@ -824,17 +825,16 @@ matmul_wgmma_tma_71d15d2347bd7d1d_main(storage_t* out, const storage_t* __restri
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+    // Where the ring, the staging buffers and the barriers lie (ring.*, tma_ring.cu.tera), and
+    // which units and K tiles this CTA takes (sched.*, tma_tiles.cu.tera). prefetch_weight_stages
+    // above computed both already, but it is the one call allowed before the wait, inside the
+    // wait's sm_90 guard (common/launch.cu.tera), so the kernel computes them again here: a few
+    // integer operations on constants, blockIdx, gridDim and the cluster rank.
     const Ring ring = ring_layout();
-    const unsigned smem_base = ring.stages, low_ring = ring.low_ring, staging = ring.staging, bias_smem = ring.bias,
-                   wsum_smem = ring.wsum, full_bar = ring.full_bar, empty_bar = ring.empty_bar, turn_bar = ring.turn_bar,
-                   residual_bar = ring.residual_bar, low_full_bar = ring.low_full_bar, low_empty_bar = ring.low_empty_bar;
-    auto a_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES; };
-    auto b_tile = [&](int stage) { return smem_base + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
-
     const Schedule sched = schedule_of(M, N, K);
-    const int tiles_n = sched.tiles_n, units_m = sched.units_m, units = sched.units, rank = sched.rank,
-              split = sched.split, k_begin = sched.k_begin, k_end = sched.k_end, first_unit = sched.first_unit,
-              unit_step = sched.unit_step;
+    // The A tile and the B tile of ring stage `stage` (its B panels follow its A panels).
+    auto a_tile = [&](int stage) { return ring.stages + stage * STAGE_BYTES; };
+    auto b_tile = [&](int stage) { return ring.stages + stage * STAGE_BYTES + PANELS * A_PANEL_BYTES; };
     const int warpgroup = threadIdx.x / 128;
 
     if (warpgroup == 0) {
@@ -848,26 +848,26 @@ matmul_wgmma_tma_71d15d2347bd7d1d_main(storage_t* out, const storage_t* __restri
             const int weights_loaded = weight_stages_before_wait(sched);
             int i = 0;   // K tiles issued so far by this block
             int local = 0;
-            for (int unit = first_unit; unit < units; unit += unit_step, ++local) {
+            for (int unit = sched.first_unit; unit < sched.units; unit += sched.unit_step, ++local) {
                 // Rows past M (the last unit's second tile when tiles_m is odd) load zeros and
                 // store nothing, but the CTA still multicasts its half of B to its peer.
                 int m0, n0;
-                unit_origin(unit, units_m, tiles_n, rank, m0, n0);
-                for (int kt = k_begin; kt < k_end; ++kt, ++i) {
+                unit_origin(sched, unit, m0, n0);
+                for (int kt = sched.k_begin; kt < sched.k_end; ++kt, ++i) {
                     const int s = ring_stage(i);
                     // The stage's previous tile (i - STAGES) must be released: the empty
                     // barrier's phase of the previous pass (parity 1 on the first pass, which
                     // a fresh barrier reports as complete).
-                    mbar_wait(empty_bar + 8 * s, ring_parity(i) ^ 1);
+                    mbar_wait(ring.empty_bar + 8 * s, ring_parity(i) ^ 1);
                     // The whole stage arrives here: A from this CTA's copies, B from every
                     // CTA's multicast slice (told before the wait for the stages loaded then).
                     const bool weights_here = i >= weights_loaded;
-                    if (weights_here) mbar_arrive_expect_tx(full_bar + 8 * s, STAGE_BYTES);
+                    if (weights_here) mbar_arrive_expect_tx(ring.full_bar + 8 * s, STAGE_BYTES);
 #pragma unroll
                     for (int p = 0; p < PANELS; ++p) {
                         const int k = kt * BLOCK_K + p * PANEL_ELEMS;
-                        tma_load_2d(a_tile(s) + p * A_PANEL_BYTES, inp_map, k, m0, full_bar + 8 * s);
-                        if (weights_here) load_weight_panel(ring, weight_map, s, p, k, n0, rank);
+                        tma_load_2d(a_tile(s) + p * A_PANEL_BYTES, inp_map, k, m0, ring.full_bar + 8 * s);
+                        if (weights_here) load_weight_panel(ring, weight_map, s, p, k, n0, sched.rank);
                     }
                 }
             }
@@ -885,13 +885,13 @@ matmul_wgmma_tma_71d15d2347bd7d1d_main(storage_t* out, const storage_t* __restri
         int i = 0;   // K tiles of this block consumed so far (the producer's count)
         int local = 0;
         int chunks = 0;   // epilogue chunks staged so far
-        for (int unit = first_unit; unit < units; unit += unit_step, ++local) {
+        for (int unit = sched.first_unit; unit < sched.units; unit += sched.unit_step, ++local) {
             if (PINGPONG && local % CONSUMERS != consumer) {
-                i += k_end - k_begin;   // the other consumer's tile: skip its stages
+                i += sched.k_end - sched.k_begin;   // the other consumer's tile: skip its stages
                 continue;
             }
             int m0, n0;
-            unit_origin(unit, units_m, tiles_n, rank, m0, n0);
+            unit_origin(sched, unit, m0, n0);
             float acc[M_TILES][ACC_REGS];
 #pragma unroll
             for (int t = 0; t < M_TILES; ++t)
@@ -900,18 +900,18 @@ matmul_wgmma_tma_71d15d2347bd7d1d_main(storage_t* out, const storage_t* __restri
             // One K tile: wait for it, issue its MMAs, keep them running; once the previous
             // tile's group has completed, its stage can be refilled (`release`: there is one).
             auto multiply_k_tile = [&](bool release) {
-                mbar_wait(full_bar + 8 * ring_stage(i), ring_parity(i));   // K tile i has landed
+                mbar_wait(ring.full_bar + 8 * ring_stage(i), ring_parity(i));   // K tile i has landed
                 issue_mmas(acc, a_tile(ring_stage(i)), b_tile(ring_stage(i)), a_rows, b_rows);
-                retire_mmas<1>(acc, release, empty_bar + 8 * ring_stage(i - 1));
+                retire_mmas<1>(acc, release, ring.empty_bar + 8 * ring_stage(i - 1));
                 ++i;
             };
             multiply_k_tile(false);
-            for (int kt = k_begin + 1; kt < k_end; ++kt) multiply_k_tile(true);
-            retire_mmas<0>(acc, true, empty_bar + 8 * ring_stage(i - 1));
+            for (int kt = sched.k_begin + 1; kt < sched.k_end; ++kt) multiply_k_tile(true);
+            retire_mmas<0>(acc, true, ring.empty_bar + 8 * ring_stage(i - 1));
             // The producer is already filling the freed stages with the next tile.
-            const unsigned bias_s = bias_smem + consumer * MMA_N * 4;
-            store_accumulators_staged(acc, staging + consumer * CONSUMER_STAGING_BYTES, bias_s, consumer, chunks,
-                                      m0 + a_rows, n0 + b_rows, out, M, N, T, n_head, out_map, split);
+            const unsigned bias_s = ring.bias + consumer * MMA_N * 4;   // this part's MMA_N columns of the bias
+            store_accumulators_staged(acc, ring.staging + consumer * CONSUMER_STAGING_BYTES, bias_s, consumer, chunks,
+                                      m0 + a_rows, n0 + b_rows, out, M, N, T, n_head, out_map, sched.split);
         }
         // Shared memory must stay until the last stores have read it; wait until they are done.
         if (threadIdx.x % 128 == 0) tma_store_wait_all();
