@@ -230,6 +230,22 @@ pub fn model_workloads(cfg: &ModelDims, batches: &[i64], seqs: &[i64], matmul_dt
 mod tests {
     use super::*;
 
+    /// The model completes every shape it asks the database for (`GpuBackend::selection_of`):
+    /// a workload whose shape completion would change would be tuned under a key the model
+    /// never looks up (the sampler's, whose shape carries its settings, would be).
+    #[test]
+    fn every_workload_is_tuned_under_the_key_the_model_asks_for() {
+        let cfg = ModelDims::released_gpt2(12, 12, 768);
+        for (batch, seq) in [(1, 1), (8, 1), (256, 1), (8, 1024)] {
+            for w in forward_workloads(&cfg, batch, seq, Dtype::Bf16) {
+                let contract = crate::ops::op_by_name(w.op).expect("a known op");
+                let mut asked = w.shape.clone();
+                contract.complete_shape(&mut asked, w.epilogue, w.mask).unwrap();
+                assert_eq!(asked, w.shape, "{} ({}) at batch {batch} x {seq}", w.role, w.op);
+            }
+        }
+    }
+
     #[test]
     fn gpt2_small_forward_shapes() {
         let cfg = ModelDims::released_gpt2(12, 12, 768);
