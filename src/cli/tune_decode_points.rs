@@ -29,7 +29,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::gpu::{Compiler, Gpu};
 use crate::model::gpu::{point_text, GpuBackend};
 use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
-use crate::ops::model_dims::decode_context_buckets;
+use crate::ops::model_dims::{decode_context_buckets, MATMUL_ROLES};
 use crate::spec::Dtype;
 use crate::tune::db::{default_path, DbHeader, Entry, TuneKey, TuningDb};
 use crate::tune::time::median;
@@ -257,7 +257,6 @@ pub(super) fn tune_decode_points(
             if !settled.is_empty() {
                 // Each one's role from its shape (the database keeps a description, not the
                 // name), the rows in the step's order.
-                const STEP_ORDER: [&str; 5] = ["qkv", "attn_proj", "fc", "fc_proj", "lm_head"];
                 let dims = cfg.dims();
                 let mut rows: Vec<(&'static str, &String, &Entry)> = settled
                     .into_iter()
@@ -266,7 +265,12 @@ pub(super) fn tune_decode_points(
                         (dims.matmul_role(dim("N"), dim("K")).unwrap_or("matmul"), key, entry)
                     })
                     .collect();
-                rows.sort_by_key(|(role, _, _)| STEP_ORDER.iter().position(|r| r == role).unwrap_or(STEP_ORDER.len()));
+                rows.sort_by_key(|(role, _, _)| {
+                    MATMUL_ROLES
+                        .iter()
+                        .position(|r| r == role)
+                        .unwrap_or(MATMUL_ROLES.len())
+                });
                 for (role, key, entry) in rows {
                     out.push(InStep::new(b, role, key.clone(), None, run, read_back(entry), true));
                 }

@@ -25,9 +25,8 @@ impl ModelDims {
         self.n_embd / self.n_head
     }
 
-    /// The role (as the model's kernel selection names it) of a matmul of `n` outputs over `k`
-    /// inputs a row: `qkv`, `attn_proj`, `fc`, `fc_proj` or `lm_head`; `None` for a shape this
-    /// model does not multiply.
+    /// The role (one of [`MATMUL_ROLES`], as the model's kernel selection names it) of a matmul
+    /// of `n` outputs over `k` inputs a row; `None` for a shape this model does not multiply.
     pub fn matmul_role(&self, n: usize, k: usize) -> Option<&'static str> {
         let c = self.n_embd;
         match (n, k) {
@@ -55,6 +54,9 @@ impl ModelDims {
         }
     }
 }
+
+/// The matmuls of a GPT-2 step by role, in the order a step runs them (the LM head last).
+pub const MATMUL_ROLES: [&str; 5] = ["qkv", "attn_proj", "fc", "fc_proj", "lm_head"];
 
 /// The cache lengths decode attention is chosen for: powers of two from 128 up to the context,
 /// the context itself last. A step attending to `len` positions runs the kernel of the first
@@ -125,5 +127,6 @@ mod tests {
                 None
             ]
         );
+        assert_eq!(roles[..5], MATMUL_ROLES.map(Some), "the roles in the step's order");
     }
 }
