@@ -149,21 +149,16 @@ impl Fixture {
 }
 
 /// Replays `tune --op matmul` in bf16 on (M, N, K) with `epilogue` over `catalog`'s variants
-/// (an H100's limits, as recorded), against the fixture `name`; returns the outcome and the
-/// fixture's fastest time.
+/// (an H100's limits, as recorded), against the fixture `name`; returns the outcome and how far
+/// behind the exhaustive winner the search ended (0.02: 2%).
 fn replay(catalog: &Catalog, name: &str, mnk: [i64; 3], epilogue: Epilogue) -> (ReplayOutcome, f64) {
     let limits = DeviceLimits::default();
     let sizes = [("M", mnk[0]), ("N", mnk[1]), ("K", mnk[2])];
     let f = Fixture::load(catalog, name, workload("matmul", &sizes, epilogue), &limits);
     let lookup = f.lookup();
     let outcome = Replay::new(f.workload.op, f.workload.shape.clone(), f.pool.clone(), &lookup).run(0, &limits);
-    f.report(&outcome);
-    (outcome, f.best_ms)
-}
-
-/// How far behind the exhaustive winner the replayed search ended (0.02: 2%).
-fn behind(outcome: &ReplayOutcome, exhaustive_ms: f64) -> f64 {
-    outcome.best.as_ref().expect("the search timed something").1 / exhaustive_ms - 1.0
+    let behind = f.report(&outcome);
+    (outcome, behind)
 }
 
 const FC: (&str, [i64; 3], Epilogue) = ("h100_bf16_fc_8192.txt", [8192, 3072, 768], Epilogue::BiasGelu);
@@ -193,8 +188,7 @@ const ATTENTION_OUTPUT_START: &str = "[[start]]\nmma_n = 128\nm_tiles = 2\npingp
 fn the_search_ends_near_the_exhaustive_winner_an_h100_recorded() {
     let (catalog, _) = catalog(None);
     for (name, mnk, epilogue) in [FC, ATTENTION_OUTPUT, FC_PROJECTION, FC_PROJECTION_1024] {
-        let (outcome, best) = replay(&catalog, name, mnk, epilogue);
-        let behind = behind(&outcome, best);
+        let (outcome, behind) = replay(&catalog, name, mnk, epilogue);
         assert!(
             behind <= 0.02,
             "{name}: the search ends {:.1}% behind the exhaustive winner",
@@ -212,8 +206,7 @@ fn the_search_ends_near_the_exhaustive_winner_an_h100_recorded() {
 fn without_their_start_points_the_replayed_search_misses_both_winners() {
     for ((name, mnk, epilogue), start) in [(FC, FC_START), (ATTENTION_OUTPUT, ATTENTION_OUTPUT_START)] {
         let (catalog, _dir) = catalog(Some(("matmul_wgmma_tma", start)));
-        let (outcome, best) = replay(&catalog, name, mnk, epilogue);
-        let behind = behind(&outcome, best);
+        let (_, behind) = replay(&catalog, name, mnk, epilogue);
         assert!(
             behind > 0.02,
             "{name}: without its start point the search still ends {:.1}% behind",
