@@ -152,18 +152,17 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
         );
     } else {
         out.extend(decode_attention_workloads(cfg, batch, requested));
-        // The sampler, on the op's default settings (temperature 1, no top-k or top-p: what
-        // `generate` draws with unless told otherwise, and the key the model asks for). Its
-        // point matters with the batch: at 256 rows, 256-thread blocks over 4,096-logit chunks
-        // take 57 µs against the default's 87, and 98 against 205 with top-k 40 and top-p 0.95;
-        // at 1-8 rows the default stays within 5% (H200, bf16; benches/RESULTS.md, fifteenth pass).
+        // The sampler, on the setting it is chosen on (see [`sampler_shape`]). Its point
+        // matters with the batch: at 256 rows, 256-thread blocks over 4,096-logit chunks take
+        // 98 µs against the default's 205; at 1-8 rows the default stays the best or within 5%
+        // (H200, bf16; benches/RESULTS.md, sixteenth pass).
         out.push(Workload {
             role: "sampler".into(),
             op: "sample",
             dtype: kernel_dtype("sample", None, requested),
             epilogue: Epilogue::None,
             mask: Mask::None,
-            shape: completed("sample", next_tokens_shape(cfg, batch)),
+            shape: sampler_shape(cfg, batch),
             calls: 1,
         });
     }
@@ -185,9 +184,20 @@ pub fn next_tokens_shape(cfg: &ModelDims, batch: i64) -> Shape {
     ])
 }
 
+/// The shape a decode step of `batch` sequences tunes and chooses its sampler on: the next
+/// tokens' rows at [`crate::ops::sample::TUNED_SETTING`], the other settings at their defaults
+/// (the user's temperature and filters are the kernel's arguments, not part of its key).
+pub fn sampler_shape(cfg: &ModelDims, batch: i64) -> Shape {
+    let mut rows = next_tokens_shape(cfg, batch);
+    for (name, value) in crate::ops::sample::TUNED_SETTING {
+        rows.insert(name.to_string(), value);
+    }
+    completed("sample", rows)
+}
+
 /// `shape` with the optional variables of `op` set to their defaults, as the model's kernel
 /// selection completes the shapes it asks for: a workload's database key must be the key the
-/// model looks up (the sampler's shape carries its settings, temperature 1 and no filters).
+/// model looks up (the sampler's shape carries its settings).
 fn completed(op: &str, mut shape: Shape) -> Shape {
     if let Some(contract) = crate::ops::op_by_name(op) {
         // The defaults are valid settings: completing a shape the model itself derives cannot fail.
