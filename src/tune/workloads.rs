@@ -152,22 +152,58 @@ pub fn forward_workloads(cfg: &ModelDims, batch: i64, seq: i64, requested: Dtype
         );
     } else {
         out.extend(decode_attention_workloads(cfg, batch, requested));
+        // The sampler, on the setting it is chosen on (see [`sampler_shape`]). Its point
+        // matters with the batch: at 256 rows, 256-thread blocks over 4,096-logit chunks take
+        // 98 µs against the default's 205; at 1-8 rows the default stays the best or within 5%
+        // (H200, bf16; benches/RESULTS.md, sixteenth pass).
+        out.push(Workload {
+            role: "sampler".into(),
+            op: "sample",
+            dtype: kernel_dtype("sample", None, requested),
+            epilogue: Epilogue::None,
+            mask: Mask::None,
+            shape: sampler_shape(cfg, batch),
+            calls: 1,
+        });
     }
     out
 }
 
 /// The shape the next tokens of a decode step are drawn on (argmax, sample): `batch` rows of
-/// the vocabulary's logits, a padded row apart. `tune --model` leaves these ops out: timed
-/// alone, the argmax's points differ by a few percent of their own time, and in the step the
-/// one that won alone at batch 64 (8 loads in flight, 54 registers a thread against the
-/// default's 4 and 32) cost 7 µs a step more than the default (H200; benches/RESULTS.md,
-/// tenth pass). `tune --op argmax --shape ...` still times them.
+/// the vocabulary's logits, a padded row apart. `tune --model` tunes the sampler on it (see
+/// [`forward_workloads`]) but leaves the argmax out: timed alone, the argmax's points differ by
+/// a few percent of their own time, and in the step the one that won alone at batch 64 (8 loads
+/// in flight, 54 registers a thread against the default's 4 and 32) cost 7 µs a step more than
+/// the default (H200; benches/RESULTS.md, tenth pass). `tune --op argmax --shape ...` still
+/// times it.
 pub fn next_tokens_shape(cfg: &ModelDims, batch: i64) -> Shape {
     shape(&[
         ("B", batch),
         ("V", cfg.vocab_size as i64),
         ("stride", cfg.padded_vocab_size as i64),
     ])
+}
+
+/// The shape a decode step of `batch` sequences tunes and chooses its sampler on: the next
+/// tokens' rows at [`crate::ops::sample::TUNED_SETTING`], the other settings at their defaults
+/// (the user's temperature and filters are the kernel's arguments, not part of its key).
+pub fn sampler_shape(cfg: &ModelDims, batch: i64) -> Shape {
+    let mut rows = next_tokens_shape(cfg, batch);
+    for (name, value) in crate::ops::sample::TUNED_SETTING {
+        rows.insert(name.to_string(), value);
+    }
+    completed("sample", rows)
+}
+
+/// `shape` with the optional variables of `op` set to their defaults, as the model's kernel
+/// selection completes the shapes it asks for: a workload's database key must be the key the
+/// model looks up (the sampler's shape carries its settings).
+fn completed(op: &str, mut shape: Shape) -> Shape {
+    if let Some(contract) = crate::ops::op_by_name(op) {
+        // The defaults are valid settings: completing a shape the model itself derives cannot fail.
+        let _ = contract.complete_shape(&mut shape, Epilogue::None, Mask::None);
+    }
+    shape
 }
 
 /// Whether a prefill, or a decode step (`decode`), of `rows` rows in all may fold its
@@ -231,8 +267,8 @@ mod tests {
     use super::*;
 
     /// The model completes every shape it asks the database for (`GpuBackend::selection_of`):
-    /// a workload whose shape completion would change would be tuned under a key the model
-    /// never looks up (the sampler's, whose shape carries its settings, would be).
+    /// a workload whose shape completion would change is tuned under a key the model never
+    /// looks up (the sampler's was, until its settings were added).
     #[test]
     fn every_workload_is_tuned_under_the_key_the_model_asks_for() {
         let cfg = ModelDims::released_gpt2(12, 12, 768);
@@ -244,6 +280,11 @@ mod tests {
                 assert_eq!(asked, w.shape, "{} ({}) at batch {batch} x {seq}", w.role, w.op);
             }
         }
+        let decode = forward_workloads(&cfg, 64, 1, Dtype::Bf16);
+        assert!(
+            decode.iter().any(|w| w.op == "sample"),
+            "the decode step tunes its sampler"
+        );
     }
 
     #[test]

@@ -13,7 +13,9 @@ use crate::ops::{self, Epilogue, Mask, Shape};
 use crate::spec::{expand, shape_text, Dtype, Launch, Points, Variant};
 use crate::tune::db::TuneKey;
 use crate::tune::registry::{variant_kind, Choice};
-use crate::tune::workloads::{decode_attention_shape, folds_layernorms, kernel_dtype, next_tokens_shape, op_dtype};
+use crate::tune::workloads::{
+    decode_attention_shape, folds_layernorms, kernel_dtype, next_tokens_shape, op_dtype, sampler_shape,
+};
 
 /// One selected, loaded kernel and where it is used.
 #[derive(Clone)]
@@ -453,19 +455,26 @@ impl GpuBackend {
                 format!("prefill of {b}x{t}: {}", fold_report.join("; "))
             });
         }
-        // The next tokens on the device: the argmax, and the sampler (tuned on its default
-        // settings: the shape carries no user's temperature or filters).
+        // The next tokens on the device: the argmax, and the sampler (chosen on the setting it
+        // is tuned on, whatever the user's: `sampler_shape`).
         let catalog = &self.registry.catalog;
         let available = |op: &str| ops::op_by_name(op).is_some() && catalog.has_dtype(op, op_dtype(self.dtype));
         let (argmax_available, sample_available) = (available(ARGMAX_OP), available(SAMPLE_OP));
         let rows = next_tokens_shape(&cfg.dims(), bi);
         let argmax = if decode && argmax_available {
-            Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, rows.clone(), None)?)
+            Some(self.kernel("argmax", ARGMAX_OP, Epilogue::None, Mask::None, rows, None)?)
         } else {
             None
         };
         let sample = if decode && sample_available {
-            Some(self.kernel("sample", SAMPLE_OP, Epilogue::None, Mask::None, rows, None)?)
+            Some(self.kernel(
+                "sample",
+                SAMPLE_OP,
+                Epilogue::None,
+                Mask::None,
+                sampler_shape(&cfg.dims(), bi),
+                None,
+            )?)
         } else {
             None
         };
