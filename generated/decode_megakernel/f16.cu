@@ -1175,11 +1175,80 @@ __device__ __forceinline__ void append_by_warp(bool take, key_t key, key_t* list
     if (take && slot < capacity) list[slot] = key;
 }
 
+// The `list` largest of keys[0..n) (shared memory) written to out[0..list), largest first: a
+// key's place is the number of keys above it (equal keys, such as empty slots' zeros, ordered
+// by their index, so that the places are all different). Each thread compares its keys
+// with all n (every thread reads the same keys[j] at once: a broadcast), and one barrier ends
+// it; a bitonic sort takes log2(n)^2 / 2 barrier-separated stages instead, which cost more for
+// the few hundred keys left once the candidates are narrowed. Every thread must call it.
+__device__ void place_by_rank(const key_t* keys, int n, int list, key_t* out) {
+    for (int i = threadIdx.x; i < n; i += BLOCK_SIZE) {
+        const key_t key = keys[i];
+        int above = 0;
+        #pragma unroll 4
+        for (int j = 0; j < n; ++j) above += keys[j] > key || (keys[j] == key && j < i);
+        if (above < list) out[above] = key;
+    }
+    __syncthreads();
+}
+
+// A key at or below the list-th largest of the block's keys, from each thread's largest key
+// (`best`; 0 when it holds none): the smallest over the warps of each warp's q-th largest
+// `best`, q = ceil(list / WARPS). Each warp has q threads whose best keys are at or above its
+// q-th, so at least WARPS * q >= list distinct keys lie at or above that smallest one. Each
+// warp sorts its 32 bests by shuffles (a bitonic network across the lanes, no barrier). 0 (no
+// floor) when q > 32. Every thread must call it.
+__device__ key_t warps_floor(key_t best, int list) {
+    __shared__ key_t floors[WARPS];
+    const int q = (list + WARPS - 1) / WARPS;
+    if (q > 32) return 0;
+    const int lane = threadIdx.x % 32;
+    #pragma unroll
+    for (int size = 2; size <= 32; size <<= 1) {
+        #pragma unroll
+        for (int distance = size / 2; distance > 0; distance >>= 1) {
+            const key_t other = __shfl_xor_sync(0xffffffffu, best, distance);
+            // Runs of `size` lanes alternate direction; the last run, all 32 lanes, descends.
+            const bool descending = (lane & size) == 0, lower = (lane & distance) == 0;
+            best = lower == descending ? max_key(best, other) : min_key(best, other);
+        }
+    }
+    const key_t qth = __shfl_sync(0xffffffffu, best, q - 1);
+    __syncthreads();  // a previous call may still be reading floors
+    if (lane == 0) floors[threadIdx.x / 32] = qth;
+    __syncthreads();
+    key_t floor = ~0ull;
+    for (int w = 0; w < WARPS; ++w) floor = min_key(floor, floors[w]);
+    return floor;
+}
+
+// Every key of keys[0..n) with keep(key) appended to `candidates` (counted in the shared
+// `compacted`, zero on entry), then the `list` largest of them placed into out[0..list); false
+// (and nothing placed) when more than SMALL_SORT were kept. Whole warps in every iteration
+// (append_by_warp). Every thread must call it.
+template <class Keep>
+__device__ __forceinline__ bool narrow_and_place(const key_t* keys, int n, int list, key_t* out, key_t* candidates,
+                                                 int* compacted, Keep keep) {
+    for (int base = 0; base < n; base += BLOCK_SIZE) {
+        const int i = base + threadIdx.x;
+        const key_t key = i < n ? keys[i] : 0ull;
+        append_by_warp(i < n && keep(key), key, candidates, compacted, SMALL_SORT);
+    }
+    __syncthreads();
+    const int kept = *compacted;
+    if (kept > SMALL_SORT) return false;
+    place_by_rank(candidates, kept, list, out);
+    return true;
+}
+
 // The `list` largest of keys[0..n) (shared memory), sorted largest first into out[0..list);
-// returns min(list, n). keys is left as it was; `top` is their largest value and inv_t the
-// inverse temperature. Two ways to narrow the keys down to at most SMALL_SORT, which are then
-// compacted into `out` and sorted there (sorting all n instead costs log2(n)^2 / 2
-// barrier-separated stages):
+// returns min(list, n). keys is left as it was; `candidates` is room for SMALL_SORT keys in
+// shared memory (neither keys nor out) that the narrowed keys pass through; `top` is their
+// largest value, inv_t the inverse temperature and `floor` a key known to be at or below the
+// list-th largest (0: none known). Three ways to narrow the keys down to at most SMALL_SORT, which are then compacted
+// and placed by rank into `out` (sorting all n instead costs log2(n)^2 / 2 barrier-separated
+// stages):
+//   0. the keys at or above `floor`, when there are few enough: one pass, no atomics.
 //   1. by distance below the top: bins of 1/16 (scaled by 1/T) down to 16 below it; the bins
 //      from the top up to the one holding the list-th key are in. One pass, and the bins near
 //      the top hold few keys, so their shared-memory atomics rarely collide. (A histogram of
@@ -1189,7 +1258,8 @@ __device__ __forceinline__ void append_by_warp(bool take, key_t key, key_t* list
 //      from the top of the keys, keeping the keys whose chosen digits are at or above the
 //      digit that holds the list-th key, until few enough remain.
 // Every thread must call it.
-__device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float top, float inv_t) {
+__device__ int top_keys(const key_t* keys, int n, int list, key_t* out, key_t* candidates, float top, float inv_t,
+                        key_t floor) {
     __shared__ unsigned histogram[256];
     __shared__ key_t chosen;       // radix: the digits chosen so far, as the high bits of a key
     __shared__ int in_above;       // radix: keys known to be in (above the chosen digits)
@@ -1201,6 +1271,12 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
     for (int i = threadIdx.x; i < 256; i += BLOCK_SIZE) histogram[i] = 0;
     if (threadIdx.x == 0) { chosen = 0; in_above = 0; running = n; compacted = 0; within = 0; }
     __syncthreads();
+    if (n > SMALL_SORT && floor > 0) {
+        if (narrow_and_place(keys, n, list, out, candidates, &compacted, [&](key_t key) { return key >= floor; })) return list;
+        __syncthreads();  // every thread has read `compacted` before it is reset
+        if (threadIdx.x == 0) compacted = 0;
+        __syncthreads();
+    }
     if (n > SMALL_SORT) {
         for (int i = threadIdx.x; i < n; i += BLOCK_SIZE) {
             const float bin = distance_bin(keys[i]);
@@ -1234,16 +1310,9 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
         }
         __syncthreads();
         if (within > 0) {
-            for (int base = 0; base < n; base += BLOCK_SIZE) {  // whole warps: append_by_warp
-                const int i = base + threadIdx.x;
-                const key_t key = i < n ? keys[i] : 0ull;
-                append_by_warp(i < n && distance_bin(key) < (float)within, key, out, &compacted, SMALL_SORT);
-            }
-            __syncthreads();
-            int padded = 1;
-            while (padded < compacted) padded <<= 1;
-            for (int i = compacted + threadIdx.x; i < padded; i += BLOCK_SIZE) out[i] = 0ull;
-            sort_descending(out, padded);
+            // At most SMALL_SORT keys (counted above).
+            narrow_and_place(keys, n, list, out, candidates, &compacted,
+                             [&](key_t key) { return distance_bin(key) < (float)within; });
             return list;
         }
     }
@@ -1290,18 +1359,9 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
         }
         __syncthreads();
     }
-    // Compact every key at or above the chosen digits (at most SMALL_SORT), then sort them.
+    // Every key at or above the chosen digits (at most SMALL_SORT), placed by rank.
     const key_t lowest = chosen;  // the chosen digits with zeros below: the smallest key in
-    for (int base = 0; base < n; base += BLOCK_SIZE) {
-        const int i = base + threadIdx.x;
-        const key_t key = i < n ? keys[i] : 0ull;
-        append_by_warp(i < n && key >= lowest, key, out, &compacted, SMALL_SORT);
-    }
-    __syncthreads();
-    int padded = 1;
-    while (padded < compacted) padded <<= 1;
-    for (int i = compacted + threadIdx.x; i < padded; i += BLOCK_SIZE) out[i] = 0ull;
-    sort_descending(out, padded);
+    narrow_and_place(keys, n, list, out, candidates, &compacted, [&](key_t key) { return key >= lowest; });
     return list;
 }
 
@@ -1349,7 +1409,7 @@ __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, con
         if (threadIdx.x == 0) next_ids.put(b, -1);
         return;
     }
-    top_keys(head_keys, tasks, top_k, best_heads, row_max, inv_t);
+    top_keys(head_keys, tasks, top_k, best_heads, kept_keys, row_max, inv_t, 0ull);  // kept_keys: free until the cut
     const key_t floor = best_heads[top_k - 1];
     // Every key at or above the floor of the k tasks: whole warps in every turn (append_by_warp).
     const storage_t* logits = s.out + (long long)b * s.n;
@@ -1360,7 +1420,7 @@ __device__ __noinline__ void draw_row_by_heads(const Stage& s, int b, int V, con
         append_by_warp(token < V && key >= floor, key, candidates, &gathered, top_k * cols);
     }
     __syncthreads();
-    int kept = top_keys(candidates, gathered, top_k, kept_keys, row_max, inv_t);
+    int kept = top_keys(candidates, gathered, top_k, kept_keys, best_heads, row_max, inv_t, 0ull);  // the heads are read
     // The nucleus within what top-k kept (as the sample op's finish cuts it), then the
     // Gumbel-max over the kept keys.
     if (top_p < 1.0f) kept = block_nucleus(kept_keys, kept, row_max, inv_t, top_p, -1.0f);

@@ -2,7 +2,7 @@
 // Do not edit: change the spec or the template, then run `kernelforge gen`.
 // sampling on the device: temperature, top-k and top-p by Gumbel-max with Philox noise keyed by (seed, sequence, position); chunks of a row swept by many blocks (argmax, scores, or each chunk's best keys by a bitonic sort), one block a row merges them, cuts top-k and top-p and draws
 // Variant: dtype=f16 block_size=512 chunk=2048 max_top_k=64
-// Derived: threads=512 merge_capacity=4096 smem_chunks=18688 smem_finish=37632
+// Derived: threads=512 merge_capacity=4096 smem_chunks=19712 smem_finish=38656
 
 // ---------------------------------------------------------------------------------------------
 // sample_row / sample_row_0ba9eefe1f28f706  (op sample, dtype f16)
@@ -439,11 +439,80 @@ __device__ __forceinline__ void append_by_warp(bool take, key_t key, key_t* list
     if (take && slot < capacity) list[slot] = key;
 }
 
+// The `list` largest of keys[0..n) (shared memory) written to out[0..list), largest first: a
+// key's place is the number of keys above it (equal keys, such as empty slots' zeros, ordered
+// by their index, so that the places are all different). Each thread compares its keys
+// with all n (every thread reads the same keys[j] at once: a broadcast), and one barrier ends
+// it; a bitonic sort takes log2(n)^2 / 2 barrier-separated stages instead, which cost more for
+// the few hundred keys left once the candidates are narrowed. Every thread must call it.
+__device__ void place_by_rank(const key_t* keys, int n, int list, key_t* out) {
+    for (int i = threadIdx.x; i < n; i += BLOCK_SIZE) {
+        const key_t key = keys[i];
+        int above = 0;
+        #pragma unroll 4
+        for (int j = 0; j < n; ++j) above += keys[j] > key || (keys[j] == key && j < i);
+        if (above < list) out[above] = key;
+    }
+    __syncthreads();
+}
+
+// A key at or below the list-th largest of the block's keys, from each thread's largest key
+// (`best`; 0 when it holds none): the smallest over the warps of each warp's q-th largest
+// `best`, q = ceil(list / WARPS). Each warp has q threads whose best keys are at or above its
+// q-th, so at least WARPS * q >= list distinct keys lie at or above that smallest one. Each
+// warp sorts its 32 bests by shuffles (a bitonic network across the lanes, no barrier). 0 (no
+// floor) when q > 32. Every thread must call it.
+__device__ key_t warps_floor(key_t best, int list) {
+    __shared__ key_t floors[WARPS];
+    const int q = (list + WARPS - 1) / WARPS;
+    if (q > 32) return 0;
+    const int lane = threadIdx.x % 32;
+    #pragma unroll
+    for (int size = 2; size <= 32; size <<= 1) {
+        #pragma unroll
+        for (int distance = size / 2; distance > 0; distance >>= 1) {
+            const key_t other = __shfl_xor_sync(0xffffffffu, best, distance);
+            // Runs of `size` lanes alternate direction; the last run, all 32 lanes, descends.
+            const bool descending = (lane & size) == 0, lower = (lane & distance) == 0;
+            best = lower == descending ? max_key(best, other) : min_key(best, other);
+        }
+    }
+    const key_t qth = __shfl_sync(0xffffffffu, best, q - 1);
+    __syncthreads();  // a previous call may still be reading floors
+    if (lane == 0) floors[threadIdx.x / 32] = qth;
+    __syncthreads();
+    key_t floor = ~0ull;
+    for (int w = 0; w < WARPS; ++w) floor = min_key(floor, floors[w]);
+    return floor;
+}
+
+// Every key of keys[0..n) with keep(key) appended to `candidates` (counted in the shared
+// `compacted`, zero on entry), then the `list` largest of them placed into out[0..list); false
+// (and nothing placed) when more than SMALL_SORT were kept. Whole warps in every iteration
+// (append_by_warp). Every thread must call it.
+template <class Keep>
+__device__ __forceinline__ bool narrow_and_place(const key_t* keys, int n, int list, key_t* out, key_t* candidates,
+                                                 int* compacted, Keep keep) {
+    for (int base = 0; base < n; base += BLOCK_SIZE) {
+        const int i = base + threadIdx.x;
+        const key_t key = i < n ? keys[i] : 0ull;
+        append_by_warp(i < n && keep(key), key, candidates, compacted, SMALL_SORT);
+    }
+    __syncthreads();
+    const int kept = *compacted;
+    if (kept > SMALL_SORT) return false;
+    place_by_rank(candidates, kept, list, out);
+    return true;
+}
+
 // The `list` largest of keys[0..n) (shared memory), sorted largest first into out[0..list);
-// returns min(list, n). keys is left as it was; `top` is their largest value and inv_t the
-// inverse temperature. Two ways to narrow the keys down to at most SMALL_SORT, which are then
-// compacted into `out` and sorted there (sorting all n instead costs log2(n)^2 / 2
-// barrier-separated stages):
+// returns min(list, n). keys is left as it was; `candidates` is room for SMALL_SORT keys in
+// shared memory (neither keys nor out) that the narrowed keys pass through; `top` is their
+// largest value, inv_t the inverse temperature and `floor` a key known to be at or below the
+// list-th largest (0: none known). Three ways to narrow the keys down to at most SMALL_SORT, which are then compacted
+// and placed by rank into `out` (sorting all n instead costs log2(n)^2 / 2 barrier-separated
+// stages):
+//   0. the keys at or above `floor`, when there are few enough: one pass, no atomics.
 //   1. by distance below the top: bins of 1/16 (scaled by 1/T) down to 16 below it; the bins
 //      from the top up to the one holding the list-th key are in. One pass, and the bins near
 //      the top hold few keys, so their shared-memory atomics rarely collide. (A histogram of
@@ -453,7 +522,8 @@ __device__ __forceinline__ void append_by_warp(bool take, key_t key, key_t* list
 //      from the top of the keys, keeping the keys whose chosen digits are at or above the
 //      digit that holds the list-th key, until few enough remain.
 // Every thread must call it.
-__device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float top, float inv_t) {
+__device__ int top_keys(const key_t* keys, int n, int list, key_t* out, key_t* candidates, float top, float inv_t,
+                        key_t floor) {
     __shared__ unsigned histogram[256];
     __shared__ key_t chosen;       // radix: the digits chosen so far, as the high bits of a key
     __shared__ int in_above;       // radix: keys known to be in (above the chosen digits)
@@ -465,6 +535,12 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
     for (int i = threadIdx.x; i < 256; i += BLOCK_SIZE) histogram[i] = 0;
     if (threadIdx.x == 0) { chosen = 0; in_above = 0; running = n; compacted = 0; within = 0; }
     __syncthreads();
+    if (n > SMALL_SORT && floor > 0) {
+        if (narrow_and_place(keys, n, list, out, candidates, &compacted, [&](key_t key) { return key >= floor; })) return list;
+        __syncthreads();  // every thread has read `compacted` before it is reset
+        if (threadIdx.x == 0) compacted = 0;
+        __syncthreads();
+    }
     if (n > SMALL_SORT) {
         for (int i = threadIdx.x; i < n; i += BLOCK_SIZE) {
             const float bin = distance_bin(keys[i]);
@@ -498,16 +574,9 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
         }
         __syncthreads();
         if (within > 0) {
-            for (int base = 0; base < n; base += BLOCK_SIZE) {  // whole warps: append_by_warp
-                const int i = base + threadIdx.x;
-                const key_t key = i < n ? keys[i] : 0ull;
-                append_by_warp(i < n && distance_bin(key) < (float)within, key, out, &compacted, SMALL_SORT);
-            }
-            __syncthreads();
-            int padded = 1;
-            while (padded < compacted) padded <<= 1;
-            for (int i = compacted + threadIdx.x; i < padded; i += BLOCK_SIZE) out[i] = 0ull;
-            sort_descending(out, padded);
+            // At most SMALL_SORT keys (counted above).
+            narrow_and_place(keys, n, list, out, candidates, &compacted,
+                             [&](key_t key) { return distance_bin(key) < (float)within; });
             return list;
         }
     }
@@ -554,18 +623,9 @@ __device__ int top_keys(const key_t* keys, int n, int list, key_t* out, float to
         }
         __syncthreads();
     }
-    // Compact every key at or above the chosen digits (at most SMALL_SORT), then sort them.
+    // Every key at or above the chosen digits (at most SMALL_SORT), placed by rank.
     const key_t lowest = chosen;  // the chosen digits with zeros below: the smallest key in
-    for (int base = 0; base < n; base += BLOCK_SIZE) {
-        const int i = base + threadIdx.x;
-        const key_t key = i < n ? keys[i] : 0ull;
-        append_by_warp(i < n && key >= lowest, key, out, &compacted, SMALL_SORT);
-    }
-    __syncthreads();
-    int padded = 1;
-    while (padded < compacted) padded <<= 1;
-    for (int i = compacted + threadIdx.x; i < padded; i += BLOCK_SIZE) out[i] = 0ull;
-    sort_descending(out, padded);
+    narrow_and_place(keys, n, list, out, candidates, &compacted, [&](key_t key) { return key >= lowest; });
     return list;
 }
 
@@ -589,8 +649,10 @@ sample_row_0ba9eefe1f28f706_chunks(int* out, int* out_copy, const storage_t* log
 
     float best = NEG_INF, local_max = NEG_INF;
     int best_index = 0x7fffffff, bad = 0;
+    key_t thread_best = 0;               // CANDIDATES: the largest key this thread loaded
     __shared__ key_t keys[CHUNK];        // CANDIDATES: this chunk's keys
     __shared__ key_t best_keys[SMALL_SORT];  // and its best, sorted
+    __shared__ key_t candidates[SMALL_SORT]; // top_keys' room for the narrowed keys
     if (path == GREEDY) {
         for_each_vector(x, begin, end, aligned, [&](const float (&v)[VECTOR_WIDTH], int j) {
             #pragma unroll
@@ -613,7 +675,11 @@ sample_row_0ba9eefe1f28f706_chunks(int* out, int* out_copy, const storage_t* log
                 const bool real = j + k < end;
                 bad |= real && is_bad(v[k]);
                 if (real) local_max = fmaxf(local_max, v[k]);
-                if (keep_keys) keys[j + k - begin] = real ? key_of(v[k], j + k) : 0ull;  // 0: below every real key
+                if (keep_keys) {
+                    const key_t key = real ? key_of(v[k], j + k) : 0ull;  // 0: below every real key
+                    keys[j + k - begin] = key;
+                    thread_best = max_key(thread_best, key);
+                }
             }
         });
     }
@@ -634,13 +700,16 @@ sample_row_0ba9eefe1f28f706_chunks(int* out, int* out_copy, const storage_t* log
         return;
     }
     // CANDIDATES: the chunk's total probability mass (relative to its own max; top-p alone
-    // needs the whole row's), then its best `list` keys, largest first.
+    // needs the whole row's), then its best `list` keys, largest first: those at or above a
+    // floor the threads' own best keys vouch for are usually a few dozen more than `list`.
     float sum = 0.0f;
     if (!cuts_top_k(V, top_k) && top_p < 1.0f) {  // top-p alone measures the whole row's mass
         for (int i = threadIdx.x; i < end - begin; i += BLOCK_SIZE) sum += expf((value_of(keys[i]) - chunk_max) * inv_t);
         sum = block_reduce_sum(sum);
     }
-    const int count = top_keys(keys, end - begin, list_of(V, top_k), best_keys, chunk_max, inv_t);
+    const int list = min(list_of(V, top_k), end - begin);
+    const int count = top_keys(keys, end - begin, list, best_keys, candidates, chunk_max, inv_t,
+                                 warps_floor(thread_best, list));
     for (int i = threadIdx.x; i < count; i += BLOCK_SIZE) keys_of(record)[i] = best_keys[i];
     if (threadIdx.x == 0) {
         record->max = chunk_max;
@@ -830,6 +899,7 @@ sample_row_0ba9eefe1f28f706_finish(int* out, int* out_copy, const storage_t* log
     key_t cut = 0;
     __shared__ key_t merged[MERGE_CAPACITY];
     __shared__ key_t best_keys[SMALL_SORT];
+    __shared__ key_t candidates[SMALL_SORT];  // top_keys' room for the narrowed keys
     __shared__ int gathered;
     int kept = 0;
     if (path == CANDIDATES) {
@@ -882,7 +952,7 @@ sample_row_0ba9eefe1f28f706_finish(int* out, int* out_copy, const storage_t* log
         if (n > MERGE_CAPACITY) {
             path = BISECTION;  // too many to sort here (block-uniform: n is shared)
         } else {
-            kept = top_keys(merged, n, list, best_keys, row_max, inv_t);
+            kept = top_keys(merged, n, list, best_keys, candidates, row_max, inv_t, 0ull);  // gathered above a floor already
             if (top_p < 1.0f) {
                 // The nucleus: the shortest prefix of the list whose mass reaches p of the total
                 // (top-k's mass when top-k cut first), by one warp (block_nucleus); 0: the
