@@ -509,9 +509,9 @@ __device__ __forceinline__ bool narrow_and_place(const key_t* keys, int n, int l
 // returns min(list, n). keys is left as it was; `candidates` is room for SMALL_SORT keys in
 // shared memory (neither keys nor out) that the narrowed keys pass through; `top` is their
 // largest value, inv_t the inverse temperature and `floor` a key known to be at or below the
-// list-th largest (0: none known). Three ways to narrow the keys down to at most SMALL_SORT, which are then compacted
-// and placed by rank into `out` (sorting all n instead costs log2(n)^2 / 2 barrier-separated
-// stages):
+// list-th largest (0: none known). Three ways to narrow the keys down to at most SMALL_SORT,
+// which are then compacted and placed by rank into `out` (sorting all n instead costs
+// log2(n)^2 / 2 barrier-separated stages):
 //   0. the keys at or above `floor`, when there are few enough: one pass, no atomics.
 //   1. by distance below the top: bins of 1/16 (scaled by 1/T) down to 16 below it; the bins
 //      from the top up to the one holding the list-th key are in. One pass, and the bins near

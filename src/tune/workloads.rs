@@ -281,9 +281,18 @@ mod tests {
             }
         }
         let decode = forward_workloads(&cfg, 64, 1, Dtype::Bf16);
-        assert!(
-            decode.iter().any(|w| w.op == "sample"),
-            "the decode step tunes its sampler"
+        let sampler = decode
+            .iter()
+            .find(|w| w.op == "sample")
+            .expect("the decode step tunes its sampler");
+        // On the filtered setting the model chooses it on, with the other settings at their
+        // defaults.
+        assert_eq!(sampler.shape, sampler_shape(&cfg, 64));
+        let params = crate::ops::sample::params_of(&sampler.shape);
+        assert_eq!((params.temperature, params.top_k, params.top_p), (0.8, 40, 0.95));
+        assert_eq!(
+            (sampler.shape["B"], sampler.shape["seed_lo"], sampler.shape["pos"]),
+            (64, 0, 0)
         );
     }
 
