@@ -14,4 +14,5 @@ pub mod ops;
 pub mod project;
 pub mod report;
 pub mod spec;
+pub mod stats;
 pub mod tune;

@@ -31,8 +31,8 @@ use crate::model::gpu::{point_text, GpuBackend};
 use crate::model::{DecodeEngine, GPT2Config, GPT2Model, GPT2Weights};
 use crate::ops::model_dims::{decode_context_buckets, MATMUL_ROLES};
 use crate::spec::Dtype;
+use crate::stats::median;
 use crate::tune::db::{default_path, DbHeader, Entry, TuneKey, TuningDb};
-use crate::tune::time::median;
 use crate::tune::workloads::{decode_attention_workloads, kernel_dtype};
 
 /// How much slower alone than the winner a candidate may be and still be timed in the step.

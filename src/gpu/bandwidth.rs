@@ -82,7 +82,7 @@ pub fn copy_bandwidth(gpu: &Gpu, max_bytes: usize, repeats: usize) -> Result<Cop
         events.push((start, end));
     }
     gpu.synchronize()?;
-    let mut times = events
+    let times = events
         .iter()
         .map(|(start, end)| {
             start
@@ -91,8 +91,7 @@ pub fn copy_bandwidth(gpu: &Gpu, max_bytes: usize, repeats: usize) -> Result<Cop
                 .map_err(GpuError::cuda("reading an event"))
         })
         .collect::<Result<Vec<f64>, GpuError>>()?;
-    times.sort_by(f64::total_cmp);
-    let median_ms = times[times.len() / 2];
+    let median_ms = crate::stats::median(times);
     drop((src, dst));
     gpu.synchronize()?;
     Ok(CopyBandwidth {

@@ -82,14 +82,6 @@ pub struct Timing {
     pub runs: usize,
 }
 
-/// The middle value of `values` (the upper of the two middle ones for an even count), as
-/// [`Timing::from_samples`] takes it.
-pub fn median(mut values: Vec<f64>) -> f64 {
-    assert!(!values.is_empty(), "at least one value");
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 impl Timing {
     /// From raw samples (milliseconds).
     pub fn from_samples(mut samples: Vec<f64>) -> Timing {
@@ -262,11 +254,9 @@ mod tests {
         assert_eq!(t.p90_ms, 10.0);
         assert_eq!(t.runs, 11);
         assert_eq!(t.spread_ms(), 8.0);
-        assert_eq!(median((1..=11).rev().map(|v| v as f64).collect()), t.median_ms);
         assert_eq!(
-            median(vec![4.0, 1.0, 3.0, 2.0]),
-            3.0,
-            "the upper middle of an even count"
+            crate::stats::median((1..=11).rev().map(|v| v as f64).collect()),
+            t.median_ms
         );
         assert_eq!(
             Timing::from_samples(vec![4.0, 1.0, 3.0, 2.0]).median_ms,

@@ -36,15 +36,6 @@ pub(super) fn bench_tokens(batch: usize, seq: usize, vocab: usize) -> Vec<Vec<u3
         .collect()
 }
 
-pub(super) fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        0.0
-    } else {
-        v[v.len() / 2]
-    }
-}
-
 /// Why a forward pass over `batch` x `seq` tokens on `gpus` GPUs cannot run, naming the batch
 /// and the sequence length that would: its logits (a row for every position of a GPU's slice,
 /// `vocab` wide) must stay within the kernels' 32-bit element index. The decode steps are not
@@ -231,16 +222,16 @@ impl BenchSetup {
         Ok(())
     }
 
-    /// `repeats` timed forward passes over `tokens`: each one's wall ms, their median and the
-    /// tokens a second at it.
+    /// `repeats` (at least one) timed forward passes over `tokens`: each one's wall ms, their
+    /// median and the tokens a second at it.
     pub fn time_forward(&mut self, tokens: &[Vec<u32>], repeats: usize) -> Result<ForwardTiming> {
         let mut runs_ms = Vec::with_capacity(repeats);
-        for _ in 0..repeats {
+        for _ in 0..repeats.max(1) {
             let t = std::time::Instant::now();
             self.forward(tokens)?;
             runs_ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
-        let median_ms = median(&mut runs_ms.clone());
+        let median_ms = crate::stats::median(runs_ms.clone());
         let tokens = tokens.iter().map(Vec::len).sum::<usize>();
         Ok(ForwardTiming {
             runs_ms,

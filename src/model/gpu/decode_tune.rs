@@ -8,8 +8,8 @@ use anyhow::{Context, Result as AnyResult};
 use super::GpuBackend;
 use crate::model::engine::DecodeEngine;
 use crate::model::generate::timed_greedy_decode;
+use crate::stats::median;
 use crate::tune::db::TuneKey;
-use crate::tune::time::median;
 
 /// A decode step's time in milliseconds, two ways.
 #[derive(Debug, Clone, Copy, PartialEq)]
